@@ -1,0 +1,1 @@
+"""The admission control plane: pure Python, no vllm import."""

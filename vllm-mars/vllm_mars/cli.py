@@ -1,0 +1,50 @@
+"""``mars``: the command line. Each subcommand lives in its own module with ``add_parser(sub)``;
+heavy imports (vllm, torch) happen inside the command, so ``mars --help`` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: Modules that contribute subcommands; each defines ``add_parser(subparsers)`` which registers
+#: its parsers and sets ``func`` (called with the parsed args, returns an exit code).
+COMMAND_MODULES = [
+    "vllm_mars.commands.basic",
+    # issue 5 (admission/sidecar) and issue 6 (driver) add their modules here
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mars",
+        description="vllm-mars: agent-centric serving on stock vLLM (admission control + scheduler plugin)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mars {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

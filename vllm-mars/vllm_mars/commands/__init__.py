@@ -1,0 +1,1 @@
+"""Subcommands of the ``mars`` CLI, one module per area."""

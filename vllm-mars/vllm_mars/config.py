@@ -1,0 +1,74 @@
+"""Engine-side configuration: ``additional_config["mars"]`` (``--additional-config``).
+
+The dict is flat: engine keys (below) plus the selected policy's own config fields, e.g.
+``{"mars": {"policy": "mars", "aging_s": 30}}``. ``MARS_POLICY`` is a fallback for launchers that
+cannot pass ``--additional-config``. Unknown keys and unknown policies are a ValueError that names
+the valid ones, raised at engine start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mars.policies import config_fields, get_policy_class
+
+ENV_POLICY = "MARS_POLICY"
+DEFAULT_POLICY = "fcfs"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What MarsScheduler reads at start."""
+
+    #: Registered policy name (``vllm_mars.policies.available_policies()``).
+    policy: str = DEFAULT_POLICY
+    #: The policy's own config fields, validated by ``make_policy``.
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine_keys(self) -> tuple[str, ...]:
+        return ENGINE_KEYS
+
+
+ENGINE_KEYS = ("policy",)
+
+
+def parse_engine_config(additional_config: Mapping[str, Any] | None,
+                        environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Read ``additional_config["mars"]`` (falling back to ``$MARS_POLICY``) into an EngineConfig."""
+    environ = os.environ if environ is None else environ
+    raw = (additional_config or {}).get("mars")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f'additional_config["mars"] must be a JSON object, got {type(raw).__name__}')
+    policy = raw.get("policy", environ.get(ENV_POLICY) or DEFAULT_POLICY)
+    if not isinstance(policy, str):
+        raise ValueError(f'additional_config["mars"]["policy"] must be a string, got {policy!r}')
+    cls = get_policy_class(policy)  # ValueError listing the available policies
+    known = set(ENGINE_KEYS) | set(config_fields(cls))
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(
+            f'unknown key(s) {unknown} in additional_config["mars"] for policy {policy!r}; '
+            f"valid keys: {', '.join(sorted(known))}"
+        )
+    options = {k: v for k, v in raw.items() if k not in ENGINE_KEYS}
+    return EngineConfig(policy=policy, policy_options=options)
+
+
+def dataclass_doc(cls: type) -> list[tuple[str, Any]]:
+    """(field, default) pairs of a config dataclass, for ``mars policies`` listings."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, f.default))
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out.append((f.name, f.default_factory()))  # type: ignore[misc]
+        else:
+            out.append((f.name, None))
+    return out

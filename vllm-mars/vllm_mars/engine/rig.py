@@ -1,0 +1,176 @@
+"""A scheduler rig: the real vLLM Scheduler / MarsScheduler with no model, driven step by step.
+
+Used by tests, benchmarks and the simulator. Builds the scheduler from a config-only model dir
+(no weights, no network), makes requests with workflow metadata in ``extra_args``, fakes the model
+output of a step, and checks that nothing leaked.
+
+    s = make_scheduler(policy="fcfs", num_blocks=64, block_size=16)
+    s.add_request(make_request("a", prompt_len=100, max_tokens=8, workflow="wf1", turn=0))
+    while s.has_requests():
+        step(s)
+    assert_no_leaks(s)
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_mars.clock import Clock
+from vllm_mars.engine.scheduler import MarsScheduler, MarsSchedulerMixin
+from vllm_mars.tiny_model import write_config_only
+
+
+@functools.cache
+def config_only_model_dir() -> str:
+    """A process-wide temp dir holding only the tiny model's config.json."""
+    return str(write_config_only(Path(tempfile.mkdtemp(prefix="mars-cfg-only-"))))
+
+
+@functools.cache
+def _hasher(block_size: int):
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    return get_request_block_hasher(block_size, fn)
+
+
+def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
+                     block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                     max_model_len: int = 8192, enable_prefix_caching: bool = True,
+                     long_prefill_token_threshold: int = 0) -> VllmConfig:
+    model_config = ModelConfig(model=config_only_model_dir(), dtype="bfloat16", seed=0,
+                               skip_tokenizer_init=True, max_model_len=max_model_len)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
+        policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    mars = {"policy": policy, **dict(policy_options or {})}
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
+                      additional_config={"mars": mars})
+
+
+def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
+                   max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
+                   enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                   policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
+                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False) -> Scheduler:
+    """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
+
+    ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
+    """
+    vllm_config = make_vllm_config(
+        policy=policy, policy_options=policy_options, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        long_prefill_token_threshold=long_prefill_token_threshold)
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                                      head_size=64, dtype=torch.bfloat16))])
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    cls = Scheduler if stock else scheduler_cls
+    s = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
+            log_stats=True)
+    if clock is not None and isinstance(s, MarsSchedulerMixin):
+        s.set_clock(clock)
+    return s
+
+
+def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *,
+                 prompt_token_ids: Sequence[int] | None = None, block_size: int = 16, priority: int = 0,
+                 workflow: str | None = None, root: str | None = None, parent: str | None = None,
+                 turn: int | None = None, last_step: bool | None = None, tool: str | None = None,
+                 extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
+                 seed: int | None = None) -> Request:
+    """A vLLM Request with ``ignore_eos`` and workflow metadata in ``extra_args``.
+
+    Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
+    the request id), so two requests share a prefix only when given the same ids.
+    """
+    if prompt_token_ids is None:
+        base = seed if seed is not None else sum(map(ord, request_id)) * 7919
+        prompt_token_ids = [(base + j * 31) % 4000 + 3 for j in range(prompt_len)]
+    xargs: dict[str, Any] = dict(extra_args or {})
+    for key, value in (("mars_workflow", workflow), ("mars_root", root), ("mars_parent", parent),
+                       ("mars_turn", turn), ("mars_last_step", last_step), ("mars_tool", tool)):
+        if value is not None:
+            xargs[key] = value
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs or None)
+    kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
+    return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
+                   pooling_params=None, priority=priority, block_hasher=_hasher(block_size), **kwargs)
+
+
+def fake_model_output(s: Scheduler, scheduler_output: Any, token: int = 42) -> ModelRunnerOutput:
+    """One sampled token for every scheduled request whose prefill is complete this step."""
+    ids = list(scheduler_output.num_scheduled_tokens)
+    requests = s.requests
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[] if requests[r].is_prefill_chunk else [token] for r in ids])
+
+
+def step(s: Scheduler, token: int = 42):
+    """schedule() + update_from_output() with a fake model. Returns (scheduler_output, outputs)."""
+    so = s.schedule()
+    return so, s.update_from_output(so, fake_model_output(s, so, token))
+
+
+def run_to_completion(s: Scheduler, max_steps: int = 100_000) -> int:
+    """Step until no request is left; returns the number of steps."""
+    n = 0
+    while s.has_requests():
+        step(s)
+        n += 1
+        if n >= max_steps:
+            raise RuntimeError(f"not finished after {max_steps} steps")
+    return n
+
+
+def kv_block_accounting(s: Scheduler) -> dict[str, int]:
+    """Block counts by state; free + referenced == the pool minus the null block, always."""
+    pool = s.kv_cache_manager.block_pool
+    referenced = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt > 0)
+    negative = sum(1 for b in pool.blocks if b.ref_cnt < 0)
+    retained = s.retention.num_blocks if isinstance(s, MarsSchedulerMixin) else 0
+    return {"total": pool.num_gpu_blocks - 1, "free": pool.get_num_free_blocks(),
+            "referenced": referenced, "negative_refs": negative, "retained": retained}
+
+
+def assert_block_invariants(s: Scheduler) -> None:
+    """Per-step invariant: every block is either free or referenced, and no ref count is negative."""
+    acc = kv_block_accounting(s)
+    assert acc["negative_refs"] == 0, acc
+    assert acc["free"] + acc["referenced"] == acc["total"], acc
+
+
+def assert_no_leaks(s: Scheduler) -> None:
+    """No request left, every KV block free, no retention left behind."""
+    assert not s.requests, f"requests left: {sorted(s.requests)[:10]}"
+    assert not s.running, f"running left: {[r.request_id for r in s.running][:10]}"
+    assert len(s.waiting) == 0 and len(s.kv_holding_waiting) == 0, "waiting requests left"
+    if isinstance(s, MarsSchedulerMixin):
+        assert len(s.retention) == 0 and s.retention.num_blocks == 0, (
+            f"retention left: {[e.workflow for e in s.retention.entries()]}")
+        assert not s._calls, f"call views left: {sorted(s._calls)[:10]}"
+        assert not s._returning, f"returning marks left: {s._returning}"
+    for mgr in s.kv_cache_manager.coordinator.single_type_managers:
+        assert not mgr.req_to_blocks, f"blocks still owned by {sorted(mgr.req_to_blocks)[:10]}"
+    acc = kv_block_accounting(s)
+    assert acc["referenced"] == 0 and acc["free"] == acc["total"], f"KV blocks leaked: {acc}"

@@ -1,0 +1,358 @@
+"""MarsScheduler: vLLM's own Scheduler with a pluggable Policy applied at vLLM's seams.
+
+Select it with ``scheduler_cls="vllm_mars.engine.scheduler.MarsScheduler"`` (``--scheduler-cls``)
+and configure it with ``additional_config={"mars": {"policy": ...}}``. On GPU, where vLLM runs
+async scheduling, use ``AsyncMarsScheduler`` (a plain Scheduler subclass silently loses the
+async overlap there). ``schedule()`` itself is never copied; the policy acts through:
+
+* order: ``self.running`` is sorted by the policy's ``running_key`` before each step and each
+  request's ``priority`` set to its victim rank, with vLLM in PRIORITY mode, so vLLM's own
+  preemption picks the policy's victim; the waiting queues are a :class:`PolicyQueue`;
+* admission gate: :class:`PolicyQueue` reports itself empty while the policy holds its head;
+* chunk caps: ``_reserve_prefill_lookahead``, called right before every ``allocate_slots``;
+* retention: ``_free_blocks`` keeps a finished call's cached blocks referenced
+  (:mod:`vllm_mars.engine.retention`), and a failed allocation releases retained KV first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_mars.clock import Clock, MonotonicClock
+from vllm_mars.config import parse_engine_config
+from vllm_mars.engine.compat import check_vllm_version
+from vllm_mars.engine.retention import RetentionStore
+from vllm_mars.policies import CallView, make_policy
+from vllm_mars.workflow import WorkflowInfo, workflow_from_extra_args
+
+logger = logging.getLogger(__name__)
+
+#: Path of a JSON-lines log of call arrivals and ends (off when unset): lets tests and operators see
+#: what reached the scheduler inside the EngineCore process.
+ENV_SCHED_LOG = "MARS_SCHED_LOG"
+
+_RUNNING = RequestStatus.RUNNING
+_ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+class PolicyQueue(RequestQueue):
+    """A waiting queue in the policy's ``waiting_key`` order, sorted lazily when looked at.
+
+    Kept in reverse order so the head pops from the end of the list. With a gate, the queue
+    reports itself empty while the policy holds its head, which is how vLLM's waiting loop stops.
+    """
+
+    def __init__(self, owner: "MarsSchedulerMixin", gated: bool = False) -> None:
+        self._owner = owner
+        self._items: list[Request] = []
+        self._dirty = False
+        self._gated = gated
+
+    def _key(self, request: Request) -> Any:
+        return self._owner.mars_policy.waiting_key(self._owner._calls[request.request_id])
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    def _sorted(self) -> list[Request]:
+        if self._dirty:
+            self._items.sort(key=self._key, reverse=True)
+            self._dirty = False
+        return self._items
+
+    def add_request(self, request: Request) -> None:
+        self._items.append(request)
+        self._dirty = True
+
+    def pop_request(self) -> Request:
+        return self._sorted().pop()
+
+    def peek_request(self) -> Request:
+        items = self._sorted()
+        if not items:
+            raise IndexError("peek from an empty queue")
+        return items[-1]
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self._items.extend(requests)
+        self._dirty = True
+
+    def remove_request(self, request: Request) -> None:
+        self._items.remove(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = set(requests)
+        self._items = [r for r in self._items if r not in drop]
+
+    def __bool__(self) -> bool:
+        if not self._items:
+            return False
+        if self._gated:
+            owner = self._owner
+            return owner.mars_policy.may_start(owner._calls[self._sorted()[-1].request_id])
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return reversed(self._sorted())
+
+
+class MarsSchedulerMixin:
+    """The policy plumbing shared by MarsScheduler and AsyncMarsScheduler."""
+
+    # Set by _mars_init; declared for readers.
+    mars_policy: Any
+    clock: Clock
+    retention: RetentionStore
+
+    def _mars_init(self) -> None:
+        check_vllm_version()
+        cfg = parse_engine_config(self.vllm_config.additional_config)
+        self.mars_config = cfg
+        self.clock = MonotonicClock()
+        policy = make_policy(cfg.policy, cfg.policy_options, self.clock)
+        policy.check_platform(str(current_platform.device_type))
+        self.mars_policy = policy
+        self._calls: dict[str, CallView] = {}
+        self._seq = 0
+        self._returning: dict[str, str] = {}  # returning request id -> workflow with retained KV
+        self.retention = RetentionStore(self.kv_cache_manager.block_pool)
+        self.mars_num_preemptions = 0
+        self.mars_recomputed_tokens = 0
+        if policy.orders or policy.gates:
+            if policy.orders:
+                # vLLM's PRIORITY mode preempts max(priority); we set priority to victim rank.
+                self.policy = SchedulingPolicy.PRIORITY
+            self.waiting = PolicyQueue(self, gated=policy.gates)
+            self.kv_holding_waiting = PolicyQueue(self)
+        if policy.retains:
+            self._wrap_allocate_for_reclaim()
+        policy.bind(self)
+        path = os.environ.get(ENV_SCHED_LOG)
+        self._sched_log = open(path, "a", buffering=1) if path else None
+        logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
+
+    # -- injectable clock -------------------------------------------------------------------------
+    def set_clock(self, clock: Clock) -> None:
+        """Use ``clock`` for all policy time (tests and the simulator pass a VirtualClock)."""
+        if self.requests:
+            raise RuntimeError("set the clock before the first request")
+        self.clock = clock
+        self.mars_policy.clock = clock
+
+    # -- EngineView for policies ------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus the null block
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_scheduled_tokens
+
+    def free_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def running_calls(self) -> list[CallView]:
+        calls = self._calls
+        return [calls[r.request_id] for r in self.running]
+
+    def waiting_calls(self) -> list[CallView]:
+        calls = self._calls
+        return [calls[r.request_id] for q in (self.kv_holding_waiting, self.waiting) for r in q]
+
+    def call(self, request_id: str) -> CallView | None:
+        return self._calls.get(request_id)
+
+    # -- seams ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid not in self.requests:
+            now = self.clock.now()
+            if self.retention:
+                self.retention.release_expired(now)
+            wf = self._workflow_of(request)
+            call = CallView(request, wf, now, self._seq)
+            self._seq += 1
+            self._calls[rid] = call
+            if wf.workflow in self.retention:
+                self._returning[rid] = wf.workflow
+            self.mars_policy.on_arrival(call)
+            if self._sched_log is not None:
+                self._log_event("arrive", call, prompt_tokens=request.num_prompt_tokens,
+                                extra_args=request.sampling_params.extra_args if request.sampling_params else None)
+        super().add_request(request)
+
+    @staticmethod
+    def _workflow_of(request: Request) -> WorkflowInfo:
+        sp = request.sampling_params
+        try:
+            return workflow_from_extra_args(sp.extra_args if sp is not None else None, request.request_id)
+        except ValueError as e:
+            # A bad tag must not take the engine down: serve the call as a one-call workflow.
+            logger.warning("request %s: %s; serving it as a one-call workflow", request.request_id, e)
+            return WorkflowInfo(request.request_id, request.request_id, last_step=True, tagged=False)
+
+    def schedule(self, throttle_prefills: bool = False):
+        policy = self.mars_policy
+        now = self.clock.now()
+        if self.retention:
+            self.retention.release_expired(now)
+        if policy.orders:
+            self._order_running()
+            self.waiting.mark_dirty()
+            self.kv_holding_waiting.mark_dirty()
+        elif policy.gates:
+            self.waiting.mark_dirty()
+        out = super().schedule(throttle_prefills)
+        if policy.orders or policy.tracks_service:
+            calls = self._calls
+            track = policy.on_scheduled if policy.tracks_service else None
+            for rid, n in out.num_scheduled_tokens.items():
+                call = calls[rid]
+                call.last_scheduled = now
+                if track is not None:
+                    track(call, n)
+        if self._returning:
+            self._release_returned(out.num_scheduled_tokens, now)
+        return out
+
+    def _order_running(self) -> None:
+        calls = self._calls
+        policy = self.mars_policy
+        rkey = policy.running_key
+        running = self.running
+        running.sort(key=lambda r: rkey(calls[r.request_id]))
+        if policy.custom_victims:
+            vkey = policy.victim_key
+            running = sorted(running, key=lambda r: vkey(calls[r.request_id]))
+        for i, r in enumerate(running):
+            r.priority = i
+
+    def _release_returned(self, scheduled: dict[str, int], now: float) -> None:
+        for rid in [r for r in self._returning if r in scheduled]:
+            wf = self._returning.pop(rid)
+            self.retention.release(wf, now, "on_return")
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        policy = self.mars_policy
+        if policy.caps_chunks and n > 1:
+            n = max(0, min(n, policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, n)))
+        return n
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        recomputed = request.num_computed_tokens
+        super()._preempt_request(request, timestamp, drop_stale_output)
+        self.mars_num_preemptions += 1
+        self.mars_recomputed_tokens += recomputed
+        call = self._calls.get(request.request_id)
+        if call is not None:
+            self.mars_policy.on_preempted(call)
+
+    def _free_blocks(self, request: Request) -> None:
+        call = self._calls.pop(request.request_id, None)
+        if call is not None:
+            aborted = request.status == _ABORTED
+            policy = self.mars_policy
+            policy.on_finished(call, aborted)
+            if self._sched_log is not None:
+                self._log_event("end", call, aborted=aborted, output_tokens=request.num_output_tokens,
+                                cached_tokens=request.num_cached_tokens,
+                                preemptions=request.num_preemptions)
+            wf = call.workflow.workflow
+            self._returning.pop(request.request_id, None)
+            if aborted:
+                if wf in self.retention:
+                    self.retention.release(wf, self.clock.now(), "on_abort")
+            elif policy.retains and call.workflow.tagged and not call.workflow.last_step:
+                self._maybe_retain(request, call)
+        super()._free_blocks(request)
+
+    def _log_event(self, event: str, call: CallView, **fields: Any) -> None:
+        wf = call.workflow
+        rec = {"ts": self.clock.now(), "event": event, "request_id": call.request_id,
+               "workflow": wf.workflow, "root": wf.root, "parent": wf.parent, "turn": wf.turn,
+               "last_step": wf.last_step, "tool": wf.tool, "tagged": wf.tagged, **fields}
+        self._sched_log.write(json.dumps(rec, default=str) + "\n")
+
+    def _maybe_retain(self, request: Request, call: CallView) -> None:
+        blocks = [b for group in self.kv_cache_manager.get_blocks(request.request_id).blocks
+                  for b in group if b.block_hash is not None and not b.is_null]
+        if not blocks:
+            return
+        tau = self.mars_policy.retention_s(call, len(blocks))
+        if tau > 0:
+            value = self.mars_policy.retention_value(call, len(blocks))
+            self.retention.hold(call.workflow.workflow, request.request_id, blocks, self.clock.now(),
+                                tau, value)
+
+    def _wrap_allocate_for_reclaim(self) -> None:
+        manager = self.kv_cache_manager
+        allocate = manager.allocate_slots
+        store = self.retention
+        clock = self.clock
+
+        def allocate_slots(request, num_new_tokens, *args, **kwargs):
+            blocks = allocate(request, num_new_tokens, *args, **kwargs)
+            # Retained KV of finished calls goes before anybody's running state.
+            while blocks is None and store:
+                store.release_lowest_value(clock.now())
+                blocks = allocate(request, num_new_tokens, *args, **kwargs)
+            return blocks
+
+        manager.allocate_slots = allocate_slots
+
+    def release_retention(self, now: float | None = None) -> int:
+        """Drop every retained entry (shutdown, tests). Returns the blocks released."""
+        return self.retention.release_all(self.clock.now() if now is None else now)
+
+    def mars_stats(self) -> dict[str, Any]:
+        """Engine-side counters for telemetry readers and tests."""
+        st = self.retention.stats
+        return {
+            "policy": self.mars_config.policy,
+            "free_blocks": self.free_blocks(),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "retained_blocks": self.retention.num_blocks,
+            "retained_workflows": len(self.retention),
+            "preemptions": self.mars_num_preemptions,
+            "recomputed_tokens": self.mars_recomputed_tokens,
+            "retention": {k: v for k, v in vars(st).items() if not k.startswith("_")},
+        }
+
+
+class MarsScheduler(MarsSchedulerMixin, Scheduler):
+    """vLLM's synchronous Scheduler with a MARS policy (the CPU platform always uses this path)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mars_init()
+
+
+class AsyncMarsScheduler(MarsSchedulerMixin, AsyncScheduler):
+    """vLLM's AsyncScheduler with a MARS policy: use this on GPU, where async scheduling is on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mars_init()
+
+
+# Policies read the live running state without importing vllm.
+CallView.RUNNING_STATUS = _RUNNING

@@ -1,0 +1,272 @@
+"""The Policy protocol, the call view the engine hands to policies, and the policy registry.
+
+A policy is pure decision logic: it imports neither vllm nor torch. ``engine/scheduler.py`` adapts
+vLLM's requests to :class:`CallView` objects and applies the policy's answers at vLLM's seams:
+
+====================  ==========================================================================
+seam                  what the policy answers
+====================  ==========================================================================
+order                 ``waiting_key`` / ``running_key``: lower is served first (when ``orders``)
+victim                ``victim_key``: the largest key is preempted first (default: running order)
+admission gate        ``may_start``: whether the head of the waiting queue may start now
+chunk cap             ``chunk_tokens``: how many prefill tokens a request may take this step
+retention             ``retention_s``: keep a finished call's KV for this many seconds (0 = free)
+bookkeeping           ``on_arrival`` / ``on_scheduled`` / ``on_preempted`` / ``on_finished``
+====================  ==========================================================================
+
+Class flags tell the scheduler which seams a policy uses, so a policy that uses none (``fcfs``)
+costs nothing per step. All time comes from the injected clock (``self.clock.now()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+from vllm_mars.clock import Clock, MonotonicClock
+from vllm_mars.workflow import WorkflowInfo
+
+
+class RequestLike(Protocol):
+    """The members of vLLM's ``Request`` a CallView reads (duck-typed: no vllm import here)."""
+
+    request_id: str
+    priority: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    max_tokens: int
+    status: Any
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+class CallView:
+    """One LLM call as a policy sees it: stable facts plus live counters read from the request.
+
+    ``state`` is the policy's own per-call scratch (any object); the engine never reads it.
+    """
+
+    __slots__ = ("_req", "request_id", "workflow", "arrival", "seq", "user_priority", "state",
+                 "last_scheduled")
+
+    #: Set by the engine to vLLM's ``RequestStatus.RUNNING`` (keeps this module free of vllm).
+    RUNNING_STATUS: ClassVar[Any] = None
+
+    def __init__(self, req: RequestLike, workflow: WorkflowInfo, arrival: float, seq: int) -> None:
+        self._req = req
+        self.request_id: str = req.request_id
+        self.workflow = workflow
+        self.arrival = arrival
+        self.seq = seq
+        self.user_priority: int = req.priority
+        self.state: Any = None
+        #: Clock time the call was last given tokens (its arrival until then).
+        self.last_scheduled = arrival
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._req.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return self._req.num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._req.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._req.num_output_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self._req.max_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache at first scheduling (-1 before that)."""
+        return self._req.num_cached_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._req.num_preemptions
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to compute before this call can sample (0 for a decoding call)."""
+        return max(self._req.num_tokens - self._req.num_computed_tokens - 1, 0)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the call is in the engine's running list."""
+        return self._req.status == CallView.RUNNING_STATUS
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.is_running and self._req.num_computed_tokens >= self._req.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (f"CallView({self.request_id!r}, wf={self.workflow.workflow!r}, turn={self.workflow.turn}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+class EngineView(Protocol):
+    """What a policy may read about the engine (implemented by the scheduler)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable KV blocks (the pool minus vLLM's null block)."""
+        ...
+
+    def free_blocks(self) -> int:
+        """Blocks allocatable now (free plus evictable cached; retained blocks are not free)."""
+        ...
+
+    def running_calls(self) -> list[CallView]: ...
+
+    def waiting_calls(self) -> list[CallView]: ...
+
+    @property
+    def token_budget(self) -> int:
+        """max_num_batched_tokens: the step's token budget."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NoConfig:
+    """A policy without parameters."""
+
+
+class Policy:
+    """Base class of every scheduling policy: defaults reproduce vLLM's own behaviour."""
+
+    name: ClassVar[str] = ""
+    #: Frozen dataclass of the policy's parameters; fields are the accepted config keys.
+    Config: ClassVar[type] = NoConfig
+    #: Seams in use. The scheduler skips the work of every seam whose flag is False.
+    orders: ClassVar[bool] = False
+    gates: ClassVar[bool] = False
+    caps_chunks: ClassVar[bool] = False
+    retains: ClassVar[bool] = False
+    tracks_service: ClassVar[bool] = False
+    #: True when victim order is not simply the reverse of running order.
+    custom_victims: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None, clock: Clock | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+        self.clock: Clock = clock or MonotonicClock()
+        self.engine: EngineView | None = None
+
+    def bind(self, engine: EngineView) -> None:
+        """Called once by the scheduler before the first request."""
+        self.engine = engine
+
+    def check_platform(self, platform: str) -> None:
+        """Raise ValueError when the policy cannot run on ``platform`` ("cpu", "cuda", ...)."""
+
+    # bookkeeping -----------------------------------------------------------------------------
+    def on_arrival(self, call: CallView) -> None:
+        pass
+
+    def on_scheduled(self, call: CallView, num_tokens: int) -> None:
+        """After each step's schedule, for every call given tokens (when ``tracks_service``)."""
+
+    def on_preempted(self, call: CallView) -> None:
+        pass
+
+    def on_finished(self, call: CallView, aborted: bool) -> None:
+        pass
+
+    # decisions -------------------------------------------------------------------------------
+    def waiting_key(self, call: CallView) -> Any:
+        """Order of the waiting queue, lower first (used when ``orders``)."""
+        return (call.seq,)
+
+    def running_key(self, call: CallView) -> Any:
+        """Service order of running calls, lower first (used when ``orders``)."""
+        return (call.seq,)
+
+    def victim_key(self, call: CallView) -> Any:
+        """Preemption order, the largest first (used when ``custom_victims``)."""
+        return self.running_key(call)
+
+    def may_start(self, call: CallView) -> bool:
+        """Whether the head waiting call may start now (used when ``gates``)."""
+        return True
+
+    def chunk_tokens(self, call: CallView, num_computed: int, num_new: int) -> int:
+        """Tokens this call may compute this step, 0..num_new (used when ``caps_chunks``)."""
+        return num_new
+
+    def retention_s(self, call: CallView, num_blocks: int) -> float:
+        """Seconds to keep a finished call's ``num_blocks`` cached blocks referenced (``retains``).
+
+        Called when a call finishes normally and is not its workflow's last step. 0 frees now.
+        """
+        return 0.0
+
+    def retention_value(self, call: CallView, num_blocks: int) -> float:
+        """Expected value of a retention; under pressure the lowest value is released first."""
+        return 0.0
+
+
+# registry ------------------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: register a policy under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"policy {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_policy_class(name: str) -> type[Policy]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; available policies: {', '.join(available_policies())}"
+        ) from None
+
+
+def config_fields(cls: type[Policy]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls.Config)]
+
+
+def make_policy(name: str, options: Mapping[str, Any] | None = None, clock: Clock | None = None) -> Policy:
+    """Build a policy from its name and its config options (unknown keys are a ValueError)."""
+    cls = get_policy_class(name)
+    options = dict(options or {})
+    known = config_fields(cls)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {unknown} for policy {name!r}; "
+            f"valid keys: {', '.join(known) if known else '(none)'}"
+        )
+    try:
+        config = cls.Config(**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid config for policy {name!r}: {e}") from None
+    return cls(config, clock)
