@@ -98,7 +98,7 @@ EXPECTED_SCHEDULER_ATTRS = ("requests", "running", "waiting", "kv_holding_waitin
 
 #: Request members a CallView reads.
 EXPECTED_REQUEST_ATTRS = ("request_id", "priority", "num_prompt_tokens", "num_computed_tokens",
-                          "num_cached_tokens", "num_preemptions", "max_tokens", "num_tokens",
+                          "num_preemptions", "max_tokens", "num_tokens",
                           "num_output_tokens", "sampling_params", "status", "arrival_time")
 
 

@@ -54,6 +54,7 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
                      long_prefill_token_threshold: int = 0) -> VllmConfig:
     model_config = ModelConfig(model=config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
+    max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,

@@ -134,6 +134,8 @@ class MarsSchedulerMixin:
         self.retention = RetentionStore(self.kv_cache_manager.block_pool)
         self.mars_num_preemptions = 0
         self.mars_recomputed_tokens = 0
+        self.mars_prompt_tokens = 0  # prompt tokens of calls scheduled for the first time
+        self.mars_prefix_hit_tokens = 0  # ... of which served from the prefix cache
         if policy.orders or policy.gates:
             if policy.orders:
                 # vLLM's PRIORITY mode preempts max(priority); we set priority to victim rank.
@@ -219,8 +221,14 @@ class MarsSchedulerMixin:
         elif policy.gates:
             self.waiting.mark_dirty()
         out = super().schedule(throttle_prefills)
+        calls = self._calls
+        for new in out.scheduled_new_reqs:
+            call = calls.get(new.req_id)
+            if call is not None and call.cached_tokens < 0:
+                call.cached_tokens = new.num_computed_tokens
+                self.mars_prefix_hit_tokens += new.num_computed_tokens
+                self.mars_prompt_tokens += call.num_prompt_tokens
         if policy.orders or policy.tracks_service:
-            calls = self._calls
             track = policy.on_scheduled if policy.tracks_service else None
             for rid, n in out.num_scheduled_tokens.items():
                 call = calls[rid]
@@ -273,7 +281,7 @@ class MarsSchedulerMixin:
             policy.on_finished(call, aborted)
             if self._sched_log is not None:
                 self._log_event("end", call, aborted=aborted, output_tokens=request.num_output_tokens,
-                                cached_tokens=request.num_cached_tokens,
+                                cached_tokens=call.cached_tokens,
                                 preemptions=request.num_preemptions)
             wf = call.workflow.workflow
             self._returning.pop(request.request_id, None)
@@ -334,6 +342,8 @@ class MarsSchedulerMixin:
             "retained_workflows": len(self.retention),
             "preemptions": self.mars_num_preemptions,
             "recomputed_tokens": self.mars_recomputed_tokens,
+            "prompt_tokens": self.mars_prompt_tokens,
+            "prefix_hit_tokens": self.mars_prefix_hit_tokens,
             "retention": {k: v for k, v in vars(st).items() if not k.startswith("_")},
         }
 

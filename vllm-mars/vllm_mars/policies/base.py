@@ -35,7 +35,6 @@ class RequestLike(Protocol):
     priority: int
     num_prompt_tokens: int
     num_computed_tokens: int
-    num_cached_tokens: int
     num_preemptions: int
     max_tokens: int
     status: Any
@@ -54,7 +53,7 @@ class CallView:
     """
 
     __slots__ = ("_req", "request_id", "workflow", "arrival", "seq", "user_priority", "state",
-                 "last_scheduled")
+                 "last_scheduled", "cached_tokens")
 
     #: Set by the engine to vLLM's ``RequestStatus.RUNNING`` (keeps this module free of vllm).
     RUNNING_STATUS: ClassVar[Any] = None
@@ -69,6 +68,8 @@ class CallView:
         self.state: Any = None
         #: Clock time the call was last given tokens (its arrival until then).
         self.last_scheduled = arrival
+        #: Prompt tokens served from the prefix cache when first scheduled (-1 before that).
+        self.cached_tokens = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,7 +95,7 @@ class CallView:
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache at first scheduling (-1 before that)."""
-        return self._req.num_cached_tokens
+        return self.cached_tokens
 
     @property
     def num_preemptions(self) -> int:
