@@ -1,0 +1,157 @@
+"""Turn a schema-v1 workload into token-id plans the driver sends as prompts.
+
+Token ids are drawn from ``[FIRST_TOKEN_ID, vocab_size)`` by a generator seeded from
+``(seed, key)`` with a stable hash, so the same workload + seed gives the same ids on every
+machine, and a segment key shared by several workflows gives them identical prefix ids (real
+prefix-cache sharing in vLLM). Unkeyed segments are keyed by the workflow id and their position,
+so they are unique to their workflow.
+
+The driver builds turn k's prompt as ``prompt_0 = initial_ids`` and
+``prompt_k = prompt_{k-1} + (actual output ids of call k-1) + turns[k].appended_ids``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_mars.workload.schema import Workflow, load_workload
+
+#: Ids below this are left alone (pad/bos/eos live there in small vocabularies).
+FIRST_TOKEN_ID = 3
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """One call of a workflow plan."""
+
+    #: Token ids appended to the context BEFORE this call (the previous tool's output); [] on turn 0.
+    appended_ids: list[int]
+    #: Tokens this call generates (the driver uses ignore_eos + max_tokens=output_tokens).
+    output_tokens: int
+    #: Simulated tool time AFTER this call, seconds (0 for the last turn).
+    tool_s: float
+    #: Tool called after this call (sent as ``mars_tool`` on the NEXT call).
+    tool_name: str | None
+    #: Shell command for real tool execution, if any.
+    tool_cmd: str | None
+
+
+@dataclass(frozen=True)
+class WorkflowPlan:
+    """A workflow with materialized token ids; children are nested plans."""
+
+    workflow_id: str
+    #: Root workflow id (== workflow_id for roots).
+    root_id: str
+    parent_id: str | None
+    #: Offset from the run start; None lets the driver's arrival process decide. Always None
+    #: for children, which start when their parent reaches ``after_turn``.
+    arrival_s: float | None
+    #: The first call's prompt (shared prefix ids + task ids).
+    initial_ids: list[int]
+    turns: list[TurnPlan]
+    #: (index of the parent turn after which the child starts, child plan).
+    children: list[tuple[int, WorkflowPlan]] = field(default_factory=list)
+    #: For a child: whether the parent's next turn waits for it (a sub-agent called as a tool).
+    parent_waits: bool = True
+    source: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefill_estimate(self) -> int:
+        """Prompt tokens of the first call (what admission budgets for)."""
+        return len(self.initial_ids)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.turns)
+
+    @property
+    def total_tool_s(self) -> float:
+        return sum(t.tool_s for t in self.turns)
+
+    def final_prompt_tokens(self) -> int:
+        """Prompt length of the last call, assuming every call emits its full output_tokens."""
+        n = len(self.initial_ids)
+        for k, t in enumerate(self.turns):
+            if k:
+                n += self.turns[k - 1].output_tokens + len(t.appended_ids)
+        return n
+
+    def walk(self):
+        """This plan and all descendants, depth first."""
+        yield self
+        for _, c in self.children:
+            yield from c.walk()
+
+
+class TokenSource:
+    """Deterministic token ids per (seed, key); keyed segments are cached (they repeat)."""
+
+    def __init__(self, vocab_size: int = 4096, seed: int = 0):
+        if vocab_size <= FIRST_TOKEN_ID + 1:
+            raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID + 1}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.seed = seed
+        # Drawing from a list of int objects makes the result share them (8 bytes per id).
+        self._population = list(range(FIRST_TOKEN_ID, vocab_size))
+        self._cache: dict[tuple[str, int], list[int]] = {}
+
+    def ids(self, key: str, n: int) -> list[int]:
+        """``n`` ids for ``key``; the same (seed, key, n) always gives the same list."""
+        digest = hashlib.blake2b(f"{self.seed}\x00{key}".encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(digest, "little")).choices(self._population, k=n)
+
+    def shared(self, key: str, n: int) -> list[int]:
+        got = self._cache.get((key, n))
+        if got is None:
+            got = self._cache[(key, n)] = self.ids(f"shared\x00{key}", n)
+        return got
+
+
+def materialize(wf: Workflow, tokens: TokenSource, root_id: str | None = None,
+                parent_id: str | None = None, parent_waits: bool = True) -> WorkflowPlan:
+    """One workflow (and its children) as a plan."""
+    wid = wf.workflow_id
+    initial: list[int] = []
+    for s in wf.prefix:
+        initial += tokens.shared(s.key, s.tokens) if s.key else tokens.ids(f"{wid}\x00prefix{len(initial)}", s.tokens)
+    if wf.prompt_tokens:
+        initial += tokens.ids(f"{wid}\x00task", wf.prompt_tokens)
+    turns = [
+        TurnPlan(
+            appended_ids=tokens.ids(f"{wid}\x00turn{k}", t.append_tokens) if t.append_tokens else [],
+            output_tokens=t.output_tokens,
+            tool_s=float(t.tool_s),
+            tool_name=t.tool,
+            tool_cmd=t.tool_cmd,
+        )
+        for k, t in enumerate(wf.turns)
+    ]
+    root = root_id or wid
+    children = [(c.after_turn, materialize(c.workflow, tokens, root, wid, c.parent_waits))
+                for c in wf.children]
+    return WorkflowPlan(
+        workflow_id=wid, root_id=root, parent_id=parent_id,
+        arrival_s=wf.arrival_s if parent_id is None else None,
+        initial_ids=initial, turns=turns, children=children, parent_waits=parent_waits,
+        source=wf.source, meta=dict(wf.meta),
+    )
+
+
+def materialize_all(workflows: list[Workflow], vocab_size: int = 4096, seed: int = 0) -> list[WorkflowPlan]:
+    tokens = TokenSource(vocab_size, seed)
+    return [materialize(wf, tokens) for wf in workflows]
+
+
+def load_plans(path: str | Path, vocab_size: int = 4096, seed: int = 0) -> list[WorkflowPlan]:
+    """Load a schema-v1 JSONL workload (errors name file, line, field) and materialize token ids."""
+    return materialize_all(load_workload(path), vocab_size=vocab_size, seed=seed)

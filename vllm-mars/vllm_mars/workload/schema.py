@@ -1,0 +1,250 @@
+"""Workload schema v1: one agent workflow per JSONL line, validated with pydantic.
+
+A line looks like::
+
+    {"schema": "mars_workload_v1", "workflow_id": "ilr1-0007", "arrival_s": 12.5,
+     "prefix": [{"key": "sys-coder", "tokens": 2048}], "prompt_tokens": 1500,
+     "turns": [{"output_tokens": 180, "tool": "bash", "tool_s": 4.2},
+               {"append_tokens": 900, "output_tokens": 120}],
+     "children": [{"after_turn": 0, "workflow": {"workflow_id": "ilr1-0007.a", ...}}]}
+
+The first call's prompt is the ``prefix`` segments followed by ``prompt_tokens`` task tokens.
+A segment with a ``key`` gets the same token ids in every workflow that names the key (a shared
+system prompt, or a trace's hash block), so vLLM's prefix cache sees real sharing; task tokens and
+appended tool output are unique to their workflow. Turn k's prompt is turn k-1's prompt + turn
+k-1's output + turn k's ``append_tokens`` (the tool output). Children are nested workflows
+(sub-agents) that start after a parent turn; the parent's next turn waits for them when
+``parent_waits`` (a sub-agent called as a tool), else runs concurrently.
+
+Errors from :func:`load_workload` name the file, the line and the field
+(``w.jsonl:3: turns[2].output_tokens: Input should be greater than or equal to 1``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+#: Value of the versioned ``schema`` field of every top-level line.
+SCHEMA_V1 = "mars_workload_v1"
+#: The preview's live-agent task format (read by :mod:`vllm_mars.workload.mas_task`).
+MAS_TASK_V1 = "mas_task_v1"
+
+
+class WorkloadError(ValueError):
+    """A workload file is malformed; the message names file, line and field."""
+
+    def __init__(self, path: str | Path, line: int | None, field: str | None, msg: str):
+        self.path, self.line, self.field, self.msg = str(path), line, field, msg
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: {field}: {msg}" if field else f"{where}: {msg}")
+
+
+def _field_error(field: str, msg: str) -> PydanticCustomError:
+    """A validator error that keeps the offending field's path (joined onto the model's loc)."""
+    return PydanticCustomError("workload_field", msg, {"field": field})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Segment(_Strict):
+    """A run of prompt tokens. Same ``key`` (and token count) -> same token ids everywhere."""
+
+    tokens: int = Field(ge=1, description="number of tokens in the segment")
+    key: str | None = Field(default=None, min_length=1,
+                            description="sharing key; None makes the segment unique to its workflow")
+
+
+class Turn(_Strict):
+    """One LLM call of a workflow and the tool that runs after it."""
+
+    append_tokens: int = Field(default=0, ge=0,
+                               description="tool-output tokens appended before this call (0 on turn 0)")
+    output_tokens: int = Field(ge=1, description="tokens this call generates (ignore_eos, max_tokens)")
+    tool_s: float = Field(default=0.0, ge=0.0, description="simulated tool time after this call, s")
+    tool: str | None = Field(default=None, description="name of the tool called after this call")
+    tool_cmd: str | None = Field(default=None, description="shell command for real tool execution")
+
+
+class Workflow(_Strict):
+    """A workflow (root session or child sub-agent)."""
+
+    workflow_id: str = Field(min_length=1)
+    arrival_s: float | None = Field(default=None, ge=0.0,
+                                    description="offset from the run start; None lets the driver decide")
+    prefix: list[Segment] = Field(default_factory=list, description="shared prompt segments, in order")
+    prompt_tokens: int = Field(default=0, ge=0, description="task-specific tokens after the prefix")
+    turns: list[Turn] = Field(min_length=1)
+    children: list[Child] = Field(default_factory=list)
+    source: str | None = Field(default=None, description="where the workflow came from (preset, trace)")
+    meta: dict[str, Any] = Field(default_factory=dict, description="free-form provenance")
+
+    @model_validator(mode="after")
+    def _check(self) -> Workflow:
+        if self.prompt_tokens + sum(s.tokens for s in self.prefix) < 1:
+            raise _field_error("prompt_tokens", "the initial prompt is empty: prompt_tokens + prefix "
+                               "tokens must be >= 1")
+        if self.turns[0].append_tokens:
+            raise _field_error("turns[0].append_tokens", "must be 0 (the initial prompt covers turn 0)")
+        last = self.turns[-1]
+        if last.tool_s or last.tool or last.tool_cmd:
+            raise _field_error(f"turns[{len(self.turns) - 1}]", "the last turn has no tool after it "
+                               "(tool_s must be 0, tool and tool_cmd null)")
+        for i, c in enumerate(self.children):
+            if c.after_turn >= len(self.turns):
+                raise _field_error(f"children[{i}].after_turn",
+                                   f"{c.after_turn} but the workflow has {len(self.turns)} turns "
+                                   f"(allowed 0..{len(self.turns) - 1})")
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def initial_tokens(self) -> int:
+        return self.prompt_tokens + sum(s.tokens for s in self.prefix)
+
+    def walk(self) -> Iterator[Workflow]:
+        """This workflow and all its descendants, depth first."""
+        yield self
+        for c in self.children:
+            yield from c.workflow.walk()
+
+    def final_prompt_tokens(self) -> int:
+        """Prompt length of the last call (initial + every earlier output + every append)."""
+        n = self.initial_tokens
+        for k, t in enumerate(self.turns):
+            if k:
+                n += self.turns[k - 1].output_tokens + t.append_tokens
+        return n
+
+
+class Child(_Strict):
+    """A sub-agent started after parent turn ``after_turn``."""
+
+    after_turn: int = Field(ge=0, description="index of the parent turn after which the child starts")
+    parent_waits: bool = Field(default=True,
+                               description="the parent's next turn waits for the child to finish")
+    workflow: Workflow
+
+
+Workflow.model_rebuild()
+
+
+class WorkloadLine(Workflow):
+    """A top-level line: a root workflow plus the versioned ``schema`` field."""
+
+    schema_: Literal["mars_workload_v1"] = Field(alias="schema")
+
+
+# ---------------------------------------------------------------------- errors and loading
+def _loc(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith("function-"):
+            continue
+        else:
+            name = "schema" if part == "schema_" else str(part)
+            out += f".{name}" if out else name
+    return out
+
+
+def error_from_validation(path: str | Path, line: int | None, e: ValidationError) -> WorkloadError:
+    """The first pydantic error as a WorkloadError (the rest are counted in the message)."""
+    errs = e.errors(include_url=False)
+    first = errs[0]
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if first["type"] == "literal_error":
+        msg += f" (got {first.get('input')!r})"
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more error(s))"
+    loc = _loc(first["loc"])
+    extra = (first.get("ctx") or {}).get("field") if first["type"] == "workload_field" else None
+    if extra:
+        loc = f"{loc}.{extra}" if loc else extra
+    return WorkloadError(path, line, loc or None, msg)
+
+
+def iter_json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank, non-``#`` line; errors name file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such workload file")
+    with path.open(encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, 1):
+            s = raw.strip()
+            if not s or s.startswith("#"):
+                continue
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise WorkloadError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}") from None
+            if not isinstance(obj, dict):
+                raise WorkloadError(path, lineno, None,
+                                    f"each line must be a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def parse_line(obj: dict[str, Any], path: str | Path = "<memory>", line: int | None = None) -> WorkloadLine:
+    """Validate one decoded line."""
+    schema = obj.get("schema")
+    if schema == MAS_TASK_V1:
+        raise WorkloadError(path, line, "schema",
+                            "this is a mas_task_v1 (live-agent) task; load it with "
+                            "vllm_mars.workload.mas_task.load_tasks")
+    if schema is None:
+        raise WorkloadError(path, line, "schema", f"missing; expected {SCHEMA_V1!r}")
+    if schema != SCHEMA_V1:
+        raise WorkloadError(path, line, "schema",
+                            f"unsupported schema {schema!r}; allowed: {SCHEMA_V1!r}, {MAS_TASK_V1!r}")
+    try:
+        return WorkloadLine.model_validate(obj)
+    except ValidationError as e:
+        raise error_from_validation(path, line, e) from None
+
+
+def load_workload(path: str | Path) -> list[WorkloadLine]:
+    """Read and validate a schema-v1 JSONL file. Workflow ids must be unique (children included)."""
+    out: list[WorkloadLine] = []
+    seen: dict[str, int] = {}
+    for lineno, obj in iter_json_lines(path):
+        wf = parse_line(obj, path, lineno)
+        for w in wf.walk():
+            if w.workflow_id in seen:
+                raise WorkloadError(path, lineno, "workflow_id",
+                                    f"duplicate id {w.workflow_id!r} (first on line {seen[w.workflow_id]})")
+            seen[w.workflow_id] = lineno
+        out.append(wf)
+    if not out:
+        raise WorkloadError(path, None, None, "the workload file has no workflows")
+    return out
+
+
+def dump_line(wf: Workflow) -> str:
+    """One JSONL line (with the ``schema`` field) for a workflow; defaults and nulls omitted."""
+    data = wf.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude_none=True)
+    data.pop("schema", None)
+    return json.dumps({"schema": SCHEMA_V1, **data}, separators=(",", ":"))
+
+
+def write_workload(path: str | Path, workflows: Iterable[Workflow]) -> int:
+    """Write workflows as schema-v1 JSONL; returns the number written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w", encoding="utf-8") as f:
+        for wf in workflows:
+            f.write(dump_line(wf) + "\n")
+            n += 1
+    return n
