@@ -53,7 +53,10 @@ class AdmissionController(Protocol):
 
     def offer(self, root: PendingRoot) -> None: ...
 
-    def finish(self, workflow: str, now: float) -> None: ...
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+        """``workflow`` ended, or was cancelled while queued. ``final_tokens`` (optional): its last
+        call's prompt+output tokens, which a controller may use to learn footprint growth."""
+        ...
 
     def observe(self, telemetry: Telemetry) -> None: ...
 
@@ -84,7 +87,8 @@ class NoneController:
     def offer(self, root: PendingRoot) -> None:
         self._queued.append(root)
 
-    def finish(self, workflow: str, now: float) -> None:
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+        self._queued = [r for r in self._queued if r.workflow != workflow]
         self._active.discard(workflow)
 
     def observe(self, telemetry: Telemetry) -> None:
@@ -109,3 +113,27 @@ class NoneController:
     @property
     def num_queued(self) -> int:
         return len(self._queued)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"controller": self.name, "active": len(self._active), "queued": len(self._queued)}
+
+
+CONTROLLERS = ("mars", "concur", "none")
+
+
+def make_controller(name: str, options: dict[str, Any] | None = None) -> AdmissionController:
+    """Build a controller by name (``mars``, ``concur``, ``none``) with its config options."""
+    options = dict(options or {})
+    if name == "none":
+        if options:
+            raise ValueError(f"the 'none' admission controller takes no options, got {sorted(options)}")
+        return NoneController()
+    if name == "mars":
+        from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
+
+        return MarsAdmissionController(MarsAdmissionConfig.from_dict(options))
+    if name == "concur":
+        from vllm_mars.admission.concur import ConcurConfig, ConcurController
+
+        return ConcurController(ConcurConfig.from_dict(options))
+    raise ValueError(f"unknown admission controller {name!r}; available: {', '.join(CONTROLLERS)}")

@@ -1,0 +1,344 @@
+"""Admission controllers, one test per rule, on plain data with an injected clock (SPEC section 4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_mars.admission.base import NoneController, PendingRoot, Telemetry, make_controller
+from vllm_mars.admission.concur import ConcurConfig, ConcurController
+from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
+
+
+def tel(ts, free=1000, total=1000, bs=16, usage=None, inflight=None, workers=None, wait=None, hit=None):
+    return Telemetry(ts=ts, free_blocks=free, total_blocks=total, block_size=bs, kv_usage=usage,
+                     tools_in_flight=inflight, tool_workers=workers, tool_queue_wait_s=wait, prefix_hit_rate=hit)
+
+
+def mars(**kw) -> MarsAdmissionController:
+    return MarsAdmissionController(MarsAdmissionConfig(**kw))
+
+
+def offer(c, name, t=0.0, tokens=160):
+    c.offer(PendingRoot(name, t, tokens))
+
+
+def events(c, kind):
+    return [e for e in c.take_events() if e.event == kind]
+
+
+# -- MARS: guard margin and budget -----------------------------------------------------------------
+def test_guard_margin_budget():
+    c = mars()
+    c.observe(tel(0, free=500, total=1000))
+    assert c.budget_blocks() == 500 - math.ceil(1000 * (1 - 0.9))
+    c.observe(tel(1, free=0, total=1000))
+    assert c.budget_blocks() == 0  # zero free blocks is a zero budget, not "unknown"
+    c.observe(tel(2, free=None, total=1000))
+    assert c.budget_blocks() is None
+
+
+def test_budget_counts_promised_blocks_until_telemetry_catches_up():
+    c = mars(window_min=8, window_max=8, promise_s=1.0)
+    c.observe(tel(0, free=200, total=1000))  # budget 100
+    for i in range(3):
+        offer(c, f"r{i}", tokens=16 * 40)  # 40 blocks each
+    assert c.tick(0.0) == ["r0", "r1"]  # 80 of 100 promised, r2 does not fit
+    assert c.budget_blocks() == 20
+    c.observe(tel(0.5, free=200, total=1000))  # too early to show them: promises still count
+    assert c.tick(0.5) == []
+    c.observe(tel(1.5, free=120, total=1000))  # now shows the 80 blocks: promises dropped
+    assert c.budget_blocks() == 20
+    c.finish("r0", 1.6)
+    c.observe(tel(1.7, free=160, total=1000))
+    assert c.tick(1.7) == ["r2"]
+
+
+# -- MARS: AIMD window -----------------------------------------------------------------------------
+def test_window_additive_increase_once_per_interval():
+    c = mars(window_min=4, window_max=10)
+    c.observe(tel(0, usage=0.5))
+    c.tick(0.0)
+    assert c.window == 5
+    c.tick(0.1)  # within the interval: no change
+    assert c.window == 5
+    c.tick(0.2)
+    assert c.window == 6
+    ev = events(c, "admission_window")
+    assert [e.data["new"] for e in ev] == [5, 6] and ev[0].data["kv_usage"] == 0.5
+
+
+def test_window_multiplicative_decrease_on_kv_high_and_hysteresis():
+    c = mars(window_min=4, window_max=30, window_init=20)
+    c.observe(tel(0, usage=0.92, free=80))
+    c.tick(0.0)
+    assert c.window == 4  # floor(20*0.7)=14, then the KV cap at usage >= kv_high is window_min
+    p = events(c, "admission_pressure")
+    assert any(e.data["kind"] == "kv" and e.data["overloaded"] for e in p)
+    c.observe(tel(0.2, usage=0.87, free=130))  # between the marks: still overloaded (hysteresis)
+    c.tick(0.2)
+    assert c._kv_overloaded and c.window == 4
+    c.observe(tel(0.4, usage=0.80, free=200))
+    c.tick(0.4)
+    assert not c._kv_overloaded and c.window == 5
+
+
+def test_kv_cap_linear_between_watermarks():
+    c = mars(window_min=4, window_max=24, window_init=24)
+    c.observe(tel(0, usage=0.875, free=125))  # halfway between 0.85 and 0.9
+    assert c.limit() == 14
+
+
+@pytest.mark.parametrize("inflight,workers,wait", [(32, 16, None), (4, 16, 6.0)])
+def test_cpu_overload_decreases_window(inflight, workers, wait):
+    c = mars(window_min=4, window_max=30, window_init=20)
+    c.observe(tel(0, usage=0.1, inflight=inflight, workers=workers, wait=wait))
+    c.tick(0.0)
+    assert c.window == 14
+    assert any(e.data["kind"] == "cpu" for e in events(c, "admission_pressure"))
+
+
+def test_cpu_between_marks_holds_window():
+    c = mars(window_min=4, window_max=30, window_init=10)
+    c.observe(tel(0, usage=0.1, inflight=12, workers=8))  # 1.5 per worker: not healthy, not overloaded
+    c.tick(0.0)
+    assert c.window == 10
+
+
+def test_cpu_cap():
+    c = mars(window_min=4, window_max=30, window_init=30)
+    c.observe(tel(0, usage=0.1, inflight=0, workers=4))
+    assert c.limit() == math.ceil(4 * 1.5)
+
+
+def test_window_bounds():
+    c = mars(window_min=4, window_max=6, window_init=6)
+    c.observe(tel(0, usage=0.1))
+    for i in range(10):
+        c.tick(i * 0.2)
+    assert c.window == 6
+    for i in range(10, 30):
+        c.observe(tel(i * 0.2, usage=0.99, free=10))
+        c.tick(i * 0.2)
+    assert c.window == 4
+
+
+# -- MARS: telemetry states --------------------------------------------------------------------------
+def test_missing_telemetry_admits_small_fixed_window():
+    c = mars(no_telemetry_window=2)
+    for i in range(5):
+        offer(c, f"r{i}", t=i)
+    assert c.tick(5.0) == ["r0", "r1"]
+    c.finish("r0", 6.0)
+    assert c.tick(6.0) == ["r2"]
+    assert all(e.data["mode"] == "no_telemetry_fcfs" for e in events(c, "admission_admit"))
+
+
+def test_stale_telemetry_is_pressure():
+    c = mars(window_min=4, window_max=30, window_init=20, stale_s=2.0)
+    c.observe(tel(0, usage=0.1))
+    c.tick(0.0)
+    assert c.window == 21
+    c.tick(2.5)  # last reading 2.5 s old
+    assert c.window == 4  # x0.7 and the KV cap falls to window_min
+    p = events(c, "admission_pressure")
+    assert any(e.data["kind"] == "telemetry" and e.data["overloaded"] for e in p)
+    c.observe(tel(2.6, usage=0.1))
+    c.tick(2.7)
+    assert c.window == 5
+
+
+# -- MARS: selection ---------------------------------------------------------------------------------
+def test_light_load_arrival_order():
+    c = mars(window_min=8, window_max=8)
+    c.observe(tel(0, free=1000))
+    offer(c, "big", 0, tokens=1600)
+    offer(c, "small", 1, tokens=16)
+    assert c.tick(1.0) == ["big", "small"]
+    assert {e.data["mode"] for e in events(c, "admission_admit")} == {"light_fcfs"}
+
+
+def test_contention_smallest_first_skips_nonfitting():
+    c = mars(window_min=2, window_max=2)
+    c.observe(tel(0, free=200, total=1000))  # budget 100
+    offer(c, "a", 0, tokens=16 * 150)  # 150 blocks: never fits
+    offer(c, "b", 1, tokens=16 * 30)
+    offer(c, "c", 2, tokens=16 * 10)
+    assert c.tick(2.0) == ["c", "b"]
+    ev = events(c, "admission_admit")
+    assert [e.data["mode"] for e in ev] == ["smallest_fit", "smallest_fit"]
+    assert ev[0].data["footprint_blocks"] == 10 and ev[1].data["kv_budget_remaining"] == 60
+
+
+def test_cpu_overloaded_prefers_large():
+    c = mars(window_min=1, window_max=1, window_init=1)
+    c.observe(tel(0, free=1000, inflight=40, workers=4))
+    offer(c, "small", 0, tokens=16)
+    offer(c, "large", 1, tokens=1600)
+    assert c.tick(1.0) == ["large"]
+    assert events(c, "admission_admit")[0].data["mode"] == "cpu_overloaded_large_first"
+
+
+def test_zero_budget_admits_oldest_alone_only_when_idle():
+    c = mars(window_min=4, window_max=4)
+    c.observe(tel(0, free=50, total=1000))  # budget 0
+    offer(c, "a", 0)
+    offer(c, "b", 1)
+    assert c.tick(1.0) == ["a"]
+    assert c.tick(1.1) == []  # a is active: b waits for budget
+    c.finish("a", 2.0)
+    assert c.tick(2.0) == ["b"]
+
+
+def test_draining_long_roots():
+    c = mars(window_min=8, window_max=8, long_prefill_tokens=1000)
+    c.observe(tel(0, free=500, total=1000))  # budget 400 blocks
+    offer(c, "l1", 0, tokens=16 * 100)
+    offer(c, "l2", 1, tokens=16 * 500)  # does not fit: skipped, not blocking
+    offer(c, "l3", 2, tokens=16 * 100)
+    assert c.tick(2.0) == ["l1", "l3"]  # nothing active yet: fill within the budget
+    assert all(e.data["mode"] == "drain_fit" for e in events(c, "admission_admit"))
+    c.finish("l1", 3.0)
+    c.finish("l3", 3.0)
+    c.observe(tel(3.0, free=500, total=1000))
+    assert c.tick(3.0) == ["l2"]  # none fits, none active: the oldest alone
+    assert events(c, "admission_admit")[0].data["mode"] == "drain_oldest_alone"
+
+
+def test_draining_one_at_a_time_while_active():
+    c = mars(window_min=8, window_max=8, long_prefill_tokens=1000, promise_s=0.0)
+    c.observe(tel(0, free=900, total=1000))
+    offer(c, "l0", 0, tokens=16 * 100)
+    assert c.tick(0.0) == ["l0"]
+    for i in range(1, 4):
+        offer(c, f"l{i}", i, tokens=16 * 100)
+    c.observe(tel(4.0, free=800, total=1000))
+    assert c.tick(4.0) == ["l1"]
+
+
+def test_freed_slot_refilled_on_tick_without_arrival():
+    c = mars(window_min=1, window_max=1)
+    c.observe(tel(0))
+    offer(c, "a", 0)
+    offer(c, "b", 0)
+    assert c.tick(0.0) == ["a"]
+    c.finish("a", 1.0)
+    c.observe(tel(1.0))
+    assert c.tick(1.05) == ["b"]  # no new arrival needed
+
+
+def test_finish_of_queued_root_cancels_it():
+    c = mars(window_min=1, window_max=1)
+    c.observe(tel(0))
+    offer(c, "a", 0)
+    offer(c, "b", 0)
+    c.tick(0)
+    c.finish("b", 0.5)
+    assert c.num_queued == 0 and c.num_active == 1
+
+
+def test_growth_refines_footprint():
+    c = mars(window_min=4, window_max=4, growth_alpha=0.5)
+    c.observe(tel(0, bs=16))
+    offer(c, "a", 0, tokens=160)
+    c.tick(0)
+    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 10
+    c.finish("a", 1.0, final_tokens=480)  # grew 3x
+    assert c.growth == pytest.approx(2.0)
+    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 20
+
+
+def test_unknown_prefill_uses_default():
+    c = mars(unknown_prefill_tokens=320)
+    c.observe(tel(0, bs=32))
+    assert c.footprint_blocks(PendingRoot("x", 0, None)) == 10
+
+
+def test_duplicate_offer_and_bad_config_rejected():
+    c = mars()
+    offer(c, "a")
+    with pytest.raises(ValueError, match="already queued"):
+        offer(c, "a")
+    with pytest.raises(ValueError, match="window_max"):
+        MarsAdmissionConfig(window_min=5, window_max=4)
+    with pytest.raises(ValueError, match="valid:"):
+        MarsAdmissionConfig.from_dict({"windw": 3})
+    with pytest.raises(ValueError, match="available: mars, concur, none"):
+        make_controller("nope")
+
+
+def test_randomized_invariants():
+    import random
+
+    rng = random.Random(7)
+    c = mars(window_min=2, window_max=12)
+    now, n, active = 0.0, 0, set()
+    for _ in range(500):
+        now += rng.random() * 0.1
+        r = rng.random()
+        if r < 0.3:
+            offer(c, f"r{n}", now, tokens=rng.choice([None, 16, 1600, 80_000]))
+            n += 1
+        elif r < 0.5 and active:
+            w = rng.choice(sorted(active))
+            active.discard(w)
+            c.finish(w, now, final_tokens=rng.randint(1, 5000))
+        elif r < 0.8:
+            c.observe(tel(now, free=rng.randint(0, 1000), usage=None, inflight=rng.randint(0, 20), workers=4))
+        got = c.tick(now)
+        active.update(got)
+        assert c.num_active == len(active)
+        # the limit holds except for the single starvation guard
+        # the limit holds whenever anything was admitted (the starvation guard admits one when idle)
+        assert not got or c.num_active <= c.limit() or c.num_active == 1
+        assert not set(got) - {f"r{i}" for i in range(n)}
+    finished = n - c.num_queued - len(active)
+    assert finished >= 0 and c.num_admitted == len(active) + finished
+
+
+# -- CONCUR ------------------------------------------------------------------------------------------
+def test_concur_aimd():
+    c = ConcurController(ConcurConfig(window_min=1, window_max=10, window_init=4))
+    c.observe(tel(0, usage=0.1, hit=0.5))
+    c.tick(0)
+    assert c.window == 5  # usage < u_low: +1
+    c.observe(tel(0.2, usage=0.6, hit=0.5))
+    c.tick(0.2)
+    assert c.window == 5  # above u_high but the hit rate holds
+    c.observe(tel(0.4, usage=0.6, hit=0.3))
+    c.tick(0.4)
+    assert c.window == 2  # hit rate fell: x0.5
+    c.observe(tel(0.6, usage=0.3, hit=0.1))
+    c.tick(0.6)
+    assert c.window == 2  # between the marks: hold
+    assert [e.data["reason"] for e in c.take_events() if e.event == "admission_window"] == ["increase", "decrease"]
+
+
+def test_concur_admits_fcfs_within_window_and_refills():
+    c = ConcurController(ConcurConfig(window_min=2, window_max=2))
+    c.observe(tel(0, usage=0.3))
+    for i in range(4):
+        offer(c, f"r{i}", i, tokens=[1600, 16, 16, 16][i])
+    assert c.tick(4) == ["r0", "r1"]
+    c.finish("r0", 5)
+    assert c.tick(5) == ["r2"]
+
+
+def test_concur_stale_and_missing():
+    c = ConcurController(ConcurConfig(window_min=1, window_max=10, window_init=8, no_telemetry_window=3))
+    for i in range(5):
+        offer(c, f"r{i}", 0)
+    assert c.tick(0) == ["r0", "r1", "r2"]  # no telemetry: fixed window
+    c.observe(tel(0.1, usage=0.3, hit=0.5))
+    c.tick(3.0)
+    assert c.window == 4  # stale: decrease
+
+
+def test_none_controller_admits_everything():
+    c = NoneController()
+    for i in range(50):
+        offer(c, f"r{i}", 0)
+    assert len(c.tick(0)) == 50 and c.num_active == 50
+    c.finish("r3", 1)
+    assert c.num_active == 49

@@ -1,0 +1,199 @@
+"""CONCUR admission (Chen et al., arXiv 2601.22705): agent-level AIMD on the number of active
+workflows from KV utilisation and prefix-cache hit rate. Pure Python, no vllm import.
+
+What we know of CONCUR is second hand (the abstract, a blog and reviews; no code was found): an
+additive increase while KV utilisation is below ``u_low`` (0.2), a multiplicative decrease when it
+is above ``u_high`` (0.5) *and* the prefix hit rate falls; hold in between. The thresholds are
+reported numbers, not verified ones. Admission itself is plain arrival order within the window
+(CONCUR has no footprint model). Our choices where the sources are silent: a hit rate that is
+unknown counts as falling (conservative); missing telemetry gives a small fixed window; stale
+telemetry (older than ``stale_s``) counts as high utilisation with a falling hit rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, fields
+
+from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConcurConfig:
+    """Knobs of the CONCUR controller (reported defaults, second hand)."""
+
+    #: Upper bound of the window of active workflows.
+    window_max: int = 30
+    #: Lower bound of the window.
+    window_min: int = 1
+    #: Starting window (None: ``window_min``).
+    window_init: int | None = None
+    #: Additive increase per control interval while utilisation < ``u_low``.
+    inc: int = 1
+    #: Multiplicative decrease factor when utilisation > ``u_high`` and the hit rate falls.
+    dec_factor: float = 0.5
+    #: KV utilisation below which the window grows.
+    u_low: float = 0.2
+    #: KV utilisation above which the window may shrink.
+    u_high: float = 0.5
+    #: A hit rate this much below the previous reading counts as falling.
+    hit_drop_tol: float = 0.01
+    #: Control interval (s).
+    interval_s: float = 0.2
+    #: Telemetry older than this (s) counts as congestion.
+    stale_s: float = 2.0
+    #: Active-workflow limit while no telemetry has been seen.
+    no_telemetry_window: int = 2
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"ConcurConfig.{name} = {getattr(self, name)!r}: must be {allowed}")
+
+        if self.window_min < 1:
+            raise bad("window_min", ">= 1")
+        if self.window_max < self.window_min:
+            raise bad("window_max", f">= window_min ({self.window_min})")
+        if self.window_init is not None and not self.window_min <= self.window_init <= self.window_max:
+            raise bad("window_init", f"within [{self.window_min}, {self.window_max}]")
+        if self.inc < 0:
+            raise bad("inc", ">= 0")
+        if not 0.1 <= self.dec_factor <= 0.99:
+            raise bad("dec_factor", "in [0.1, 0.99]")
+        if not 0 <= self.u_low < self.u_high <= 1:
+            raise bad("u_low", f"in [0, u_high={self.u_high}) with u_high <= 1")
+        if self.hit_drop_tol < 0:
+            raise bad("hit_drop_tol", ">= 0")
+        if self.interval_s < 0.01:
+            raise bad("interval_s", ">= 0.01")
+        if self.stale_s <= 0:
+            raise bad("stale_s", "> 0")
+        if self.no_telemetry_window < 1:
+            raise bad("no_telemetry_window", ">= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ConcurConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown CONCUR option(s) {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+class ConcurController:
+    """AIMD window on active workflows, arrival-order admission."""
+
+    name = "concur"
+
+    def __init__(self, config: ConcurConfig | None = None) -> None:
+        self.config = cfg = config or ConcurConfig()
+        self.interval_s = cfg.interval_s
+        self.window = cfg.window_init if cfg.window_init is not None else cfg.window_min
+        self._queue: dict[str, PendingRoot] = {}
+        self._active: set[str] = set()
+        self._events: list[AdmissionEvent] = []
+        self._tel: Telemetry | None = None
+        self._prev_hit: float | None = None
+        self._last_update: float | None = None
+        self._stale = False
+        self.num_admitted = 0
+
+    def offer(self, root: PendingRoot) -> None:
+        if root.workflow in self._queue or root.workflow in self._active:
+            raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
+        self._queue[root.workflow] = root
+
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+        if self._queue.pop(workflow, None) is None:
+            self._active.discard(workflow)
+
+    def observe(self, telemetry: Telemetry) -> None:
+        if self._tel is None or telemetry.ts >= self._tel.ts:
+            self._tel = telemetry
+
+    def take_events(self) -> list[AdmissionEvent]:
+        out, self._events = self._events, []
+        return out
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def is_active(self, workflow: str) -> bool:
+        return workflow in self._active
+
+    def _usage(self) -> float | None:
+        t = self._tel
+        if t is None:
+            return None
+        if t.kv_usage is not None:
+            return t.kv_usage
+        if t.free_blocks is not None and t.total_blocks:
+            return 1.0 - t.free_blocks / t.total_blocks
+        return None
+
+    def _update(self, now: float) -> None:
+        cfg, t = self.config, self._tel
+        if t is None or (self._last_update is not None and now - self._last_update < cfg.interval_s - 1e-9):
+            return
+        self._last_update = now
+        stale = now - t.ts > cfg.stale_s
+        usage = self._usage()
+        hit = t.prefix_hit_rate
+        falling = hit is None or (self._prev_hit is not None and hit < self._prev_hit - cfg.hit_drop_tol)
+        if hit is not None and not stale:
+            self._prev_hit = hit
+        prev = self.window
+        if stale or (usage is not None and usage > cfg.u_high and falling):
+            self.window = max(cfg.window_min, math.floor(self.window * cfg.dec_factor))
+            reason = "stale" if stale else "decrease"
+        elif usage is not None and usage < cfg.u_low:
+            self.window = min(cfg.window_max, self.window + cfg.inc)
+            reason = "increase"
+        else:
+            reason = "hold"
+        if self.window != prev:
+            self._events.append(AdmissionEvent(now, "admission_window", {
+                "controller": self.name, "prev": prev, "new": self.window, "reason": reason,
+                "kv_usage": usage, "prefix_hit_rate": hit, "hit_falling": falling, "stale": stale,
+                "telemetry_age_s": round(now - t.ts, 6)}))
+        if stale != self._stale:
+            self._stale = stale
+            self._events.append(AdmissionEvent(now, "admission_pressure", {
+                "controller": self.name, "kind": "telemetry", "overloaded": stale,
+                "telemetry_age_s": round(now - t.ts, 6)}))
+
+    def limit(self) -> int:
+        if self._usage() is None:
+            return min(self.config.no_telemetry_window, self.config.window_max)
+        return self.window
+
+    def tick(self, now: float) -> list[str]:
+        self._update(now)
+        slots = self.limit() - len(self._active)
+        out: list[str] = []
+        while slots > 0 and self._queue:
+            wf, root = next(iter(self._queue.items()))
+            del self._queue[wf]
+            self._active.add(wf)
+            self.num_admitted += 1
+            slots -= 1
+            out.append(wf)
+            self._events.append(AdmissionEvent(now, "admission_admit", {
+                "controller": self.name, "workflow": wf, "mode": "fcfs", "limit": self.limit(),
+                "window": self.window, "kv_usage": self._usage(),
+                "prefix_hit_rate": None if self._tel is None else self._tel.prefix_hit_rate,
+                "active": len(self._active), "queued": len(self._queue),
+                "waited_s": round(now - root.arrival, 6)}))
+        return out
+
+    def snapshot(self) -> dict:
+        return {"controller": self.name, "window": self.window, "limit": self.limit(),
+                "active": len(self._active), "queued": len(self._queue), "admitted": self.num_admitted,
+                "config": asdict(self.config)}

@@ -1,0 +1,465 @@
+"""MARS admission: let root workflows into the active set only as fast as live KV (and CPU tool)
+capacity allows (SPEC section 4). Pure Python: no vllm import; time and telemetry are injected.
+
+Rules, each a documented field of :class:`MarsAdmissionConfig`:
+
+* **Guard margin.** ``budget = free_blocks - ceil(total * (1 - kv_target))`` minus the blocks
+  promised to roots admitted since the last telemetry that could show them (fix of the preview,
+  which ignored promised blocks). Zero free blocks is a zero budget, not "unknown".
+* **AIMD window** ``W`` on active roots, updated at most once per ``interval_s``: x``dec_factor``
+  when KV usage >= ``kv_high`` or the CPU tool plane is overloaded (in-flight per worker >=
+  ``cpu_backlog_high`` or tool queue wait >= ``cpu_wait_high_s``) or telemetry is stale; +``inc``
+  when usage <= ``kv_low``, the CPU plane is healthy and the budget is positive. Hysteresis as in
+  the preview: overload is set at the high mark and cleared at the low one. The effective limit is
+  ``min(W, cpu_cap, kv_cap)``, each >= ``window_min``.
+* **Footprint** of a waiting root: ``ceil(prefill_tokens * growth / block_size)``; ``growth`` is an
+  EMA of (final tokens / first prompt) over finished workflows that reported their final size.
+* **Selection.** Light load (no pressure, everything queued fits the slots and the budget):
+  arrival order. CPU overloaded: largest footprint first (fewer, heavier workflows). Otherwise
+  smallest footprint first; a root that does not fit the remaining budget is skipped, never
+  blocks the ones behind it.
+* **KV-budgeted draining.** When only long roots (> ``long_prefill_tokens``) wait: arrival order
+  within the live budget, at most one per tick while earlier admitted roots are active; if none
+  fits and nothing is active, the oldest is admitted alone (no starvation).
+* **Telemetry.** Missing (never seen, or no block counts): a fixed window of
+  ``no_telemetry_window`` roots in arrival order, never blind. Stale (older than ``stale_s``):
+  pressure (the window shrinks, the KV cap drops to ``window_min``) and the last budget minus
+  promises is still enforced.
+
+The controller ticks on its feeder's clock: ``tick`` is called every ``interval_s`` and after each
+offer/finish, so a slot freed between arrivals is refilled at once (the preview only refilled on
+arrivals). Each decision is an :class:`AdmissionEvent` carrying its inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, fields
+
+from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MarsAdmissionConfig:
+    """Knobs of the MARS admission controller (defaults from SPEC section 4 / the preview)."""
+
+    #: Upper bound of the window (the preview's active pool size P).
+    window_max: int = 30
+    #: Lower bound of the window; pressure never pushes the limit below this.
+    window_min: int = 4
+    #: Starting window (None: ``window_min``, a slow start that grows +inc per interval).
+    window_init: int | None = None
+    #: Multiplicative decrease factor under pressure.
+    dec_factor: float = 0.7
+    #: Additive increase per control interval when healthy.
+    inc: int = 1
+    #: Control interval in seconds: the window changes at most this often; the feeder ticks this often.
+    interval_s: float = 0.2
+    #: Target KV usage: the guard margin keeps ``1 - kv_target`` of all blocks free; also the high watermark.
+    kv_target: float = 0.9
+    #: KV usage at or below which the window may grow (and the KV pressure state clears).
+    kv_low: float = 0.85
+    #: Tool calls in flight per tool worker at which the CPU plane counts as overloaded.
+    cpu_backlog_high: float = 2.0
+    #: In-flight per worker at or below which the CPU plane is healthy.
+    cpu_backlog_low: float = 1.0
+    #: Tool queue wait EMA (s) at which the CPU plane counts as overloaded.
+    cpu_wait_high_s: float = 5.0
+    #: Tool queue wait EMA (s) at or below which the CPU plane is healthy.
+    cpu_wait_low_s: float = 2.0
+    #: Telemetry older than this (s) counts as pressure.
+    stale_s: float = 2.0
+    #: Active-root limit while no usable telemetry has been seen.
+    no_telemetry_window: int = 2
+    #: Prefill estimate above which a root is "long" (draining rules); <= 0 disables the split.
+    long_prefill_tokens: int = 50_000
+    #: Prompt tokens assumed for a root that arrives without any estimate.
+    unknown_prefill_tokens: int = 2048
+    #: Block size assumed until telemetry reports one.
+    default_block_size: int = 16
+    #: EMA weight of one finished workflow's growth ratio (final tokens / first prompt).
+    growth_alpha: float = 0.2
+    #: Upper bound on the growth multiplier applied to footprints.
+    growth_max: float = 4.0
+    #: Seconds after admission until telemetry is trusted to include a root's first prefill; until
+    #: then its footprint counts as promised and is subtracted from the budget.
+    promise_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"MarsAdmissionConfig.{name} = {getattr(self, name)!r}: must be {allowed}")
+
+        if self.window_min < 1:
+            raise bad("window_min", ">= 1")
+        if self.window_max < self.window_min:
+            raise bad("window_max", f">= window_min ({self.window_min})")
+        if self.window_init is not None and not self.window_min <= self.window_init <= self.window_max:
+            raise bad("window_init", f"within [window_min, window_max] = [{self.window_min}, {self.window_max}]")
+        if not 0.1 <= self.dec_factor <= 0.99:
+            raise bad("dec_factor", "in [0.1, 0.99]")
+        if self.inc < 0:
+            raise bad("inc", ">= 0")
+        if self.interval_s < 0.01:
+            raise bad("interval_s", ">= 0.01")
+        if not 0.1 <= self.kv_target <= 0.999:
+            raise bad("kv_target", "in [0.1, 0.999]")
+        if not 0 <= self.kv_low < self.kv_target:
+            raise bad("kv_low", f"in [0, kv_target={self.kv_target})")
+        if not 0 < self.cpu_backlog_low <= self.cpu_backlog_high:
+            raise bad("cpu_backlog_low", f"in (0, cpu_backlog_high={self.cpu_backlog_high}]")
+        if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
+            raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
+        if self.stale_s <= 0:
+            raise bad("stale_s", "> 0")
+        if self.no_telemetry_window < 1:
+            raise bad("no_telemetry_window", ">= 1")
+        if self.unknown_prefill_tokens < 0:
+            raise bad("unknown_prefill_tokens", ">= 0")
+        if self.default_block_size < 1:
+            raise bad("default_block_size", ">= 1")
+        if not 0 < self.growth_alpha <= 1:
+            raise bad("growth_alpha", "in (0, 1]")
+        if self.growth_max < 1:
+            raise bad("growth_max", ">= 1")
+        if self.promise_s < 0:
+            raise bad("promise_s", ">= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MarsAdmissionConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown MARS admission option(s) {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+@dataclass
+class _Active:
+    workflow: str
+    admitted_at: float
+    blocks: int
+    long: bool
+    prefill_tokens: int
+
+
+class MarsAdmissionController:
+    """The MARS admission controller (see the module docstring for the rules)."""
+
+    name = "mars"
+
+    def __init__(self, config: MarsAdmissionConfig | None = None) -> None:
+        self.config = cfg = config or MarsAdmissionConfig()
+        self.interval_s = cfg.interval_s
+        self.window = cfg.window_init if cfg.window_init is not None else cfg.window_min
+        self._queue: dict[str, PendingRoot] = {}  # insertion order = arrival order
+        self._seq: dict[str, int] = {}
+        self._next_seq = 0
+        self._active: dict[str, _Active] = {}
+        self._events: list[AdmissionEvent] = []
+        self._tel: Telemetry | None = None
+        self._last_window_update: float | None = None
+        self._kv_overloaded = False
+        self._cpu_overloaded = False
+        self._stale = False
+        self._growth = 1.0
+        self.num_admitted = 0
+
+    # -- feeding ----------------------------------------------------------------------------------
+    def offer(self, root: PendingRoot) -> None:
+        if root.workflow in self._queue or root.workflow in self._active:
+            raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
+        if root.prefill_tokens is not None and root.prefill_tokens < 0:
+            raise ValueError(f"PendingRoot.prefill_tokens must be >= 0, got {root.prefill_tokens}")
+        self._queue[root.workflow] = root
+        self._seq[root.workflow] = self._next_seq
+        self._next_seq += 1
+
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+        """``workflow`` ended (or was cancelled while queued). ``final_tokens``, when known, is its
+        last call's prompt+output size: it refines the footprint growth estimate."""
+        if self._queue.pop(workflow, None) is not None:
+            self._seq.pop(workflow, None)
+            return
+        act = self._active.pop(workflow, None)
+        if act is None:
+            return
+        if final_tokens is not None and final_tokens > 0 and act.prefill_tokens > 0:
+            ratio = min(self.config.growth_max, max(1.0, final_tokens / act.prefill_tokens))
+            a = self.config.growth_alpha
+            self._growth = (1 - a) * self._growth + a * ratio
+
+    def observe(self, telemetry: Telemetry) -> None:
+        if self._tel is not None and telemetry.ts < self._tel.ts:
+            return  # out-of-order reading: keep the newer one
+        self._tel = telemetry
+
+    def take_events(self) -> list[AdmissionEvent]:
+        out, self._events = self._events, []
+        return out
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def is_active(self, workflow: str) -> bool:
+        return workflow in self._active
+
+    def is_queued(self, workflow: str) -> bool:
+        return workflow in self._queue
+
+    @property
+    def growth(self) -> float:
+        return self._growth
+
+    # -- derived state ----------------------------------------------------------------------------
+    def _block_size(self) -> int:
+        t = self._tel
+        return t.block_size if t is not None and t.block_size else self.config.default_block_size
+
+    def _est_tokens(self, root: PendingRoot) -> int:
+        return self.config.unknown_prefill_tokens if root.prefill_tokens is None else root.prefill_tokens
+
+    def footprint_blocks(self, root: PendingRoot) -> int:
+        """KV blocks this root is expected to need: its prefix, scaled by the learned growth."""
+        return math.ceil(self._est_tokens(root) * self._growth / self._block_size())
+
+    def _is_long(self, tokens: int) -> bool:
+        lim = self.config.long_prefill_tokens
+        return lim > 0 and tokens > lim
+
+    def _telemetry_usable(self) -> bool:
+        t = self._tel
+        return t is not None and t.free_blocks is not None and bool(t.total_blocks)
+
+    def _usage(self) -> float | None:
+        t = self._tel
+        if t is None:
+            return None
+        if t.kv_usage is not None:
+            return t.kv_usage
+        if t.free_blocks is not None and t.total_blocks:
+            return 1.0 - t.free_blocks / t.total_blocks
+        return None
+
+    def _promised(self) -> int:
+        """Blocks of admitted roots that the last telemetry cannot show yet."""
+        t = self._tel
+        ts = t.ts if t is not None else -math.inf
+        return sum(a.blocks for a in self._active.values() if ts < a.admitted_at + self.config.promise_s)
+
+    def budget_blocks(self) -> int | None:
+        """Free blocks above the guard margin, minus promises; None when telemetry is missing."""
+        if not self._telemetry_usable():
+            return None
+        t = self._tel
+        assert t is not None and t.free_blocks is not None and t.total_blocks
+        reserve = math.ceil(t.total_blocks * (1 - self.config.kv_target))
+        return max(0, t.free_blocks - reserve - self._promised())
+
+    def _cpu_state(self) -> tuple[float | None, bool, bool]:
+        """(in-flight per worker, overloaded, healthy) with hysteresis on the overloaded flag."""
+        cfg, t = self.config, self._tel
+        ratio = wait = None
+        if t is not None and t.tools_in_flight is not None:
+            ratio = t.tools_in_flight / max(1, t.tool_workers or 1)
+        if t is not None:
+            wait = t.tool_queue_wait_s
+        high = (ratio is not None and ratio >= cfg.cpu_backlog_high) or (
+            wait is not None and wait >= cfg.cpu_wait_high_s)
+        healthy = (ratio is None or ratio <= cfg.cpu_backlog_low) and (wait is None or wait <= cfg.cpu_wait_low_s)
+        if high:
+            overloaded = True
+        elif healthy:
+            overloaded = False
+        else:
+            overloaded = self._cpu_overloaded
+        return ratio, overloaded, healthy
+
+    def _caps(self) -> tuple[int, int]:
+        cfg, t = self.config, self._tel
+        lo, hi = cfg.window_min, cfg.window_max
+        cpu_cap = hi
+        if t is not None and t.tool_workers:
+            mid = max(0.1, (cfg.cpu_backlog_low + cfg.cpu_backlog_high) / 2)
+            cpu_cap = min(hi, max(lo, math.ceil(t.tool_workers * mid)))
+        usage = self._usage()
+        if self._stale:
+            kv_cap = lo
+        elif usage is None or usage <= cfg.kv_low:
+            kv_cap = hi
+        elif usage >= cfg.kv_target:
+            kv_cap = lo
+        else:
+            frac = (usage - cfg.kv_low) / (cfg.kv_target - cfg.kv_low)
+            kv_cap = min(hi, max(lo, round(hi - frac * (hi - lo))))
+        return cpu_cap, kv_cap
+
+    def _set_pressure(self, now: float, kind: str, state: bool, inputs: dict) -> None:
+        attr = {"kv": "_kv_overloaded", "cpu": "_cpu_overloaded", "telemetry": "_stale"}[kind]
+        if getattr(self, attr) != state:
+            setattr(self, attr, state)
+            self._events.append(AdmissionEvent(now, "admission_pressure",
+                                               {"controller": self.name, "kind": kind, "overloaded": state,
+                                                **inputs}))
+
+    def _inputs(self, now: float) -> dict:
+        t = self._tel
+        ratio, _, _ = self._cpu_state()
+        return {
+            "telemetry_age_s": None if t is None else round(now - t.ts, 6),
+            "free_blocks": None if t is None else t.free_blocks,
+            "total_blocks": None if t is None else t.total_blocks,
+            "kv_usage": self._usage(),
+            "tools_in_flight": None if t is None else t.tools_in_flight,
+            "tool_workers": None if t is None else t.tool_workers,
+            "tool_queue_wait_s": None if t is None else t.tool_queue_wait_s,
+            "cpu_backlog_ratio": ratio,
+        }
+
+    # -- the control step -------------------------------------------------------------------------
+    def _update_pressure(self, now: float) -> None:
+        cfg, t = self.config, self._tel
+        inputs = self._inputs(now)
+        self._set_pressure(now, "telemetry", t is not None and now - t.ts > cfg.stale_s, inputs)
+        usage = self._usage()
+        if usage is not None and not self._stale:
+            if usage >= cfg.kv_target:
+                self._set_pressure(now, "kv", True, inputs)
+            elif usage <= cfg.kv_low:
+                self._set_pressure(now, "kv", False, inputs)
+        _, cpu_over, _ = self._cpu_state()
+        self._set_pressure(now, "cpu", cpu_over, inputs)
+
+    def _update_window(self, now: float) -> None:
+        cfg = self.config
+        if self._last_window_update is not None and now - self._last_window_update < cfg.interval_s - 1e-9:
+            return
+        self._last_window_update = now
+        if not self._telemetry_usable() and self._tel is None:
+            return  # nothing to react to; the fixed no-telemetry window applies
+        prev = self.window
+        ratio, cpu_over, cpu_healthy = self._cpu_state()
+        usage = self._usage()
+        budget = self.budget_blocks()
+        overloaded = self._kv_overloaded or cpu_over or self._stale
+        if overloaded:
+            w = max(cfg.window_min, math.floor(self.window * cfg.dec_factor))
+        elif cpu_healthy and (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0):
+            w = min(cfg.window_max, self.window + cfg.inc)
+        else:
+            w = self.window
+        cpu_cap, kv_cap = self._caps()
+        w = max(cfg.window_min, min(w, cpu_cap, kv_cap))
+        self.window = w
+        if w != prev:
+            self._events.append(AdmissionEvent(now, "admission_window", {
+                "controller": self.name, "prev": prev, "new": w, "cpu_cap": cpu_cap, "kv_cap": kv_cap,
+                "overloaded": overloaded, "kv_overloaded": self._kv_overloaded, "cpu_overloaded": cpu_over,
+                "stale": self._stale, "cpu_healthy": cpu_healthy, "kv_budget_blocks": budget,
+                **self._inputs(now)}))
+
+    def limit(self) -> int:
+        """Active-root limit now."""
+        if not self._telemetry_usable():
+            return min(self.config.no_telemetry_window, self.config.window_max)
+        cpu_cap, kv_cap = self._caps()
+        return max(self.config.window_min, min(self.window, cpu_cap, kv_cap))
+
+    def tick(self, now: float) -> list[str]:
+        self._update_pressure(now)
+        self._update_window(now)
+        if not self._queue:
+            return []
+        limit = self.limit()
+        slots = limit - len(self._active)
+        budget = self.budget_blocks()
+        # limit >= window_min >= 1, so an empty active set always has a slot
+        admitted = self._select(slots, budget) if slots > 0 else []
+        if not admitted:
+            return []
+        ctx = {"controller": self.name, "limit": limit, "window": self.window, "kv_budget_blocks": budget,
+               "growth": round(self._growth, 4), **self._inputs(now)}
+        remaining = budget
+        out = []
+        for root, mode, blocks in admitted:
+            tokens = self._est_tokens(root)
+            if remaining is not None:
+                remaining = max(0, remaining - blocks)
+            self._active[root.workflow] = _Active(root.workflow, now, blocks, self._is_long(tokens), tokens)
+            del self._queue[root.workflow]
+            self._seq.pop(root.workflow, None)
+            self.num_admitted += 1
+            out.append(root.workflow)
+            self._events.append(AdmissionEvent(now, "admission_admit", {
+                **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
+                "footprint_blocks": blocks, "long": self._is_long(tokens), "kv_budget_remaining": remaining,
+                "active": len(self._active), "queued": len(self._queue), "waited_s": round(now - root.arrival, 6)}))
+        logger.debug("admitted %s (limit %s, budget %s)", out, limit, budget)
+        return out
+
+    def _select(self, slots: int, budget: int | None) -> list[tuple[PendingRoot, str, int]]:
+        """Pick up to ``slots`` roots: (root, mode, footprint blocks)."""
+        queue = list(self._queue.values())
+        if budget is None:  # missing telemetry: a small fixed window in arrival order
+            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r)) for r in queue[:slots]]
+        foot = {r.workflow: self.footprint_blocks(r) for r in queue}
+        short = [r for r in queue if not self._is_long(self._est_tokens(r))]
+        if not short:
+            return self._drain(queue, slots, budget, foot)
+        _, cpu_over, cpu_healthy = self._cpu_state()
+        usage = self._usage()
+        light = (not (self._kv_overloaded or cpu_over or self._stale) and cpu_healthy
+                 and (usage is None or usage <= self.config.kv_low) and budget > 0
+                 and len(queue) <= slots and sum(foot.values()) <= budget)
+        if light:
+            order, mode = queue, "light_fcfs"
+        elif cpu_over:
+            order = sorted(queue, key=lambda r: (-foot[r.workflow], self._seq[r.workflow]))
+            mode = "cpu_overloaded_large_first"
+        else:
+            order = sorted(queue, key=lambda r: (foot[r.workflow], self._seq[r.workflow]))
+            mode = "smallest_fit"
+        out, remaining = [], budget
+        for r in order:
+            if len(out) >= slots:
+                break
+            b = foot[r.workflow]
+            if b <= remaining:
+                out.append((r, mode, b))
+                remaining -= b
+        if not out and not self._active:
+            oldest = queue[0]
+            out.append((oldest, "oldest_alone", foot[oldest.workflow]))
+        return out
+
+    def _drain(self, queue: list[PendingRoot], slots: int, budget: int,
+               foot: dict[str, int]) -> list[tuple[PendingRoot, str, int]]:
+        """Only long roots wait: arrival order within the live budget, one at a time while any
+        earlier admission is active; the oldest alone when none fits and nothing is active."""
+        cap = 1 if self._active else slots
+        out, remaining = [], budget
+        for r in queue:
+            if len(out) >= cap:
+                break
+            b = foot[r.workflow]
+            if b <= remaining:
+                out.append((r, "drain_fit", b))
+                remaining -= b
+        if not out and not self._active:
+            out.append((queue[0], "drain_oldest_alone", foot[queue[0].workflow]))
+        return out
+
+    def snapshot(self) -> dict:
+        """State for /metrics and debugging."""
+        return {"controller": self.name, "window": self.window, "limit": self.limit(),
+                "active": len(self._active), "queued": len(self._queue), "admitted": self.num_admitted,
+                "kv_budget_blocks": self.budget_blocks(), "growth": self._growth,
+                "kv_overloaded": self._kv_overloaded, "cpu_overloaded": self._cpu_overloaded,
+                "stale": self._stale, "config": asdict(self.config)}
