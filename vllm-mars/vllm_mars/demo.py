@@ -73,7 +73,7 @@ def run_engine_workload(engine, workflows: list[DemoWorkflow], seed: int = 0) ->
     return time.perf_counter() - t0
 
 
-def run_demo(policy: str = "fcfs", workflows: int = 8, turns: int = 3, num_blocks: int = 48,
+def run_demo(policy: str = "fcfs", workflows: int = 16, turns: int = 3, num_blocks: int = 40,
              model: str | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.engine.arg_utils import EngineArgs

@@ -24,10 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="multi-turn requests through the CPU engine with MarsScheduler; "
                                     "prints a latency table")
     p.add_argument("--policy", default="fcfs", help="scheduling policy (see `mars policies`)")
-    p.add_argument("--workflows", type=int, default=8, help="concurrent workflows (default 8)")
+    p.add_argument("--workflows", type=int, default=16, help="concurrent workflows (default 16)")
     p.add_argument("--turns", type=int, default=3, help="turns per workflow (default 3)")
-    p.add_argument("--num-blocks", type=int, default=48,
-                   help="KV blocks of 32 tokens; small enough to force preemption (default 48)")
+    p.add_argument("--num-blocks", type=int, default=40,
+                   help="KV blocks of 32 tokens; small enough to force preemption (default 40)")
     p.set_defaults(func=_demo)
 
 

@@ -1,0 +1,53 @@
+"""The real vLLM OpenAI server on 127.0.0.1 with MarsScheduler: serves, and vllm_xargs reach us."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+
+def _sched_events(server, request_marker: str, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.sched_log.exists():
+            recs = [json.loads(line) for line in server.sched_log.read_text().splitlines() if line.strip()]
+            hits = [r for r in recs if request_marker in r["request_id"]]
+            if any(r["event"] == "end" for r in hits):
+                return hits
+        time.sleep(0.2)
+    raise AssertionError(f"no scheduler events for {request_marker}")
+
+
+def test_completions_with_workflow_xargs_reach_mars_scheduler(openai_server):
+    body = {"model": "tiny", "prompt": "def foo(x):", "max_tokens": 7, "ignore_eos": True, "temperature": 0,
+            "vllm_xargs": {"mars_workflow": "wf-42", "mars_root": "root-1", "mars_turn": 3,
+                           "mars_last_step": False, "mars_tool": "bash"}}
+    r = httpx.post(openai_server.url + "/v1/completions", json=body, headers={"X-Request-Id": "xargs-1"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 7
+    events = _sched_events(openai_server, "xargs-1")
+    arrive = next(e for e in events if e["event"] == "arrive")
+    assert (arrive["workflow"], arrive["root"], arrive["turn"], arrive["last_step"], arrive["tool"],
+            arrive["tagged"]) == ("wf-42", "root-1", 3, False, "bash", True)
+    end = next(e for e in events if e["event"] == "end")
+    assert end["output_tokens"] == 7 and end["aborted"] is False
+
+
+def test_chat_completion_without_tags_is_a_one_call_workflow(openai_server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+            "ignore_eos": True}
+    r = httpx.post(openai_server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "plain-1"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    arrive = next(e for e in _sched_events(openai_server, "plain-1") if e["event"] == "arrive")
+    assert arrive["tagged"] is False and arrive["last_step"] is True
+
+
+def test_metrics_expose_kv_usage_and_block_count(openai_server):
+    text = httpx.get(openai_server.url + "/metrics", timeout=10).text
+    assert "vllm:kv_cache_usage_perc" in text
+    assert 'num_gpu_blocks="256"' in text
