@@ -248,3 +248,11 @@ def write_workload(path: str | Path, workflows: Iterable[Workflow]) -> int:
             f.write(dump_line(wf) + "\n")
             n += 1
     return n
+
+
+def sniff_schema(path: str | Path) -> str | None:
+    """The ``schema`` field of the first record (``mars_workload_v1``, ``mas_task_v1``, ...)."""
+    for _, obj in iter_json_lines(path):
+        s = obj.get("schema")
+        return s if isinstance(s, str) else None
+    return None

@@ -1,0 +1,113 @@
+"""``mars gen-workload``, ``mars convert weka|tracelab`` and ``mars workload-stats``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gen-workload", help="generate a synthetic workload (ILR-1..4, compact) as schema-v1 JSONL",
+                       description="Seeded generator for the input-length regimes ILR-1..4 and other presets "
+                                   "(TOML files in benchmark/workloads or $MARS_WORKLOADS_DIR). "
+                                   "See docs/workloads.md for the operationalisation.")
+    p.add_argument("--preset", default="ILR-1", help="preset name or TOML path (default ILR-1)")
+    p.add_argument("--num-workflows", type=int, help="root workflows (default: the preset's, 400 for ILR)")
+    p.add_argument("--scale", type=float, help="divide every token count by K (e.g. 32 for CPU runs)")
+    p.add_argument("--seed", type=int, help="base seed (default: the preset's, 0)")
+    p.add_argument("-o", "--output", required=True, help="output JSONL path")
+    p.set_defaults(func=_gen)
+
+    p = sub.add_parser("convert", help="convert agent traces to schema-v1 JSONL")
+    csub = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    w = csub.add_parser("weka", help="agentic-coding session traces (kv-cache-tester JSON; sub-agents -> children)")
+    w.add_argument("src", help="directory of trace_*.json files, or one file")
+    w.add_argument("-o", "--output", required=True, help="output JSONL path")
+    w.add_argument("--scale", type=float, default=1.0, help="divide every token count by K (default 1)")
+    w.add_argument("--max-tool-s", type=float, default=300.0,
+                   help="cap of a gap between calls, seconds; longer gaps are a user away (default 300)")
+    w.add_argument("--limit", type=int, help="convert only the first N traces (sorted by name)")
+    w.set_defaults(func=_convert_weka)
+    t = csub.add_parser("tracelab", help="TraceLab per-round CSV (session_id, arrival_time, round_idx, ...)")
+    t.add_argument("src", help="CSV file")
+    t.add_argument("-o", "--output", required=True, help="output JSONL path")
+    t.add_argument("--scale", type=float, default=1.0, help="divide every token count by K (default 1)")
+    t.add_argument("--unshared-prefix", action="store_true",
+                   help="do not share round 0's prefix_len tokens across sessions")
+    t.set_defaults(func=_convert_tracelab)
+
+    p = sub.add_parser("workload-stats", help="validate a schema-v1 workload and print its statistics")
+    p.add_argument("path", help="workload JSONL")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_stats)
+
+
+def _gen(args: argparse.Namespace) -> int:
+    from vllm_mars.workload.ilr import generate, load_preset
+    from vllm_mars.workload.schema import write_workload
+
+    cfg = load_preset(args.preset, num_workflows=args.num_workflows, scale=args.scale, seed=args.seed)
+    n = write_workload(args.output, generate(cfg))
+    print(f"wrote {n} workflows ({cfg.name}, scale {cfg.scale:g}, seed {cfg.seed}) to {args.output}")
+    return 0
+
+
+def _convert_weka(args: argparse.Namespace) -> int:
+    from vllm_mars.workload.schema import write_workload
+    from vllm_mars.workload.weka import convert_dir
+
+    wfs = convert_dir(args.src, scale=args.scale, max_tool_s=args.max_tool_s, limit=args.limit)
+    n = write_workload(args.output, wfs)
+    kids = sum(len(list(w.walk())) - 1 for w in wfs)
+    print(f"wrote {n} workflows ({kids} sub-agent children) to {args.output}")
+    return 0
+
+
+def _convert_tracelab(args: argparse.Namespace) -> int:
+    from vllm_mars.workload.schema import write_workload
+    from vllm_mars.workload.tracelab import convert_csv
+
+    n = write_workload(args.output, convert_csv(args.src, scale=args.scale,
+                                                shared_first_prefix=not args.unshared_prefix))
+    print(f"wrote {n} workflows to {args.output}")
+    return 0
+
+
+def workload_stats(path: str) -> dict:
+    """Counts and token/tool statistics of a schema-v1 workload (validates it)."""
+    from vllm_mars.workload.schema import load_workload
+
+    roots = load_workload(path)
+    allw = [w for r in roots for w in r.walk()]
+    turns = [t for w in allw for t in w.turns]
+    tools = [t.tool_s for w in allw for t in w.turns[:-1]]
+
+    def pct(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        if not xs:
+            return {}
+        return {"min": xs[0], "p50": xs[len(xs) // 2], "p90": xs[int(0.9 * (len(xs) - 1))], "max": xs[-1],
+                "mean": round(statistics.fmean(xs), 3)}
+
+    return {
+        "path": path, "workflows": len(roots), "children": len(allw) - len(roots), "calls": len(turns),
+        "turns_per_workflow": pct([len(w.turns) for w in roots]),
+        "initial_tokens": pct([w.initial_tokens for w in allw]),
+        "final_prompt_tokens": pct([w.final_prompt_tokens() for w in allw]),
+        "append_tokens": pct([t.append_tokens for w in allw for t in w.turns[1:]]),
+        "output_tokens": pct([t.output_tokens for t in turns]),
+        "tool_s": pct(tools),
+        "total_output_tokens": sum(t.output_tokens for t in turns),
+        "total_tool_s": round(sum(tools), 3),
+    }
+
+
+def _stats(args: argparse.Namespace) -> int:
+    s = workload_stats(args.path)
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    for k, v in s.items():
+        print(f"{k:22s} {v}")
+    return 0
