@@ -145,11 +145,11 @@ def load_preset(name_or_path: str | Path, **overrides: Any) -> IlrConfig:
 # ---------------------------------------------------------------------- generation
 def _loguniform(rng: random.Random, band: tuple[int, int]) -> int:
     lo, hi = band
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
 def _sc(n: int, scale: float) -> int:
-    return max(1, int(round(n / scale)))
+    return max(1, round(n / scale))
 
 
 def _turns(rng: random.Random, cfg: IlrConfig, tools: ToolMix, n: int) -> list[Turn]:

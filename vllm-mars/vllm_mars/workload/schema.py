@@ -161,8 +161,7 @@ def error_from_validation(path: str | Path, line: int | None, e: ValidationError
     errs = e.errors(include_url=False)
     first = errs[0]
     msg = first["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    msg = msg.removeprefix("Value error, ")
     if first["type"] == "literal_error":
         msg += f" (got {first.get('input')!r})"
     if first["type"] == "extra_forbidden":

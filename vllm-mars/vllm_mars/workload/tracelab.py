@@ -83,7 +83,7 @@ def convert_csv(path: str | Path, scale: float = 1.0, shared_first_prefix: bool 
     t0 = min(rec["arrival"] for rows in sessions.values() for _, _, rec in rows)
 
     def sc(n: int, minimum: int = 0) -> int:
-        return max(minimum, int(round(n / scale)))
+        return max(minimum, round(n / scale))
 
     out = []
     for sid, rows in sessions.items():

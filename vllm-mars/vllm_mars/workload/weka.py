@@ -24,6 +24,7 @@ tokens, at least 1); times are unchanged.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ DEFAULT_MAX_TOOL_S = 300.0
 
 
 def _scaled(n: float, scale: float, minimum: int = 0) -> int:
-    return max(minimum, int(round(n / scale)))
+    return max(minimum, round(n / scale))
 
 
 def _calls(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,7 +60,7 @@ def _convert_session(path: Path, trace_id: str, wid: str, requests: list[dict[st
     calls = _calls(requests)
     if not calls:
         raise WorkloadError(path, None, where, "a session without any non-subagent request")
-    bt = max(1, int(round(block / scale)))
+    bt = max(1, round(block / scale))
     first = calls[0]
     hashes = _need(first, "hash_ids", path, f"{where}[0]")
     first_in = int(_need(first, "in", path, f"{where}[0]"))
@@ -153,7 +154,7 @@ def iter_gaps(src: str | Path, max_gap_s: float = DEFAULT_MAX_TOOL_S) -> Iterato
     """
     def walk(reqs: list[dict[str, Any]]) -> Iterator[float]:
         calls = _calls(reqs)
-        for a, b in zip(calls, calls[1:]):
+        for a, b in itertools.pairwise(calls):
             if "api_time" in a:
                 g = b["t"] - a["t"] - float(a["api_time"])
                 if 0 < g <= max_gap_s:
