@@ -389,3 +389,25 @@ def test_materialize_all_matches_generator_sizes():
     for w, p in zip(roots, plans):
         assert p.prefill_estimate == w.initial_tokens and p.final_prompt_tokens() == w.final_prompt_tokens()
         assert [len(t.appended_ids) for t in p.turns] == [t.append_tokens for t in w.turns]
+
+
+def test_weka_converter_errors_and_tool_cmd_passthrough(tmp_path):
+    bad = tmp_path / "trace_bad.json"
+    bad.write_text(json.dumps({"id": "tb", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 70, "out": 5, "hash_ids": [1], "api_time": 1.0},
+        {"t": 3.0, "type": "n", "in": 90, "hash_ids": [1], "api_time": 1.0}]}))
+    with pytest.raises(WorkloadError, match=r"trace_bad.json: requests\[1\].out: missing"):
+        weka.convert_trace(bad)
+    bad.write_text("{")
+    with pytest.raises(WorkloadError, match="invalid JSON"):
+        weka.convert_trace(bad)
+    ok = tmp_path / "trace_ok.json"
+    ok.write_text(json.dumps({"id": "tok", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 70, "out": 5, "hash_ids": [1], "api_time": 1.0},
+        {"t": 3.5, "type": "n", "in": 90, "out": 7, "hash_ids": [1], "api_time": 1.0}]}))
+    (w,) = weka.convert_dir(ok)
+    assert (w.prefix[0].key, w.prompt_tokens, w.turns[0].tool_s, w.turns[1].append_tokens) == ("tok:1", 6, 2.5, 15)
+    p = write_lines(tmp_path, [wf("a", turns=[{"output_tokens": 2, "tool_s": 1, "tool": "bash",
+                                               "tool_cmd": "echo hi"}, {"append_tokens": 1, "output_tokens": 1}])])
+    (plan,) = load_plans(p)
+    assert (plan.turns[0].tool_cmd, plan.turns[0].tool_name, plan.turns[1].tool_cmd) == ("echo hi", "bash", None)
