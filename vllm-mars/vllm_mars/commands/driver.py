@@ -1,0 +1,179 @@
+"""``mars replay``, ``mars compare`` and ``mars report``: the task driver's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _kv(items: list[str] | None, flag: str) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _floats(s: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {s!r}: expected comma-separated numbers") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ValueError(f"{flag} {s!r}: expected positive numbers")
+    return vals
+
+
+def _common(p: argparse.ArgumentParser, compare: bool) -> None:
+    from vllm_mars.driver.runner import DEFAULT_WORKLOAD
+
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                   help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
+    p.add_argument("--num-workflows", type=int, default=None,
+                   help="root workflows to run (default: all in the file; more cycles the file)")
+    p.add_argument("--arrival", choices=("fixed", "poisson", "trace"), default="fixed",
+                   help="arrival process: fixed i/rps, poisson at rate rps, or the workload's arrival_s")
+    p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
+                                                  "the served model name (default: the server's first)")
+    p.add_argument("--num-blocks", type=int, default=64 if compare else 96,
+                   help="KV blocks of the in-process engine (small = KV pressure; default %(default)s)")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens, a multiple of 32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context limit (lowered to what the KV holds)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
+    p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
+                   help="scheduler policy option (repeatable; see `mars policies`)")
+    p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
+                   help="admission controller option (repeatable), e.g. window_max=16")
+    p.add_argument("--tools", choices=("simulated", "real"), default="simulated",
+                   help="simulated: sleep the recorded tool time (default); real: run tool commands in a sandbox")
+    p.add_argument("--cpu-tool", default=os.environ.get("CPU_TOOL"),
+                   help="tool cores, e.g. 0-3 (env CPU_TOOL); real tools pin one call per core")
+    p.add_argument("--cpu-gpu", default=os.environ.get("CPU_GPU"),
+                   help="cores for the driver and engine, e.g. 4-7 (env CPU_GPU)")
+    p.add_argument("--tool-timeout", type=float, default=300.0, help="real tool timeout in seconds (default 300)")
+    p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
+                   help="real-tool write sandbox (default auto: bwrap, else Landlock)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the cost-model calibration (no T_ideal, so no goodput)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--out", default=None, help="output dir (default: runs/<timestamp>_...)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a workload through the engine with one policy; writes a run dir",
+                       description="Replay agent workflows (token-id prompts growing turn by turn, recorded "
+                                   "output lengths, simulated or real tools) through vLLM with one policy. "
+                                   "Writes run_config.json, events.jsonl, traces.jsonl, summary.json, report.md.")
+    _common(p, compare=False)
+    p.add_argument("--policy", default=os.environ.get("SCHEDULING_POLICY", "fcfs"),
+                   help="scheduler policy, or mars (MARS admission + mars), concur (CONCUR + fcfs), "
+                        "mars-no-admission (env SCHEDULING_POLICY; default fcfs)")
+    p.add_argument("--rps", type=float, default=float(os.environ.get("RPS", "1.0")),
+                   help="root arrivals per second (env RPS; default 1.0)")
+    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+                   help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "
+                        "scheduler policy applies; --policy then selects only the admission controller)")
+    p.add_argument("--url", default=None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
+    p.set_defaults(func=_replay)
+
+    p = sub.add_parser("compare", help="run several policies on the same workload; prints the comparison table",
+                       description="Each policy at each rps on the same workload and engine settings, one after "
+                                   "another in this process. Prints the speedup of mars's mean E2E over the "
+                                   "fastest baseline per rps and goodput per policy; writes compare.json and "
+                                   "report.md. With no arguments: the bundled compact workload, tiny CPU model, "
+                                   "64 KV blocks, mars vs fcfs.")
+    _common(p, compare=True)
+    p.add_argument("--policies", default="mars,fcfs", help="comma-separated policies (default mars,fcfs)")
+    p.add_argument("--rps", default="2.0", help="comma-separated arrival rates (default 2.0)")
+    p.set_defaults(func=_compare)
+
+    p = sub.add_parser("report", help="recompute summary.json and report.md of a run or compare dir")
+    p.add_argument("run_dir", help="a directory written by mars replay or mars compare")
+    p.set_defaults(func=_report)
+
+
+def _config(args: argparse.Namespace, **kw):
+    from vllm_mars.driver.runner import ReplayConfig
+
+    return ReplayConfig(
+        workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
+        model=args.model, num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        policy_options=_kv(args.policy_option, "--policy-option"),
+        admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
+        cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
+        calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
+        **kw)
+
+
+def _check_workload(path: str) -> None:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"workload {path} not found")
+
+
+def _replay(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_mars.driver.runner import run_replay
+    from vllm_mars.metrics.report import summary_table
+
+    _check_workload(args.workload)
+    cfg = _config(args, policy=args.policy, rps=args.rps, backend=args.backend, url=args.url)
+    out, _ = run_replay(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    print(summary_table([(args.policy, summary)]))
+    print(f"\nrun dir: {out}")
+    return 0 if summary.get("errors", 0) == 0 else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_mars.driver.compare import run_compare
+    from vllm_mars.metrics.compare import format_table
+
+    _check_workload(args.workload)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    cfg = _config(args)
+    out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
+    print(format_table(record))
+    print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "
+          f"report: {out / 'report.md'}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from vllm_mars.metrics.compare import format_table, write_compare_report
+    from vllm_mars.metrics.events import read_events
+    from vllm_mars.metrics.report import summary_table, write_run_report
+    from vllm_mars.metrics.summary import summarize
+
+    d = Path(args.run_dir)
+    if (d / "compare.json").exists():
+        record = json.loads((d / "compare.json").read_text())
+        summaries = {}
+        for c in record["cells"]:
+            for p, info in c["policies"].items():
+                if info.get("run_dir") and Path(info["run_dir"]).exists():
+                    s = summarize(read_events(info["run_dir"]))
+                    Path(info["run_dir"], "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+                    write_run_report(info["run_dir"], s)
+                    summaries.setdefault(c["rps"], {})[p] = s
+        write_compare_report(d, record, summaries)
+        print(format_table(record))
+        print(f"\nreport: {d / 'report.md'}")
+        return 0
+    summary = summarize(read_events(d))
+    (d / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    path = write_run_report(d, summary)
+    print(summary_table([(str(summary.get("policy")), summary)]))
+    print(f"\nreport: {path}")
+    return 0

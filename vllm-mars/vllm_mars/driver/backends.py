@@ -1,0 +1,393 @@
+"""Engines behind one ``Backend`` protocol: the in-process vLLM engine and an OpenAI HTTP server.
+
+Both take token-id prompts (so lengths are exact and shared prefixes really are shared), generate
+exactly ``max_tokens`` tokens (``ignore_eos``), carry the workflow metadata as ``extra_args`` /
+``vllm_xargs`` (``mars_*`` keys, see ``vllm_mars.workflow``) and report engine state samples for
+telemetry and metrics.
+
+In-process: vLLM 0.32's ``AsyncLLM`` always runs the engine core in a child process (in-process
+asyncio mode raises NotImplementedError), which hides the scheduler. The driver wants telemetry
+straight from the scheduler, so this backend runs ``LLMEngine`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on a dedicated stepper thread: requests go in through a
+command queue, outputs come back to the asyncio loop with ``call_soon_threadsafe``, and the
+scheduler (``engine.engine_core.engine_core.scheduler``) is sampled after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallResult:
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int | None
+    first_token_ts: float | None
+    end_ts: float
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One reading of engine state; ``None`` fields are unknown to this backend."""
+
+    ts: float
+    free_blocks: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+    kv_usage: float | None = None
+    retained_blocks: int | None = None
+    preemptions: int | None = None
+    recomputed_tokens: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class Backend(Protocol):
+    name: str
+    #: tokenizer vocabulary size (token ids in prompts must be below it); None until started
+    vocab_size: int | None
+
+    async def start(self) -> None: ...
+
+    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                       extra_args: Mapping[str, Any]) -> CallResult: ...
+
+    def sample(self) -> EngineSample:
+        """The latest engine state (cheap; called by the telemetry loop)."""
+        ...
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Counters for the summary (policy, preemptions, recomputed tokens, retention)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessBackend:
+    """vLLM's ``LLMEngine`` with MarsScheduler in this process, stepped on its own thread."""
+
+    name = "inprocess"
+
+    def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
+                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
+                 block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 1024, seed: int = 0, **engine_extra: Any) -> None:
+        self.model = model
+        self.clock = clock
+        self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
+                           block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
+        self.vocab_size: int | None = None
+        self.engine = None
+        self.scheduler = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, tuple[asyncio.Future, dict[str, Any]]] = {}
+        self._sample = EngineSample(0.0)
+        self._stats: dict[str, Any] = {}
+        self._error: BaseException | None = None
+
+    async def start(self) -> None:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from vllm_mars.engine.local import engine_kwargs
+
+        kw = engine_kwargs(self.model, disable_log_stats=True, **self.kwargs)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        if core is None:
+            raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
+                               "is imported (the engine core runs in another process)")
+        self.scheduler = core.scheduler
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self._snapshot()
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mars-engine-stepper", daemon=True)
+        self._thread.start()
+
+    # -- the stepper thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.engine
+        try:
+            while not self._stop:
+                while True:
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    rid, prompt_ids, max_tokens, extra = cmd
+                    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                                        extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
+                    engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outs = engine.step()
+                now = self.clock()
+                self._snapshot(now)
+                for out in outs:
+                    self._loop.call_soon_threadsafe(self._on_output, out, now)
+        except BaseException as e:
+            logger.exception("engine stepper failed")
+            self._error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _snapshot(self, now: float | None = None) -> None:
+        s = self.scheduler
+        st = s.mars_stats()
+        free, total = st["free_blocks"], st["num_blocks"]
+        self._stats = st
+        self._sample = EngineSample(
+            ts=self.clock() if now is None else now, free_blocks=free, num_blocks=total,
+            block_size=st["block_size"], kv_usage=(1.0 - free / total) if total else None,
+            retained_blocks=st["retained_blocks"], preemptions=st["preemptions"],
+            recomputed_tokens=st["recomputed_tokens"], running=len(s.running), waiting=len(s.waiting))
+
+    # -- the asyncio side -------------------------------------------------------------------------
+    def _on_output(self, out: Any, now: float) -> None:
+        entry = self._pending.get(out.request_id)
+        if entry is None:
+            return
+        fut, acc = entry
+        comp = out.outputs[0] if out.outputs else None
+        if comp is not None and comp.token_ids:
+            if acc["first"] is None:
+                acc["first"] = now
+            acc["ids"].extend(comp.token_ids)
+        if out.num_cached_tokens is not None:
+            acc["cached"] = out.num_cached_tokens
+        if out.finished:
+            del self._pending[out.request_id]
+            if not fut.done():
+                fut.set_result(CallResult(acc["ids"], acc["prompt"], acc["cached"],
+                                          acc["first"], now, comp.finish_reason if comp else None))
+
+    def _fail_all(self, e: BaseException) -> None:
+        for fut, _ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"engine failed: {e!r}"))
+        self._pending.clear()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                       extra_args: Mapping[str, Any]) -> CallResult:
+        if self._error is not None:
+            raise RuntimeError(f"engine failed: {self._error!r}")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (fut, {"ids": [], "first": None, "cached": None, "prompt": len(prompt_ids)})
+        self._cmds.put((request_id, list(prompt_ids), int(max_tokens), dict(extra_args)))
+        self._wake.set()
+        return await fut
+
+    def sample(self) -> EngineSample:
+        # Scheduler state only changes inside a step, and the snapshot is taken after every step:
+        # it is current now (a step in flight shows up when it ends).
+        return replace(self._sample, ts=self.clock())
+
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    async def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        if self.engine is not None:
+            try:
+                self.scheduler.release_retention()
+                self._snapshot()
+            except Exception:
+                logger.debug("retention release at close failed", exc_info=True)
+            try:
+                self.engine.engine_core.shutdown()
+            except Exception:
+                logger.debug("engine shutdown failed", exc_info=True)
+            self.engine = None
+            self.scheduler = None
+
+
+_METRIC_RE = re.compile(r'^(vllm:[a-zA-Z_]+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of each ``vllm:*`` sample over its labels; ``num_gpu_blocks``/``block_size`` from cache_config_info."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_RE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name == "vllm:cache_config_info" and labels:
+            for key in ("num_gpu_blocks", "block_size"):
+                lm = re.search(rf'{key}="(\d+)"', labels)
+                if lm:
+                    out[key] = float(lm.group(1))
+            continue
+        out[name] = out.get(name, 0.0) + v
+    return out
+
+
+class HTTPBackend:
+    """An OpenAI-compatible vLLM server: ``/v1/completions`` with token-id prompts and ``vllm_xargs``.
+
+    Telemetry comes from the server's ``/metrics`` (KV usage, running/waiting, preemptions), polled
+    every ``poll_s``; free blocks are derived from usage and ``cache_config_info``'s ``num_gpu_blocks``.
+    """
+
+    name = "http"
+
+    def __init__(self, url: str, clock: Callable[[], float], *, model: str | None = None,
+                 api_key: str | None = None, timeout_s: float = 600.0, poll_s: float = 0.2,
+                 vocab_size: int | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.clock = clock
+        self.model = model
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.vocab_size = vocab_size
+        self._client = None
+        self._poller: asyncio.Task | None = None
+        self._sample = EngineSample(0.0)
+        self._metrics: dict[str, float] = {}
+        self._metrics0: dict[str, float] | None = None
+
+    async def start(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers,
+                                         timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        try:
+            r = await self._client.get("/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"HTTP backend {self.url}: cannot list models ({e})") from e
+        models = [m["id"] for m in r.json().get("data", [])]
+        if self.model is None:
+            if not models:
+                raise RuntimeError(f"HTTP backend {self.url}: the server lists no model")
+            self.model = models[0]
+        if self.vocab_size is None:
+            self.vocab_size = 4096  # safe lower bound for the tiny model and any real tokenizer
+        await self._poll_once()
+        self._metrics0 = dict(self._metrics)
+        self._poller = asyncio.create_task(self._poll())
+
+    async def _poll_once(self) -> None:
+        import httpx
+
+        try:
+            r = await self._client.get("/metrics")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            logger.debug("metrics poll failed: %s", e)
+            return
+        m = parse_prometheus(r.text)
+        self._metrics = m
+        base = self._metrics0 or {}
+        usage = m.get("vllm:kv_cache_usage_perc")
+        total = int(m["num_gpu_blocks"]) if "num_gpu_blocks" in m else None
+        free = round(total * (1.0 - usage)) if total is not None and usage is not None else None
+        pre = m.get("vllm:num_preemptions")
+        self._sample = EngineSample(
+            ts=self.clock(), free_blocks=free, num_blocks=total,
+            block_size=int(m["block_size"]) if "block_size" in m else None, kv_usage=usage,
+            preemptions=int(pre - base.get("vllm:num_preemptions", 0.0)) if pre is not None else None,
+            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)))
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self._poll_once()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                       extra_args: Mapping[str, Any]) -> CallResult:
+        xargs = {k: (int(v) if isinstance(v, bool) else v) for k, v in extra_args.items() if v is not None}
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
+                "ignore_eos": True, "temperature": 0.0, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, "vllm_xargs": xargs}
+        ids: list[int] = []
+        first = None
+        usage: dict[str, Any] = {}
+        finish = None
+        async with self._client.stream("POST", "/v1/completions", json=body,
+                                       headers={"X-Request-Id": request_id}) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                raise RuntimeError(f"{request_id}: HTTP {r.status_code}: {text[:500]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise RuntimeError(f"{request_id}: server error {chunk['error']}")
+                for ch in chunk.get("choices") or ():
+                    toks = ch.get("token_ids") or []
+                    if toks and first is None:
+                        first = self.clock()
+                    ids.extend(toks)
+                    finish = ch.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return CallResult(ids, int(usage.get("prompt_tokens", len(prompt_ids))), details.get("cached_tokens"),
+                          first, self.clock(), finish)
+
+    def sample(self) -> EngineSample:
+        return self._sample
+
+    def engine_stats(self) -> dict[str, Any]:
+        base = self._metrics0 or {}
+        m = self._metrics
+        out: dict[str, Any] = {"source": f"{self.url}/metrics"}
+        for key, name in (("preemptions", "vllm:num_preemptions"), ("prefix_cache_hits", "vllm:prefix_cache_hits"),
+                          ("prefix_cache_queries", "vllm:prefix_cache_queries")):
+            if name in m:
+                out[key] = int(m[name] - base.get(name, 0.0))
+        return out
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            await self._poll_once()
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,79 @@
+"""What a driver policy name means: the engine's scheduling policy and the admission controller.
+
+``mars`` = MARS admission + the ``mars`` scheduler policy; ``concur`` = CONCUR admission + ``fcfs``;
+``mars-no-admission`` = the ``mars`` scheduler policy with every root admitted at once (the
+ablation); any other name = that scheduler policy with no admission control.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mars.admission.base import AdmissionController, NoneController
+
+_SPECIAL = {
+    "mars": ("mars", "mars"),
+    "concur": ("fcfs", "concur"),
+    "mars-no-admission": ("mars", "none"),
+}
+
+
+@dataclass(frozen=True)
+class DriverPolicy:
+    name: str
+    scheduler_policy: str
+    controller: str
+
+
+def resolve_policy(name: str) -> DriverPolicy:
+    sched, ctrl = _SPECIAL.get(name, (name, "none"))
+    return DriverPolicy(name, sched, ctrl)
+
+
+def driver_policy_names() -> list[str]:
+    """Every name ``mars replay --policy`` accepts: the registered scheduler policies plus the
+    admission variants (those whose scheduler policy is registered)."""
+    from vllm_mars.policies import available_policies
+
+    sched = list(available_policies())
+    names = list(sched)
+    for special, (s, _) in _SPECIAL.items():
+        if s in sched and special not in names:
+            names.append(special)
+    return names
+
+
+def check_policy(name: str) -> DriverPolicy:
+    """Resolve ``name``; a scheduler policy that is not registered raises ValueError listing the known ones."""
+    from vllm_mars.policies import available_policies
+
+    p = resolve_policy(name)
+    if p.scheduler_policy not in available_policies():
+        raise ValueError(f"policy {name!r} needs scheduler policy {p.scheduler_policy!r}, which is not registered; "
+                         f"available: {', '.join(driver_policy_names())}")
+    return p
+
+
+def make_controller(name: str, options: Mapping[str, Any] | None = None) -> AdmissionController:
+    if name == "none" and not options:
+        return NoneController()
+    try:
+        from vllm_mars.admission.base import make_controller as _make
+    except ImportError:  # the concrete controllers are not in this tree
+        raise ValueError(f"admission controller {name!r} is not available in this build") from None
+    return _make(name, dict(options or {}))
+
+
+def finish_root(ctrl: AdmissionController, workflow: str, now: float, final_tokens: int | None) -> None:
+    """``ctrl.finish``, passing the workflow's final context size where the controller takes it."""
+    try:
+        params = inspect.signature(ctrl.finish).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "final_tokens" in params:
+        ctrl.finish(workflow, now, final_tokens=final_tokens)
+    else:
+        ctrl.finish(workflow, now)

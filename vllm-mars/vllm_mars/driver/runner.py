@@ -1,0 +1,507 @@
+"""``run_replay``: one policy, one workload, one run directory.
+
+Roots arrive by the arrival process and are offered to the admission controller; admitted roots
+run as one asyncio task each (children as their own tasks, sharing the root's slot). A call's
+prompt is token ids that grow turn by turn (turn k = turn k-1 + its actual output + the tool
+output); each call generates exactly the recorded output length (``ignore_eos``). Tools run on
+the tool plane after each call. A control loop feeds the controller telemetry every
+``interval_s`` and ticks it; a sampler logs ``kv_sample`` events and drives the progress bar.
+
+Outputs (SPEC section 6): ``run_config.json``, ``events.jsonl``, ``traces.jsonl``,
+``summary.json`` and ``report.md`` with plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_mars.admission.base import PendingRoot, Telemetry
+from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
+from vllm_mars.driver.control import check_policy, finish_root, make_controller
+from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
+from vllm_mars.metrics.events import EventLog
+from vllm_mars.metrics.ideal import CostModel, ideal_time
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+#: The bundled compact workload (``mars compare`` with no arguments runs it).
+DEFAULT_WORKLOAD = REPO_ROOT / "benchmark" / "workloads" / "compact.jsonl"
+
+
+@dataclass
+class ReplayConfig:
+    """Everything one replay run needs; written to ``run_config.json``."""
+
+    #: schema-v1 JSONL workload
+    workload: str = str(DEFAULT_WORKLOAD)
+    #: driver policy: a scheduler policy name, or mars / concur / mars-no-admission
+    policy: str = "fcfs"
+    #: root arrivals per second (fixed and poisson processes)
+    rps: float = 1.0
+    #: fixed (i/rps), poisson (rate rps) or trace (the workload's arrival_s)
+    arrival: str = "fixed"
+    #: roots to run (None: every workflow in the file once; more than the file cycles it)
+    num_workflows: int | None = None
+    #: seed for token ids and Poisson arrivals
+    seed: int = 0
+    #: inprocess (vLLM LLMEngine in this process) or http (an OpenAI-compatible server)
+    backend: str = "inprocess"
+    #: server URL for the http backend
+    url: str | None = None
+    #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
+    model: str | None = None
+    #: KV blocks of the in-process engine (small = real KV pressure)
+    num_blocks: int | None = 96
+    block_size: int = 32
+    #: context limit of the engine (<= num_blocks * block_size)
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    #: scheduler policy options (additional_config["mars"] fields)
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    #: admission controller options (its config fields)
+    admission_options: dict[str, Any] = field(default_factory=dict)
+    #: simulated (sleep the recorded time) or real (sandboxed subprocesses)
+    tools: str = "simulated"
+    #: tool cores, e.g. "0-3" (real tools pin to them; simulated tools report their count)
+    cpu_tool: str | None = None
+    #: engine cores: the driver narrows its own affinity to them before starting the engine
+    cpu_gpu: str | None = None
+    tool_timeout_s: float = 300.0
+    #: auto, bwrap, landlock or none
+    sandbox: str = "auto"
+    #: kv_sample period (s)
+    sample_interval_s: float = 0.1
+    #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
+    calibrate: bool = True
+    #: seconds a single LLM call may take before the workflow fails
+    call_timeout_s: float = 600.0
+    #: output directory (None: runs/<timestamp>_<policy>)
+    out: str | None = None
+    #: live progress bar on stderr
+    progress: bool = True
+
+    def effective_max_model_len(self) -> int:
+        """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
+        if self.backend == "inprocess" and self.num_blocks:
+            return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        return self.max_model_len
+
+    def validate(self) -> None:
+        if self.arrival not in ARRIVAL_PROCESSES:
+            raise ValueError(f"arrival {self.arrival!r} unknown; allowed: {', '.join(ARRIVAL_PROCESSES)}")
+        if self.arrival != "trace" and not self.rps > 0:
+            raise ValueError(f"rps must be > 0, got {self.rps}")
+        if self.backend not in ("inprocess", "http"):
+            raise ValueError(f"backend {self.backend!r} unknown; allowed: inprocess, http")
+        if self.backend == "http" and not self.url:
+            raise ValueError("the http backend needs --url")
+        if self.num_workflows is not None and self.num_workflows < 1:
+            raise ValueError(f"num_workflows must be >= 1, got {self.num_workflows}")
+        if self.tools not in ("simulated", "real"):
+            raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
+        if self.sample_interval_s <= 0:
+            raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+
+
+class RunClock:
+    """Seconds since the run start (monotonic); before ``start`` it counts from construction."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.epoch = time.time()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.epoch = time.time()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def default_out_dir(policy: str) -> Path:
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    base = Path("runs") / f"{stamp}_{policy}"
+    out, n = base, 1
+    while out.exists():
+        out = Path(f"{base}_{n:02d}")
+        n += 1
+    return out
+
+
+def select_plans(plans: list, n: int | None) -> list:
+    """The first ``n`` roots, cycling the file with ids suffixed ``~k`` on the k-th repeat."""
+    if not plans:
+        raise ValueError("the workload has no workflows")
+    if n is None or n <= len(plans):
+        return plans[: n or len(plans)]
+    from dataclasses import replace
+
+    def renamed(p, suffix, root, parent):
+        wid = p.workflow_id + suffix
+        kids = [(k, renamed(c, suffix, root, wid)) for k, c in p.children]
+        return replace(p, workflow_id=wid, root_id=root, parent_id=parent, children=kids)
+
+    out = list(plans)
+    for i in range(len(plans), n):
+        p, rep = plans[i % len(plans)], i // len(plans)
+        out.append(renamed(p, f"~{rep}", p.workflow_id + f"~{rep}", None))
+    return out
+
+
+def check_context(plans: list, max_model_len: int) -> None:
+    for root in plans:
+        for p in root.walk():
+            need = p.final_prompt_tokens() + (p.turns[-1].output_tokens if p.turns else 0)
+            if need > max_model_len:
+                raise ValueError(f"workflow {p.workflow_id!r} reaches {need} tokens of context, above "
+                                 f"max_model_len={max_model_len}; raise --max-model-len or scale the workload down")
+
+
+async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, repeats: int = 2) -> CostModel:
+    """Fit the T_ideal cost model from solo calls on the idle engine (unique ids: no cache hits)."""
+    rng = random.Random(seed)
+    p1, p2, n = 32, min(512, max_model_len // 2), 33
+
+    async def solo(plen: int, out: int, i: int) -> float:
+        ids = [rng.randrange(3, vocab) for _ in range(plen)]
+        t = time.monotonic()
+        await backend.generate(f"mars-calibrate-{plen}-{out}-{i}", ids, out, {})
+        return time.monotonic() - t
+
+    await solo(p1, 2, -1)  # warm-up
+    t1 = min([await solo(p1, 1, i) for i in range(repeats)])
+    t2 = min([await solo(p2, 1, i) for i in range(repeats)])
+    t3 = min([await solo(p2, n, i) for i in range(repeats)])
+    return CostModel.fit((p1, t1), (p2, t2), (n, t3), source="cost model calibrated by solo calls on the idle engine")
+
+
+def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy: str):
+    from vllm_mars.driver import backends
+
+    if cfg.backend == "http":
+        return backends.HTTPBackend(cfg.url, clock, model=cfg.model)
+    model = cfg.model
+    if model is None:
+        from vllm_mars.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model())
+    return backends.InProcessBackend(
+        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options, num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(), max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed)
+
+
+class _Progress:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="wf", dynamic_ncols=True, leave=True, mininterval=0.5)
+        self._last = 0.0
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def status(self, active: int, queued: int, kv: float | None) -> None:
+        if self.bar is not None:
+            now = time.monotonic()
+            refresh = now - self._last >= 0.5
+            if refresh:
+                self._last = now
+            self.bar.set_postfix_str(f"active={active} queued={queued} kv={'-' if kv is None else f'{kv:.0%}'}",
+                                     refresh=refresh)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Replay:
+    """One run's state (see the module docstring)."""
+
+    def __init__(self, cfg: ReplayConfig, out: Path, backend, plans: list, arrivals: list[float],
+                 clock: RunClock, cost: CostModel | None) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.backend = backend
+        self.plans = {p.workflow_id: p for p in plans}
+        self.order = [p.workflow_id for p in plans]
+        self.arrivals = dict(zip(self.order, arrivals))
+        self.clock = clock
+        self.cost = cost
+        self.policy = check_policy(cfg.policy)
+        self.ctrl = make_controller(self.policy.controller, cfg.admission_options)
+        cores = parse_cpu_list(cfg.cpu_tool)
+        self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
+                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+        self.events = EventLog(out / "events.jsonl", clock)
+        self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
+        self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
+        self.tasks: set[asyncio.Task] = set()
+        self.remaining = len(plans)
+        self.all_done = asyncio.Event()
+        self.hit = [0, 0]  # recent cached, prompt tokens for the telemetry's prefix hit rate
+        self.arrivals_actual: dict[str, float] = {}
+
+    # -- admission ----------------------------------------------------------------------------------
+    def _flush_admission(self) -> None:
+        for ev in self.ctrl.take_events():
+            data = {k: v for k, v in ev.data.items() if k not in ("ts", "event")}
+            self.events.emit(ev.event, ts=ev.ts, **data)
+
+    def _tick(self) -> None:
+        now = self.clock()
+        for wid in self.ctrl.tick(now):
+            self.events.emit("workflow_start", workflow=wid, root=wid,
+                             admission_wait_s=round(now - self.arrivals_actual[wid], 6))
+            self._spawn(self._run_root(wid))
+        self._flush_admission()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return t
+
+    def _telemetry(self) -> Telemetry:
+        s = self.backend.sample()
+        ts = self.tools.stats()
+        cached, prompt = self.hit
+        return Telemetry(ts=self.clock() if s.ts == 0.0 else s.ts, free_blocks=s.free_blocks,
+                         total_blocks=s.num_blocks, block_size=s.block_size, kv_usage=s.kv_usage,
+                         prefix_hit_rate=(cached / prompt) if prompt else None, tools_in_flight=ts.in_flight,
+                         tool_workers=ts.workers, tool_queue_wait_s=ts.ema_queue_wait_s)
+
+    async def _arrivals(self) -> None:
+        for wid in sorted(self.order, key=lambda w: self.arrivals[w]):
+            delay = self.arrivals[wid] - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            plan = self.plans[wid]
+            now = self.clock()
+            self.arrivals_actual[wid] = now
+            t_ideal = ideal_time(plan, self.cost) if self.cost else None
+            self.events.emit("workflow_arrive", workflow=wid, root=wid, target_ts=round(self.arrivals[wid], 6),
+                             prefill_tokens=plan.prefill_estimate, turns=plan.num_turns,
+                             children=sum(1 for _ in plan.walk()) - 1,
+                             t_ideal_s=None if t_ideal is None else round(t_ideal, 6))
+            self.ctrl.offer(PendingRoot(wid, now, plan.prefill_estimate, {"turns": plan.num_turns}))
+            self._tick()
+
+    async def _control(self) -> None:
+        while not self.all_done.is_set():
+            self.ctrl.observe(self._telemetry())
+            self._tick()
+            try:
+                await asyncio.wait_for(self.all_done.wait(), self.ctrl.interval_s)
+            except TimeoutError:
+                pass
+
+    def _sample(self) -> None:
+        s = self.backend.sample()
+        tstats = self.tools.stats()
+        engine = {k: v for k, v in s.as_dict().items() if k != "ts"}
+        self.events.emit("kv_sample", engine_ts=round(s.ts, 6), **engine, active=self.ctrl.num_active,
+                         queued=self.ctrl.num_queued, tools_in_flight=tstats.in_flight)
+        self.progress.status(self.ctrl.num_active, self.ctrl.num_queued, s.kv_usage)
+
+    async def _sampler(self) -> None:
+        while not self.all_done.is_set():
+            self._sample()
+            try:
+                await asyncio.wait_for(self.all_done.wait(), self.cfg.sample_interval_s)
+            except TimeoutError:
+                pass
+
+    # -- workflows ----------------------------------------------------------------------------------
+    async def _run_root(self, wid: str) -> None:
+        plan = self.plans[wid]
+        final_tokens = None
+        try:
+            final_tokens = await self._run_workflow(plan)
+            self.events.emit("workflow_done", workflow=wid, root=wid, root_done=True,
+                             e2e_s=round(self.clock() - self.arrivals_actual[wid], 6))
+        except Exception as e:  # noqa: BLE001 - one workflow's failure is recorded, the run goes on
+            logger.warning("workflow %s failed: %s", wid, e)
+            self.events.emit("workflow_error", workflow=wid, root=wid, root_done=True, error=repr(e)[:500])
+        finally:
+            finish_root(self.ctrl, wid, self.clock(), final_tokens)
+            self.remaining -= 1
+            self.progress.done()
+            if self.remaining == 0:
+                self.all_done.set()
+            else:
+                self._tick()
+
+    async def _run_workflow(self, plan) -> int:
+        """Run ``plan``'s calls, tools and children; returns its final context length in tokens."""
+        wid, root = plan.workflow_id, plan.root_id
+        t_start = self.clock()
+        if plan.parent_id is not None:
+            self.events.emit("workflow_start", workflow=wid, root=root, parent=plan.parent_id)
+        prompt = list(plan.initial_ids)
+        rounds: list[dict] = []
+        waiting_kids: list[asyncio.Task] = []
+        other_kids: list[asyncio.Task] = []
+        error = None
+        try:
+            last = len(plan.turns) - 1
+            for k, turn in enumerate(plan.turns):
+                if waiting_kids:
+                    await asyncio.gather(*waiting_kids)
+                    waiting_kids = []
+                if k:
+                    prompt += turn.appended_ids
+                prev_tool = plan.turns[k - 1].tool_name if k else None
+                extra = {"mars_workflow": wid, "mars_root": root, "mars_turn": k, "mars_last_step": k == last,
+                         "mars_prefill_tokens": len(prompt)}
+                if plan.parent_id is not None:
+                    extra["mars_parent"] = plan.parent_id
+                if prev_tool:
+                    extra["mars_tool"] = prev_tool
+                rid = f"{wid}:t{k}"
+                submit = self.clock()
+                self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
+                                 prompt_tokens=len(prompt), max_tokens=turn.output_tokens)
+                res = await asyncio.wait_for(self.backend.generate(rid, prompt, turn.output_tokens, extra),
+                                             self.cfg.call_timeout_s)
+                ttft = None if res.first_token_ts is None else res.first_token_ts - submit
+                if res.first_token_ts is not None:
+                    self.events.emit("call_first_token", ts=res.first_token_ts, workflow=wid, root=root, turn=k,
+                                     request_id=rid, ttft_s=round(ttft, 6))
+                self.events.emit("call_end", ts=res.end_ts, workflow=wid, root=root, turn=k, request_id=rid,
+                                 prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
+                                 output_tokens=len(res.output_ids), ttft_s=None if ttft is None else round(ttft, 6),
+                                 latency_s=round(res.end_ts - submit, 6), finish_reason=res.finish_reason)
+                if res.cached_tokens is not None:
+                    self.hit = [self.hit[0] * 0.9 + res.cached_tokens, self.hit[1] * 0.9 + res.prompt_tokens]
+                if len(res.output_ids) != turn.output_tokens:
+                    raise RuntimeError(f"{rid}: got {len(res.output_ids)} output tokens, asked for {turn.output_tokens}")
+                rec: dict[str, Any] = {"turn": k, "request_id": rid, "submit_ts": submit,
+                                       "first_token_ts": res.first_token_ts, "end_ts": res.end_ts, "ttft_s": ttft,
+                                       "latency_s": res.end_ts - submit, "prompt_tokens": res.prompt_tokens,
+                                       "cached_tokens": res.cached_tokens, "output_tokens": len(res.output_ids)}
+                prompt += res.output_ids
+                for after, child in plan.children:
+                    if after == k:
+                        task = self._spawn(self._run_workflow(child))
+                        (waiting_kids if getattr(child, "parent_waits", True) else other_kids).append(task)
+                if turn.tool_s > 0 or turn.tool_cmd:
+                    rec["tool"] = await self._tool(plan, k, turn)
+                rounds.append(rec)
+            await asyncio.gather(*waiting_kids, *other_kids)
+            return len(prompt)
+        except Exception as e:
+            error = repr(e)[:500]
+            for t in waiting_kids + other_kids:
+                t.cancel()
+            raise
+        finally:
+            end = self.clock()
+            trace = {"workflow": wid, "root": root, "parent": plan.parent_id, "start_ts": t_start, "end_ts": end,
+                     "arrival_ts": self.arrivals_actual.get(wid), "rounds": rounds, "error": error,
+                     "context_tokens": len(prompt)}
+            if plan.parent_id is None:
+                trace["e2e_s"] = end - self.arrivals_actual[wid]
+            else:
+                self.events.emit("workflow_done" if error is None else "workflow_error", workflow=wid, root=root,
+                                 parent=plan.parent_id, root_done=False, **({"error": error} if error else {}))
+            self.traces.write(json.dumps(trace, separators=(",", ":")) + "\n")
+
+    async def _tool(self, plan, k: int, turn) -> dict[str, Any]:
+        wid, root = plan.workflow_id, plan.root_id
+        self.events.emit("tool_enqueue", workflow=wid, root=root, turn=k, tool=turn.tool_name)
+        r = await self.tools.run(wid, k, turn.tool_name, turn.tool_cmd, turn.tool_s)
+        self.events.emit("tool_start", ts=r.start_ts, workflow=wid, root=root, turn=k, tool=turn.tool_name,
+                         core=r.core)
+        self.events.emit("tool_end", ts=r.end_ts, workflow=wid, root=root, turn=k, tool=turn.tool_name,
+                         rc=r.rc, timed_out=r.timed_out, wait_s=round(r.wait_s, 6),
+                         duration_s=round(r.duration_s, 6), sandbox=r.sandbox)
+        return {"tool": turn.tool_name, "enqueue_ts": r.enqueue_ts, "start_ts": r.start_ts, "end_ts": r.end_ts,
+                "wait_s": r.wait_s, "duration_s": r.duration_s, "recorded_s": turn.tool_s, "rc": r.rc,
+                "timed_out": r.timed_out, "sandbox": r.sandbox, "stdout_tail": r.stdout_tail,
+                "stderr_tail": r.stderr_tail}
+
+    async def run(self) -> None:
+        self.events.emit("run_start", epoch=self.clock.epoch, policy=self.cfg.policy,
+                         scheduler_policy=self.policy.scheduler_policy, controller=self.policy.controller,
+                         backend=self.cfg.backend, workload=self.cfg.workload, rps=self.cfg.rps,
+                         arrival=self.cfg.arrival, workflows=len(self.order), tools=self.cfg.tools,
+                         sandbox=getattr(self.tools, "sandbox", None),
+                         t_ideal_source=self.cost.source if self.cost else None,
+                         cost_model=self.cost.as_dict() if self.cost else None)
+        self._sample()
+        workers = [asyncio.create_task(c) for c in (self._arrivals(), self._control(), self._sampler())]
+        try:
+            await self.all_done.wait()
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            for t in list(self.tasks):
+                t.cancel()
+            self._sample()
+            self.progress.close()
+            await self.tools.close()
+            self.traces.close()
+
+
+async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple[Path, CostModel | None]:
+    clock = RunClock()
+    policy = check_policy(cfg.policy)
+    from vllm_mars.workload.materialize import load_plans
+
+    plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
+    check_context(plans, cfg.effective_max_model_len())
+    arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
+                             trace=[p.arrival_s for p in plans])
+    if cfg.cpu_gpu:
+        os.sched_setaffinity(0, parse_cpu_list(cfg.cpu_gpu))
+    backend = make_backend(cfg, clock, policy.scheduler_policy)
+    await backend.start()
+    replay = None
+    try:
+        if backend.vocab_size is not None and backend.vocab_size < 4096:
+            raise ValueError(f"the model's vocabulary ({backend.vocab_size}) is below the workload's token ids (4096)")
+        if cost is None and cfg.calibrate:
+            cost = await calibrate(backend, 4096, cfg.effective_max_model_len())
+        clock.start()
+        replay = Replay(cfg, out, backend, plans, arrivals, clock, cost)
+        await replay.run()
+    finally:
+        await backend.close()
+        if replay is not None:
+            replay.events.emit("run_end", engine=backend.engine_stats())
+            replay.events.close()
+    return out, cost
+
+
+def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, CostModel | None]:
+    """Run one replay; returns (run dir, the cost model used for T_ideal). Writes every output file."""
+    from vllm_mars.metrics.events import read_events
+    from vllm_mars.metrics.report import write_run_report
+    from vllm_mars.metrics.summary import summarize
+
+    cfg.validate()
+    check_policy(cfg.policy)
+    out = Path(cfg.out) if cfg.out else default_out_dir(cfg.policy)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    out, cost = asyncio.run(_replay(cfg, out, cost))
+    summary = summarize(read_events(out))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_run_report(out, summary)
+    return out, cost

@@ -1,0 +1,239 @@
+"""The CPU tool plane: simulated (sleep the recorded tool time; the default) or real execution.
+
+Real mode runs one subprocess per tool call, pinned to one free core of ``CPU_TOOL`` (calls queue
+for a core, as tools on a real tool host do), in a per-workflow workspace, inside a write sandbox:
+bubblewrap where it works, else Landlock, else none (with a warning). Each call has a timeout after
+which its whole process group is killed (rc 124).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_MODES = ("auto", "bwrap", "landlock", "none")
+_EXEC = str(Path(__file__).with_name("_sandbox_exec.py"))
+_TAIL = 2000
+
+
+@dataclass
+class ToolResult:
+    """One tool call. Times are on the driver's run clock (seconds)."""
+
+    tool: str | None
+    enqueue_ts: float
+    start_ts: float
+    end_ts: float
+    rc: int = 0
+    timed_out: bool = False
+    sandbox: str = "simulated"
+    core: int | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+
+    @property
+    def wait_s(self) -> float:
+        return self.start_ts - self.enqueue_ts
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_ts - self.start_ts
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    in_flight: int           # queued + running
+    workers: int | None      # None: unlimited (simulated tools do not queue)
+    ema_queue_wait_s: float | None
+
+
+def parse_cpu_list(spec: str | None) -> list[int]:
+    """``"0-3,8,10-11"`` -> [0, 1, 2, 3, 8, 10, 11]. Empty/None -> []."""
+    if not spec or not spec.strip():
+        return []
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"CPU list {spec!r}: bad element {part!r} (expected N or N-M, comma separated)")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"CPU list {spec!r}: range {part!r} is descending")
+        out.extend(range(lo, hi + 1))
+    return sorted(set(out))
+
+
+class _Plane:
+    mode = "base"
+
+    def __init__(self, clock: Callable[[], float], workers: int | None) -> None:
+        self.clock = clock
+        self.workers = workers
+        self.in_flight = 0
+        self._ema_wait: float | None = None
+
+    def _note_wait(self, wait: float) -> None:
+        self._ema_wait = wait if self._ema_wait is None else 0.8 * self._ema_wait + 0.2 * wait
+
+    def stats(self) -> ToolStats:
+        return ToolStats(self.in_flight, self.workers, self._ema_wait)
+
+    async def close(self) -> None:
+        pass
+
+
+class SimulatedTools(_Plane):
+    """Sleep for the recorded tool time. Calls never queue (the recording already holds any wait);
+    ``workers`` is only reported to the admission controller as the tool host's size."""
+
+    mode = "simulated"
+
+    def __init__(self, clock: Callable[[], float], workers: int | None = None) -> None:
+        super().__init__(clock, workers)
+
+    async def run(self, workflow: str, turn: int, tool: str | None, cmd: str | None,
+                  tool_s: float) -> ToolResult:
+        t = self.clock()
+        self.in_flight += 1
+        try:
+            self._note_wait(0.0)
+            if tool_s > 0:
+                await asyncio.sleep(tool_s)
+        finally:
+            self.in_flight -= 1
+        return ToolResult(tool, t, t, self.clock())
+
+
+def detect_sandbox() -> str:
+    """The strongest write sandbox that works here: ``bwrap``, ``landlock`` or ``none``."""
+    if shutil.which("bwrap"):
+        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-all", "true"],
+                               capture_output=True, check=False)
+        if probe.returncode == 0:
+            return "bwrap"
+        logger.debug("bwrap present but unusable: %s", probe.stderr.decode(errors="replace")[-300:])
+    from vllm_mars.driver._sandbox_exec import landlock_abi
+
+    if landlock_abi() >= 1:
+        return "landlock"
+    return "none"
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", s)[:120] or "_"
+
+
+class RealTools(_Plane):
+    """Run each tool call as ``bash -c CMD`` in a sandboxed subprocess pinned to one tool core.
+
+    A call without a command runs ``sleep <recorded tool time>`` the same way, so the CPU plane's
+    process costs are real even for recorded traces.
+    """
+
+    mode = "real"
+
+    def __init__(self, clock: Callable[[], float], root: str | Path, cores: Sequence[int] | None = None,
+                 timeout_s: float = 300.0, sandbox: str = "auto", network: bool = False) -> None:
+        if sandbox not in SANDBOX_MODES:
+            raise ValueError(f"tool sandbox {sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
+        cores = list(cores) if cores else sorted(os.sched_getaffinity(0))
+        allowed = os.sched_getaffinity(0)
+        bad = [c for c in cores if c not in allowed]
+        if bad:
+            raise ValueError(f"CPU_TOOL cores {bad} are not available to this process (allowed: {sorted(allowed)})")
+        if timeout_s <= 0:
+            raise ValueError(f"tool timeout_s must be > 0, got {timeout_s}")
+        super().__init__(clock, len(cores))
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        self.network = network
+        self.sandbox = detect_sandbox() if sandbox == "auto" else sandbox
+        if self.sandbox == "none":
+            logger.warning("real tools run WITHOUT a sandbox (no usable bwrap or Landlock here)")
+        self._free = asyncio.Queue()
+        for c in cores:
+            self._free.put_nowait(c)
+        self._procs: set[asyncio.subprocess.Process] = set()
+
+    def workspace(self, workflow: str) -> Path:
+        ws = (self.root / _safe_name(workflow)).resolve()
+        (ws / ".tmp").mkdir(parents=True, exist_ok=True)
+        return ws
+
+    async def run(self, workflow: str, turn: int, tool: str | None, cmd: str | None,
+                  tool_s: float) -> ToolResult:
+        enq = self.clock()
+        self.in_flight += 1
+        try:
+            core = await self._free.get()
+            try:
+                start = self.clock()
+                self._note_wait(start - enq)
+                rc, timed_out, out, err = await self._exec(workflow, core, cmd or f"sleep {max(tool_s, 0):.3f}")
+                return ToolResult(tool, enq, start, self.clock(), rc, timed_out, self.sandbox, core,
+                                  out[-_TAIL:], err[-_TAIL:])
+            finally:
+                self._free.put_nowait(core)
+        finally:
+            self.in_flight -= 1
+
+    async def _exec(self, workflow: str, core: int, cmd: str) -> tuple[int, bool, str, str]:
+        ws = self.workspace(workflow)
+        argv = [sys.executable, "-I", _EXEC, "--cpus", str(core), "--workspace", str(ws), "--mode", self.sandbox]
+        if self.network:
+            argv.append("--net")
+        argv += ["--", "bash", "-c", cmd]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ws), "TMPDIR": str(ws / ".tmp"),
+               "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "PYTHONNOUSERSITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        logger.debug("tool %s core %d: %s", workflow, core, shlex.quote(cmd))
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=str(ws), env=env, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                    start_new_session=True)
+        self._procs.add(proc)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            return proc.returncode or 0, False, out.decode(errors="replace"), err.decode(errors="replace")
+        except TimeoutError:
+            self._kill(proc)
+            out, err = await proc.communicate()
+            return 124, True, out.decode(errors="replace"), err.decode(errors="replace")
+        finally:
+            self._procs.discard(proc)
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    async def close(self) -> None:
+        for proc in list(self._procs):
+            self._kill(proc)
+
+
+def make_tool_plane(mode: str, clock: Callable[[], float], *, root: str | Path | None = None,
+                    cores: Sequence[int] | None = None, timeout_s: float = 300.0,
+                    sandbox: str = "auto") -> SimulatedTools | RealTools:
+    if mode == "simulated":
+        return SimulatedTools(clock, len(cores) if cores else None)
+    if mode == "real":
+        if root is None:
+            raise ValueError("real tools need a workspace root")
+        return RealTools(clock, root, cores, timeout_s, sandbox)
+    raise ValueError(f"tool mode {mode!r} unknown; allowed: simulated, real")

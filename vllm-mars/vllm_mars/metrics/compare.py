@@ -1,0 +1,100 @@
+"""The comparison table of ``mars compare`` (the paper's shape) from per-run summaries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_mars.metrics.events import read_events
+from vllm_mars.metrics.report import _fmt, plot_runs, summary_table
+from vllm_mars.metrics.summary import DEFAULT_ALPHA
+
+
+def is_mars(policy: str) -> bool:
+    return policy == "mars" or policy.startswith("mars-")
+
+
+def cell_speedup(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Speedup of mars's mean E2E over the fastest baseline (non-mars policy) in one cell."""
+    mars = summaries.get("mars")
+    base = {p: s for p, s in summaries.items() if not is_mars(p) and (s.get("e2e_s") or {}).get("mean")}
+    if not mars or not (mars.get("e2e_s") or {}).get("mean") or not base:
+        return {"speedup": None, "baseline": None}
+    best = min(base, key=lambda p: base[p]["e2e_s"]["mean"])
+    return {"speedup": base[best]["e2e_s"]["mean"] / mars["e2e_s"]["mean"], "baseline": best,
+            "baseline_mean_e2e_s": base[best]["e2e_s"]["mean"], "mars_mean_e2e_s": mars["e2e_s"]["mean"]}
+
+
+def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str, Any]]],
+                   run_dirs: Mapping[float, Mapping[str, str]] | None = None) -> dict[str, Any]:
+    """JSON-ready result: per rps, per policy the headline numbers, plus the speedup."""
+    a = str(DEFAULT_ALPHA)
+    out: dict[str, Any] = {"workload": workload, "alpha": DEFAULT_ALPHA, "cells": []}
+    for rps, by_policy in cells.items():
+        cell = {"rps": rps, **cell_speedup(by_policy), "policies": {}}
+        for p, s in by_policy.items():
+            e = s.get("e2e_s") or {}
+            cell["policies"][p] = {
+                "mean_e2e_s": e.get("mean"), "p95_e2e_s": e.get("p95"), "p99_e2e_s": e.get("p99"),
+                f"goodput_wps_alpha{a}": (s.get("goodput_wps") or {}).get(a),
+                f"within_alpha{a}": (s.get("goodput_within") or {}).get(a),
+                "completed": s.get("completed"), "workflows": s.get("workflows"),
+                "preemptions": s.get("preemptions"), "recomputed_tokens": s.get("recomputed_tokens"),
+                "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_ttft_s": (s.get("ttft_s") or {}).get("mean"),
+                "makespan_s": s.get("makespan_s"), "t_ideal_source": s.get("t_ideal_source"),
+                "run_dir": (run_dirs or {}).get(rps, {}).get(p)}
+        out["cells"].append(cell)
+    return out
+
+
+def format_table(record: Mapping[str, Any]) -> str:
+    """The paper's table shape: one row per (workload, rps) with mars's speedup over the fastest
+    baseline, goodput per policy; then a detail table per cell."""
+    a = str(record.get("alpha", DEFAULT_ALPHA))
+    policies: list[str] = []
+    for c in record["cells"]:
+        for p in c["policies"]:
+            if p not in policies:
+                policies.append(p)
+    wl = Path(str(record["workload"])).stem
+    head = ["workload", "rps", "mars speedup (mean E2E)"] + [f"goodput@{a} {p}" for p in policies]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for c in record["cells"]:
+        sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
+        row = [wl, _fmt(c["rps"]), sp] + [_fmt(c["policies"].get(p, {}).get(f"goodput_wps_alpha{a}"), 3)
+                                         for p in policies]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    dhead = ["rps", "policy", "done", "mean E2E (s)", "p95 E2E (s)", f"goodput@{a} (wf/s)", "preemptions",
+             "recomputed tokens", "prefix hit"]
+    lines += ["| " + " | ".join(dhead) + " |", "|" + "|".join(["---"] * len(dhead)) + "|"]
+    for c in record["cells"]:
+        for p, d in c["policies"].items():
+            lines.append("| " + " | ".join([
+                _fmt(c["rps"]), p, f"{d.get('completed')}/{d.get('workflows')}", _fmt(d.get("mean_e2e_s")),
+                _fmt(d.get("p95_e2e_s")), _fmt(d.get(f"goodput_wps_alpha{a}"), 3), _fmt(d.get("preemptions")),
+                _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate"))]) + " |")
+    return "\n".join(lines)
+
+
+def write_compare_report(out: str | Path, record: Mapping[str, Any],
+                         summaries: Mapping[float, Mapping[str, Mapping[str, Any]]] | None = None) -> Path:
+    """``compare.json`` + ``report.md`` with plots per rps (every policy on one figure)."""
+    out = Path(out)
+    (out / "compare.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [f"# Policy comparison: `{record['workload']}`", "", format_table(record), ""]
+    for c in record["cells"]:
+        runs = {p: read_events(d["run_dir"]) for p, d in c["policies"].items() if d.get("run_dir")}
+        if not runs:
+            continue
+        suffix = f"_rps{c['rps']:g}"
+        files = plot_runs(runs, out, suffix)
+        lines += [f"## rps {c['rps']:g}", ""]
+        if summaries and c["rps"] in summaries:
+            lines += [summary_table(list(summaries[c["rps"]].items())), ""]
+        lines += [f"![{f}]({f})" for f in files] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
