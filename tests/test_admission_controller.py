@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from vllm_mars.admission.base import NoneController, PendingRoot, Telemetry, make_controller
 from vllm_mars.admission.concur import ConcurConfig, ConcurController
 from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from vllm_mars.admission.identity import (
     SessionTable,
     apply_to_body,

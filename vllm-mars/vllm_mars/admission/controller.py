@@ -345,7 +345,7 @@ class MarsAdmissionController:
         if not self._telemetry_usable() and self._tel is None:
             return  # nothing to react to; the fixed no-telemetry window applies
         prev = self.window
-        ratio, cpu_over, cpu_healthy = self._cpu_state()
+        _ratio, cpu_over, cpu_healthy = self._cpu_state()
         usage = self._usage()
         budget = self.budget_blocks()
         overloaded = self._kv_overloaded or cpu_over or self._stale

@@ -89,7 +89,7 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, Mapping):
-        raise ValueError(f"body field 'vllm_xargs' must be a JSON object, got {type(xargs).__name__}")
+        raise ValueError(f"body field 'vllm_xargs' must be a JSON object, got {type(xargs).__name__}")  # noqa: TRY004 (a 400)
     pck = _body_id(body, "prompt_cache_key")
 
     workflow = parent = root = None

