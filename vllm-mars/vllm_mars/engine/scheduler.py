@@ -171,7 +171,9 @@ class MarsSchedulerMixin:
 
     def running_calls(self) -> list[CallView]:
         calls = self._calls
-        return [calls[r.request_id] for r in self.running]
+        # A call that finished this step is still in self.running while _free_blocks runs (its
+        # view is already gone): skip it, so retention_s may look at the running batch.
+        return [c for r in self.running if (c := calls.get(r.request_id)) is not None]
 
     def waiting_calls(self) -> list[CallView]:
         calls = self._calls

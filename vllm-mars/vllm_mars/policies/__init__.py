@@ -14,6 +14,10 @@ from vllm_mars.policies.base import (
     register_policy,
 )
 from vllm_mars.policies import fcfs as _fcfs  # noqa: F401  (registers "fcfs")
+from vllm_mars.policies import autellix as _autellix  # noqa: F401  (registers "autellix")
+from vllm_mars.policies import continuum as _continuum  # noqa: F401  ("continuum", "continuum_dy")
+from vllm_mars.policies import infercept as _infercept  # noqa: F401  ("infercept", "infercept_swap")
+from vllm_mars.policies import lightllm as _lightllm  # noqa: F401  (registers "lightllm")
 
 __all__ = [
     "CallView",

@@ -126,3 +126,15 @@ class GapTracker:
 
     def keys(self) -> tuple[Iterable[str], Iterable[str]]:
         return self._by_tool.keys(), self._by_workflow.keys()
+
+    def tool_samples(self, tool: str | None) -> GapSamples | None:
+        """This tool's own samples (no fallback), or None when the tool was never seen."""
+        return self._by_tool.get(tool) if tool else None
+
+    def workflow_samples(self, workflow: str | None) -> GapSamples | None:
+        """This workflow's own samples (no fallback), or None."""
+        return self._by_workflow.get(workflow) if workflow else None
+
+    def all_samples(self) -> GapSamples:
+        """Every observed gap (the global pool)."""
+        return self._all

@@ -1,0 +1,204 @@
+"""``infercept`` and ``infercept_swap``: min-waste KV handling at tool interceptions.
+
+Source: InferCept (Abhyankar et al., ICML 2024, arXiv 2402.01869), section 4 (waste model and
+min-waste scheduling), section 4.4 (interception-time estimate).
+
+Rule
+----
+At each *interception* (a call that ends in a tool call: tagged, not its workflow's last step),
+with ``C`` the call's context tokens, ``C_other`` the context tokens of the other running calls and
+``M`` the KV bytes per token (it cancels)::
+
+    waste_preserve = T_int * C * M
+    waste_discard  = T_fwd(C) * (C + C_other) * M        # recompute stalls the whole batch
+    waste_swap     = 2 * T_swap(C) * (C + C_other) * M   # infercept_swap only: out and back in
+
+InferCept re-estimates the interception time every iteration as the time since the call ended
+(``T_int = t_now - t_call``), so preserving stays cheapest until the elapsed time reaches the
+break-even point ``tau = min(waste_discard, waste_swap) / (C * M)``; past it the KV is released.
+We express exactly that as a retention of ``tau`` seconds. On top, the interception time is learned
+online (:class:`~vllm_mars.policies.gaps.GapTracker`: the workflow's own return gaps, else those
+after its previous tool, else all; at least ``min_samples``): when the learned mean already
+exceeds ``tau``, the KV is released at once (the paper's "discard when long"). No oracle.
+
+Our choices where the paper is open
+-----------------------------------
+* ``T_fwd(C) = prefill_s_per_token2 * C**2 + prefill_s_per_token * C + prefill_s_const``
+  (defaults: the preview's 0.0002 s/token, linear); ``T_swap(C) = swap_s_per_token * C`` (default
+  4e-5 s/token, InferCept's ``solver.py`` constant).
+* The tool the ending call is about to run is unknown to the engine (no output parsing): the
+  estimate uses the workflow's history, then the tool its previous turn ran (``mars_tool``).
+* Under KV pressure the retention with the lowest expected saving
+  (``waste_discard - mean_gap * C``) is released first.
+* The preview halves the discard waste (``/ 2``); the paper does not, and neither do we.
+
+``infercept_swap`` swaps to host memory through vLLM's CPU KV offloading (start the engine with
+``--kv-offloading-size <GiB>``, backend ``native`` or ``lmcache``). With the connector on, every
+computed block also has a host copy, so "swap" and "discard" are the same engine action (free the
+GPU blocks now; the next turn loads what the host tier still holds); the swap option changes the
+decision by making preservation worth less. On the CPU build it refuses to start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mars.policies.base import CallView, Policy, register_policy
+from vllm_mars.policies.gaps import GapTracker
+
+
+def prefill_seconds(tokens: int, s_per_token: float, s_per_token2: float = 0.0, const: float = 0.0) -> float:
+    """The prefill (recompute) time of ``tokens`` from a quadratic cost model."""
+    if tokens <= 0:
+        return 0.0
+    return s_per_token2 * tokens * tokens + s_per_token * tokens + const
+
+
+def _check_nonneg(cfg: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{n} must be a number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class InferceptConfig:
+    #: Linear term of T_fwd (seconds per token of recomputed context).
+    prefill_s_per_token: float = 0.0002
+    #: Quadratic term of T_fwd (seconds per token squared; attention).
+    prefill_s_per_token2: float = 0.0
+    #: Constant term of T_fwd (seconds).
+    prefill_s_const: float = 0.0
+    #: Retentions shorter than this are not worth holding (the preview's 0.01 s).
+    min_retention_s: float = 0.01
+    #: Return gaps needed before the learned mean may discard at once.
+    min_samples: int = 3
+    #: Return gaps remembered per tool / workflow (GapTracker window).
+    gap_window: int = 256
+
+    def __post_init__(self) -> None:
+        _check_nonneg(self, "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const",
+                      "min_retention_s")
+        if self.prefill_s_per_token + self.prefill_s_per_token2 + self.prefill_s_const <= 0:
+            raise ValueError("the prefill cost model is zero: set prefill_s_per_token > 0")
+        if self.min_samples < 1 or self.gap_window < 1:
+            raise ValueError(f"min_samples and gap_window must be >= 1, got {self.min_samples}, {self.gap_window}")
+
+
+@dataclass(frozen=True)
+class Interception:
+    """One min-waste decision, in token-seconds (the common factor M dropped)."""
+
+    context: int
+    other: int
+    waste_discard: float
+    waste_swap: float | None
+    expected_gap: float | None
+    #: Seconds to preserve (0: release now).
+    retain_s: float
+    #: "preserve", "discard" or "swap".
+    action: str
+
+
+@register_policy
+class InferceptPolicy(Policy):
+    """Min-waste preserve/discard at interceptions; FCFS order and victims (vLLM's own)."""
+
+    name = "infercept"
+    Config = InferceptConfig
+    retains = True
+    swap = False
+
+    def __init__(self, config: Any = None, clock=None) -> None:
+        super().__init__(config, clock)
+        self.gaps = GapTracker(window=self.config.gap_window)
+        self.last_decision: Interception | None = None
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def on_arrival(self, call: CallView) -> None:
+        wf = call.workflow
+        if wf.tagged:
+            self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
+
+    def on_finished(self, call: CallView, aborted: bool) -> None:
+        wf = call.workflow
+        if not wf.tagged:
+            return
+        if aborted or wf.last_step:
+            self.gaps.forget(wf.workflow)
+        else:
+            self.gaps.call_ended(wf.workflow, self.clock.now(), wf.tool)
+
+    # -- decision ---------------------------------------------------------------------------------
+    def expected_gap(self, call: CallView) -> float | None:
+        s = self.gaps.samples(tool=call.workflow.tool, workflow=call.workflow.workflow,
+                              min_samples=self.config.min_samples)
+        return s.mean if s is not None else None
+
+    def swap_waste(self, context: int, batch: int) -> float | None:
+        return None
+
+    def decide(self, call: CallView) -> Interception:
+        cfg = self.config
+        c = max(call.num_tokens, 1)
+        other = 0
+        if self.engine is not None:
+            rid = call.request_id
+            other = sum(o.num_tokens for o in self.engine.running_calls() if o.request_id != rid)
+        batch = c + other
+        w_discard = prefill_seconds(c, cfg.prefill_s_per_token, cfg.prefill_s_per_token2,
+                                    cfg.prefill_s_const) * batch
+        w_swap = self.swap_waste(c, batch)
+        release = "discard" if w_swap is None or w_discard <= w_swap else "swap"
+        w_release = w_discard if release == "discard" else w_swap
+        tau = w_release / c  # break-even preservation time
+        expected = self.expected_gap(call)
+        if (expected is not None and expected * c > w_release) or tau < cfg.min_retention_s:
+            retain, action = 0.0, release
+        else:
+            retain, action = tau, "preserve"
+        d = Interception(c, other, w_discard, w_swap, expected, retain, action)
+        self.last_decision = d
+        return d
+
+    def retention_s(self, call: CallView, num_blocks: int) -> float:
+        d = self.decide(call)
+        call.state = d
+        return d.retain_s
+
+    def retention_value(self, call: CallView, num_blocks: int) -> float:
+        d: Interception = call.state
+        w = d.waste_discard if d.waste_swap is None else min(d.waste_discard, d.waste_swap)
+        return w - (d.expected_gap or 0.0) * d.context
+
+
+@dataclass(frozen=True)
+class InferceptSwapConfig(InferceptConfig):
+    #: Seconds per token to move KV between GPU and host (one direction).
+    swap_s_per_token: float = 4e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_nonneg(self, "swap_s_per_token")
+
+
+@register_policy
+class InferceptSwapPolicy(InferceptPolicy):
+    """``infercept`` plus the swap option (waste_swap = 2 * T_swap(C) * C_batch * M)."""
+
+    name = "infercept_swap"
+    Config = InferceptSwapConfig
+    swap = True
+
+    def check_platform(self, platform: str) -> None:
+        if platform == "cpu":
+            raise ValueError(
+                "policy 'infercept_swap' cannot run on the CPU build of vLLM: it swaps KV from "
+                "accelerator memory to host memory through vLLM's CPU KV offloading connector "
+                "(--kv-offloading-size), and vLLM's CPU build has no CPU-offload connector to swap "
+                "to (the KV cache already lives in host memory). Use 'infercept' here, or run "
+                "'infercept_swap' on a GPU with --kv-offloading-size set.")
+
+    def swap_waste(self, context: int, batch: int) -> float | None:
+        return 2.0 * self.config.swap_s_per_token * context * batch
