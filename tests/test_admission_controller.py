@@ -263,6 +263,10 @@ def test_duplicate_offer_and_bad_config_rejected():
         MarsAdmissionConfig(window_min=5, window_max=4)
     with pytest.raises(ValueError, match="valid:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
+    with pytest.raises(ValueError, match="window_max must be int"):
+        make_controller("mars", {"window_max": "abc"})
+    with pytest.raises(ValueError, match="unknown ConcurConfig"):
+        make_controller("concur", {"kv_target": 0.9})
     with pytest.raises(ValueError, match="available: mars, concur, none"):
         make_controller("nope")
 

@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "vllm_mars.commands.basic",
     "vllm_mars.commands.driver",
     "vllm_mars.commands.workload",
+    "vllm_mars.commands.admission",
     # issue 5 (admission/sidecar) and issue 6 (driver) add their modules here
 ]
 

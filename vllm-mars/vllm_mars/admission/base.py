@@ -8,6 +8,8 @@ returns the roots admitted now. Controllers never reach into the engine: they on
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,6 +121,24 @@ class NoneController:
 
 
 CONTROLLERS = ("mars", "concur", "none")
+
+
+def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
+    """Build the config dataclass ``cls`` from ``d``: unknown keys and values of the wrong type are a
+    ValueError naming the field and what is allowed."""
+    fs = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fs))
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid: {', '.join(sorted(fs))}")
+    for k, v in d.items():
+        default = fs[k].default
+        kind = type(default) if default is not None else int  # the only None default is an int window
+        ok = (v is None and default is None) or (
+            isinstance(v, kind) and not isinstance(v, bool)) or (kind is float and isinstance(v, int)
+                                                                   and not isinstance(v, bool))
+        if not ok:
+            raise ValueError(f"{cls.__name__}.{k} must be {kind.__name__}, got {v!r}")
+    return cls(**d)
 
 
 def make_controller(name: str, options: dict[str, Any] | None = None) -> AdmissionController:

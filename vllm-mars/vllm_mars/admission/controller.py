@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
-from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
+from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry, config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +129,7 @@ class MarsAdmissionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> MarsAdmissionConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown MARS admission option(s) {unknown}; valid: {', '.join(sorted(known))}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 @dataclass

@@ -1,0 +1,223 @@
+"""``mars sidecar`` (the admission proxy in front of vLLM servers) and ``mars serve`` (a vLLM
+OpenAI server with MarsScheduler plus the sidecar in front, one command)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _kv(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON (numbers, booleans)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _load_options(path: str | None, flag: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{flag}: no such file {path}")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        import tomllib
+
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}:{e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON/TOML object of controller options")  # noqa: TRY004
+    return data
+
+
+def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
+    g = p.add_argument_group("admission sidecar")
+    if not serve:
+        g.add_argument("--backend", action="append", required=True, metavar="URL",
+                       help="base URL of a vLLM OpenAI server, e.g. http://127.0.0.1:8000; repeat for "
+                            "several replicas (a workflow stays on its replica; new roots go to the one "
+                            "with the most KV budget)")
+        g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
+        g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
+    g.add_argument("--controller", choices=("mars", "concur", "none"), default="mars",
+                   help="admission controller: mars (KV/CPU-aware AIMD + footprint selection), concur "
+                        "(CONCUR AIMD on utilisation/hit rate), none (admit all) (default mars)")
+    g.add_argument("--controller-option", action="append", metavar="KEY=VALUE",
+                   help="a controller config field, e.g. window_max=16 or kv_target=0.85; repeatable "
+                        "(fields: docs/admission.md, or the error message for an unknown one)")
+    g.add_argument("--controller-config", metavar="FILE",
+                   help="JSON or TOML file of controller config fields (flags override it)")
+    g.add_argument("--api-key", default=os.environ.get("MARS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' from clients (default: $MARS_API_KEY, else none)")
+    g.add_argument("--backend-api-key", default=None,
+                   help="send 'Authorization: Bearer KEY' to the backends (default: pass the client's header)")
+    g.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                   help="largest request body; larger gets 413 (default 16 MiB)")
+    g.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
+                   help="a workflow without calls for S seconds ends and frees its slot (default 600)")
+    g.add_argument("--telemetry-interval", type=float, default=0.2, metavar="S",
+                   help="seconds between /metrics polls of each backend (default 0.2)")
+    g.add_argument("--telemetry-stale", type=float, default=2.0, metavar="S",
+                   help="a backend whose last good reading is older than S is not live (default 2)")
+    g.add_argument("--retry-after", type=int, default=2, metavar="S",
+                   help="Retry-After seconds sent with 503 when no backend is up (default 2)")
+    g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                   help="upstream connect timeout (default 5)")
+    g.add_argument("--read-timeout", type=float, default=None, metavar="S",
+                   help="upstream timeout between chunks (default none: long prefills are fine)")
+    g.add_argument("--backend-wait", type=float, default=300.0, metavar="S",
+                   help="an admitted call whose backend is unreachable waits up to S for a live one "
+                        "before 503 (default 300)")
+    g.add_argument("--events", metavar="PATH", help="append admission events (JSON lines) to PATH")
+
+
+def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: str, port: int):
+    from vllm_mars.admission.sidecar import SidecarConfig
+
+    options = {**_load_options(args.controller_config, "--controller-config"),
+               **_kv(args.controller_option, "--controller-option")}
+    cfg = SidecarConfig(
+        backends=backends, controller=args.controller, controller_options=options, host=host, port=port,
+        api_key=args.api_key, backend_api_key=args.backend_api_key, max_body_bytes=args.max_body_bytes,
+        idle_timeout_s=args.idle_timeout, telemetry_interval_s=args.telemetry_interval,
+        telemetry_stale_s=args.telemetry_stale, retry_after_s=args.retry_after,
+        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
+        backend_wait_s=args.backend_wait, events_path=args.events)
+    from vllm_mars.admission.base import make_controller
+
+    make_controller(cfg.controller, dict(cfg.controller_options))  # validate before binding the port
+    return cfg
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sidecar", help="admission proxy in front of one or more vLLM OpenAI servers",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/responses and /v1/models in front of "
+                    "vLLM. The first call of a root workflow waits until the admission controller admits it; "
+                    "later turns and child sessions pass. Workflow identity comes from the frontends' own "
+                    "headers (OpenHands, OpenCode, Codex, X-MARS-Workflow) and goes to vLLM in vllm_xargs. "
+                    "A workflow ends with POST /mars/v1/workflows/{id}/finish, a call with mars_last_step, "
+                    "or the idle timeout. Also /health and /metrics (Prometheus).")
+    _add_sidecar_options(p, serve=False)
+    p.set_defaults(func=_sidecar)
+
+    p = sub.add_parser(
+        "serve", help="vLLM's OpenAI server with MarsScheduler plus the admission sidecar in front",
+        description="Start `python -m vllm.entrypoints.openai.api_server` with MarsScheduler on 127.0.0.1 "
+                    "(--engine-port), wait until it is healthy, then serve the admission sidecar on "
+                    "--host:--port. Clients talk to the sidecar. Ctrl-C stops both.")
+    p.add_argument("model", help="model path or name (offline: a local directory)")
+    p.add_argument("--host", default="127.0.0.1", help="sidecar listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="sidecar port, the one clients use (default 8000)")
+    p.add_argument("--engine-port", type=int, default=None,
+                   help="vLLM server port on 127.0.0.1 (default --port + 1)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the path)")
+    p.add_argument("--policy", default="mars", help="in-engine scheduling policy (see `mars policies`; default mars)")
+    p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
+                   help="a policy config field for additional_config['mars']; repeatable")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="max context length (default 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences (default 64)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="engine platform: cpu uses MarsScheduler, gpu AsyncMarsScheduler (default auto)")
+    p.add_argument("--vllm-args", default="", metavar="'ARGS'",
+                   help="extra arguments for the vLLM server, one shell-quoted string")
+    p.add_argument("--engine-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds to wait for the vLLM server to become healthy (default 900)")
+    p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
+    _add_sidecar_options(p, serve=True)
+    p.set_defaults(func=_serve)
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from vllm_mars.admission.sidecar import run_sidecar
+
+    cfg = _sidecar_config(args, tuple(args.backend), args.host, args.port)
+    run_sidecar(cfg)
+    return 0
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vllm_mars.admission.sidecar import run_sidecar
+    from vllm_mars.engine.local import server_args
+
+    engine_port = args.engine_port or args.port + 1
+    if engine_port == args.port:
+        raise ValueError(f"--engine-port {engine_port} must differ from --port")
+    cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
+    cpu = None if args.device == "auto" else args.device == "cpu"
+    kw: dict[str, Any] = {"policy": args.policy, "policy_options": _kv(args.policy_option, "--policy-option"),
+                          "block_size": args.block_size, "max_model_len": args.max_model_len,
+                          "max_num_seqs": args.max_num_seqs, "cpu": cpu}
+    if args.num_blocks is not None:
+        kw["num_blocks"] = args.num_blocks
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           *server_args(args.model, host="127.0.0.1", port=engine_port,
+                        served_model_name=args.served_model_name, **kw),
+           *shlex.split(args.vllm_args)]
+    log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
+    print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
+    logger.debug("vLLM command: %s", shlex.join(cmd))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{engine_port}", proc, args.engine_timeout)
+        print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",
+              file=sys.stderr)
+        run_sidecar(cfg)
+        return 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if log is not None:
+            log.close()
