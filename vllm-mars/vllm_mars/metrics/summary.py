@@ -70,8 +70,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             tools.append(e)
         elif ev == "kv_sample":
             samples.append(e)
-        elif ev == "admission_window" and isinstance(e.get("window"), (int, float)):
-            windows.append((e["ts"], float(e["window"])))
+        elif ev == "admission_window" and isinstance(e.get("new", e.get("window")), (int, float)):
+            windows.append((e["ts"], float(e.get("new", e.get("window")))))
         elif ev == "admission_admit":
             admits += 1
         elif ev == "run_start":

@@ -1,0 +1,251 @@
+"""The task driver: arrivals, the real-tool sandbox, end-to-end replays on the CPU engine and over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from vllm_mars.driver.arrivals import arrival_times
+from vllm_mars.driver.control import resolve_policy
+from vllm_mars.driver.tools import RealTools, SimulatedTools, detect_sandbox, parse_cpu_list
+from vllm_mars.metrics.events import read_events, read_jsonl
+from vllm_mars.metrics.summary import summarize
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- arrivals ---------------------------------------------------------------------------------------
+def test_fixed_arrivals_are_i_over_rps():
+    assert arrival_times(4, process="fixed", rps=2.0) == [0.0, 0.5, 1.0, 1.5]
+    assert arrival_times(0, process="fixed", rps=2.0) == []
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_rate():
+    a = arrival_times(2000, process="poisson", rps=4.0, seed=7)
+    assert a == arrival_times(2000, process="poisson", rps=4.0, seed=7)
+    assert a != arrival_times(2000, process="poisson", rps=4.0, seed=8)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.08)
+    # exponential gaps: about 1/e of them exceed the mean
+    assert sum(g > 0.25 for g in gaps) / len(gaps) == pytest.approx(0.368, abs=0.04)
+
+
+def test_trace_arrivals_shift_to_zero_and_errors_are_clear():
+    assert arrival_times(3, process="trace", trace=[5.0, 7.5, 6.0]) == [0.0, 2.5, 1.0]
+    with pytest.raises(ValueError, match=r"index \[1\] have no arrival_s"):
+        arrival_times(2, process="trace", trace=[1.0, None])
+    with pytest.raises(ValueError, match="needs rps > 0"):
+        arrival_times(2, process="poisson", rps=0)
+    with pytest.raises(ValueError, match="allowed: fixed, poisson, trace"):
+        arrival_times(2, process="burst", rps=1)
+
+
+def test_policy_names_map_to_scheduler_and_controller():
+    assert (resolve_policy("mars").scheduler_policy, resolve_policy("mars").controller) == ("mars", "mars")
+    assert (resolve_policy("concur").scheduler_policy, resolve_policy("concur").controller) == ("fcfs", "concur")
+    assert (resolve_policy("mars-no-admission").scheduler_policy,
+            resolve_policy("mars-no-admission").controller) == ("mars", "none")
+    assert (resolve_policy("autellix").scheduler_policy, resolve_policy("autellix").controller) == ("autellix", "none")
+
+
+def test_cpu_lists():
+    assert parse_cpu_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+    assert parse_cpu_list("") == [] and parse_cpu_list(None) == []
+    with pytest.raises(ValueError, match="bad element 'x'"):
+        parse_cpu_list("0,x")
+    with pytest.raises(ValueError, match="descending"):
+        parse_cpu_list("3-1")
+
+
+# -- tools ------------------------------------------------------------------------------------------
+def _sandboxes() -> list[str]:
+    from vllm_mars.driver._sandbox_exec import landlock_abi
+
+    out = []
+    if detect_sandbox() == "bwrap":
+        out.append("bwrap")
+    if landlock_abi() >= 1:
+        out.append("landlock")
+    return out or ["unavailable"]
+
+
+@pytest.mark.parametrize("sandbox", _sandboxes())
+def test_real_tool_cannot_write_outside_its_workspace(tmp_path, sandbox):
+    if sandbox == "unavailable":
+        pytest.skip("neither bubblewrap nor Landlock works on this host")
+    outside = tmp_path / "outside.txt"
+    home_file = Path.home() / f".mars-sandbox-probe-{os.getpid()}"
+    core = sorted(os.sched_getaffinity(0))[-1]
+
+    async def main():
+        tools = RealTools(time.monotonic, tmp_path / "ws", [core], timeout_s=1.5, sandbox=sandbox)
+        cmd = (f"echo inside > result.txt; echo x > {outside} ; echo y > {home_file} ; "
+               "grep Cpus_allowed_list /proc/self/status")
+        r = await tools.run("wf/a", 0, "bash", cmd, 0.0)
+        t = await tools.run("wf/a", 1, "bash", "sleep 30 & sleep 30", 0.0)
+        return tools, r, t
+
+    tools, r, slow = asyncio.run(main())
+    ws = tools.workspace("wf/a")
+    assert ws.parent == (tmp_path / "ws").resolve()
+    assert (ws / "result.txt").read_text() == "inside\n"
+    assert not outside.exists() and not home_file.exists()
+    assert f"Cpus_allowed_list:\t{core}" in r.stdout_tail
+    assert r.sandbox == sandbox and r.core == core
+    # the timeout kills the whole process group, background children included
+    assert slow.timed_out and slow.rc == 124 and slow.duration_s < 6
+
+
+def test_simulated_tools_sleep_the_recorded_time_and_count_in_flight():
+    async def main():
+        tools = SimulatedTools(time.monotonic, workers=4)
+        task = asyncio.create_task(tools.run("w", 0, "bash", None, 0.2))
+        await asyncio.sleep(0.05)
+        mid = tools.stats().in_flight
+        r = await task
+        return mid, r, tools.stats()
+
+    mid, r, after = asyncio.run(main())
+    assert mid == 1 and after.in_flight == 0 and after.workers == 4
+    assert 0.19 <= r.duration_s < 0.6
+
+
+# -- end to end on the CPU engine -------------------------------------------------------------------
+def write_workload(path: Path, n: int = 6, seed: int = 3) -> Path:
+    """``n`` small workflows sharing a 64-token system prefix, 3 turns each, one with a child."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        turns = [{"output_tokens": rng.randint(20, 40), "tool_s": round(rng.uniform(0.05, 0.2), 3), "tool": "bash"},
+                 {"append_tokens": rng.randint(16, 48), "output_tokens": rng.randint(20, 40),
+                  "tool_s": round(rng.uniform(0.05, 0.2), 3), "tool": "read"},
+                 {"append_tokens": rng.randint(16, 48), "output_tokens": rng.randint(20, 40)}]
+        wf = {"schema": "mars_workload_v1", "workflow_id": f"t{i}", "prefix": [{"tokens": 64, "key": "sys"}],
+              "prompt_tokens": rng.randint(120, 200), "turns": turns}
+        if i == 1:
+            wf["children"] = [{"after_turn": 0, "workflow": {
+                "workflow_id": "t1.c0", "prompt_tokens": 80,
+                "turns": [{"output_tokens": 10, "tool_s": 0.05, "tool": "bash"},
+                          {"append_tokens": 20, "output_tokens": 10}]}}]
+        lines.append(json.dumps(wf))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, tiny_model):
+    from vllm_mars.driver.compare import run_compare
+    from vllm_mars.driver.runner import ReplayConfig
+
+    d = tmp_path_factory.mktemp("compare")
+    wl = write_workload(d / "wl.jsonl")
+    base = ReplayConfig(workload=str(wl), model=tiny_model, num_blocks=16, max_num_batched_tokens=512,
+                        max_num_seqs=16, progress=False, sample_interval_s=0.05)
+    out, record = run_compare(base, ["mars", "fcfs"], [8.0], d / "out")
+    return wl, out, record
+
+
+def _check_run(run_dir: Path, wl: Path) -> dict:
+    from vllm_mars.workload.materialize import load_plans
+
+    for name in ("run_config.json", "events.jsonl", "traces.jsonl", "summary.json", "report.md",
+                 "e2e_cdf.png", "ttft_by_round.png", "kv_usage.png", "admission.png"):
+        assert (run_dir / name).is_file(), name
+    events = read_events(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(summarize(events)))
+    # recompute the headline fields by hand from the raw events
+    arrive = {e["workflow"]: e["ts"] for e in events if e["event"] == "workflow_arrive"}
+    done = {e["workflow"]: e["ts"] for e in events if e["event"] == "workflow_done" and e["root_done"]}
+    assert set(arrive) == set(done) == {f"t{i}" for i in range(6)}
+    e2e = [done[w] - arrive[w] for w in done]
+    assert summary["completed"] == 6 and summary["errors"] == 0 and summary["completion_rate"] == 1.0
+    assert summary["e2e_s"]["mean"] == pytest.approx(sum(e2e) / len(e2e))
+    assert summary["e2e_s"]["p99"] == pytest.approx(sorted(e2e)[-2] + 0.95 * (max(e2e) - sorted(e2e)[-2]))
+    ideal = {e["workflow"]: e["t_ideal_s"] for e in events if e["event"] == "workflow_arrive"}
+    assert all(v > 0 for v in ideal.values())
+    assert summary["goodput_within"]["3.0"] == sum(done[w] - arrive[w] <= 3 * ideal[w] for w in done)
+    calls = [e for e in events if e["event"] == "call_end"]
+    assert len(calls) == 6 * 3 + 2
+    assert summary["prefix_hit_rate"] == pytest.approx(sum(c["cached_tokens"] for c in calls)
+                                                       / sum(c["prompt_tokens"] for c in calls))
+    samples = [e for e in events if e["event"] == "kv_sample"]
+    assert summary["preemptions"] == samples[-1]["preemptions"] - samples[0]["preemptions"]
+    # prompts grow turn by turn: turn k = turn k-1 + its output + the appended tool output
+    plans = {p.workflow_id: p for root in load_plans(wl) for p in root.walk()}
+    traces = {t["workflow"]: t for t in read_jsonl(run_dir / "traces.jsonl")}
+    assert set(traces) == set(plans)
+    for wid, tr in traces.items():
+        plan, rounds = plans[wid], tr["rounds"]
+        assert [r["output_tokens"] for r in rounds] == [t.output_tokens for t in plan.turns]
+        assert rounds[0]["prompt_tokens"] == len(plan.initial_ids)
+        for k in range(1, len(rounds)):
+            assert rounds[k]["prompt_tokens"] == (rounds[k - 1]["prompt_tokens"] + rounds[k - 1]["output_tokens"]
+                                                  + len(plan.turns[k].appended_ids))
+    # the child carries its parent's identity and started after the parent's first call
+    assert traces["t1.c0"]["parent"] == "t1" and traces["t1.c0"]["root"] == "t1"
+    assert traces["t1.c0"]["start_ts"] >= traces["t1"]["rounds"][0]["end_ts"]
+    # no leaks: every KV block free, no retention left, nothing running
+    end = [e for e in events if e["event"] == "run_end"][-1]["engine"]
+    assert end["free_blocks"] == end["num_blocks"] and end["retained_blocks"] == 0
+    return summary
+
+
+def test_replay_two_policies_end_to_end_on_the_cpu_engine(compared):
+    wl, out, record = compared
+    cell = record["cells"][0]
+    assert set(cell["policies"]) == {"mars", "fcfs"} and cell["baseline"] == "fcfs"
+    assert cell["speedup"] == pytest.approx(cell["baseline_mean_e2e_s"] / cell["mars_mean_e2e_s"])
+    fcfs = _check_run(Path(cell["policies"]["fcfs"]["run_dir"]), wl)
+    mars = _check_run(Path(cell["policies"]["mars"]["run_dir"]), wl)
+    assert fcfs["preemptions"] > 0, "16 blocks must force fcfs to preempt"
+    assert fcfs["recomputed_tokens"] > 0
+    assert mars["controller"] == "mars" and mars["admission"]["admitted"] == 6
+    fcfs_events = read_events(cell["policies"]["fcfs"]["run_dir"])
+    assert {e["controller"] for e in fcfs_events if e["event"] == "admission_admit"} == {"none"}
+    assert (out / "compare.json").is_file() and (out / "report.md").is_file() and (out / "e2e_cdf_rps8.png").is_file()
+
+
+def test_mars_report_recomputes_a_compare_dir(compared, capsys):
+    from vllm_mars.cli import main
+
+    _, out, _ = compared
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "vs fcfs" in printed and "| 8.00 | mars |" in printed
+
+
+def test_compare_defaults_point_at_the_bundled_workload():
+    from vllm_mars.cli import build_parser
+
+    args = build_parser().parse_args(["compare"])
+    assert Path(args.workload) == REPO / "benchmark" / "workloads" / "compact.jsonl"
+    assert Path(args.workload).is_file()
+    assert args.policies.split(",")[:2] == ["mars", "fcfs"] and args.num_blocks == 64
+
+
+# -- HTTP backend against the real server ------------------------------------------------------------
+def test_http_backend_replays_against_the_real_server(openai_server, tmp_path):
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    wl = write_workload(tmp_path / "wl.jsonl", n=3, seed=5)
+    cfg = ReplayConfig(workload=str(wl), policy="fcfs", rps=20.0, backend="http", url=openai_server.url,
+                       progress=False, calibrate=False, out=str(tmp_path / "run"))
+    out, _ = run_replay(cfg)
+    events = read_events(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] == 3 and summary["errors"] == 0 and summary["backend"] == "http"
+    calls = [e for e in events if e["event"] == "call_end"]
+    assert len(calls) == 3 * 3 + 2 and all(c["output_tokens"] > 0 and c["ttft_s"] is not None for c in calls)
+    samples = [e for e in events if e["event"] == "kv_sample"]
+    assert any(s.get("num_blocks") == 256 for s in samples), "telemetry from /metrics cache_config_info"
+    # the workflow metadata reached MarsScheduler through vllm_xargs
+    log = openai_server.sched_log.read_text()
+    assert '"mars_workflow": "t0"' in log or '"mars_workflow":"t0"' in log
+    assert "t2:t2" in log
