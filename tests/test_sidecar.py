@@ -218,3 +218,66 @@ def test_backend_faults(tiny_model, tmp_path):
         srv.stop()
         if srv2 is not None:
             srv2.stop()
+
+
+# -- telemetry readers ---------------------------------------------------------------------------------
+def test_http_telemetry_from_real_metrics(openai_server):
+    from vllm_mars.admission.telemetry import HttpTelemetry, TelemetryState
+    from vllm_mars.clock import VirtualClock
+
+    clock = VirtualClock(100.0)
+    t = HttpTelemetry(openai_server.url, clock=clock, stale_s=2.0)
+    assert t.status().state is TelemetryState.MISSING
+    st = t.poll()
+    assert st.state is TelemetryState.OK, st.error
+    r = st.reading
+    # 256 blocks configured; vLLM's usage excludes its null block
+    assert r.total_blocks == 255 and r.block_size == 32 and 0 <= r.free_blocks <= 255
+    assert r.kv_usage is not None and abs(r.free_blocks - (1 - r.kv_usage) * 255) <= 1
+    clock.advance(2.5)
+    assert t.status().state is TelemetryState.STALE
+    bad = HttpTelemetry(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
+    assert bad.poll().state is TelemetryState.MISSING and bad.error
+    t.url = f"http://127.0.0.1:{free_port()}/metrics"  # the backend "goes away"
+    st = t.poll()
+    assert st.state is TelemetryState.FAILED and st.reading is r  # the last good reading is kept
+
+
+def test_metrics_parsing_errors_and_hit_rate():
+    from vllm_mars.admission.telemetry import MetricsError, telemetry_from_metrics
+
+    page = ('# HELP x\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0\n'
+            'vllm:prefix_cache_queries_total{engine="0"} 1000.0\nvllm:prefix_cache_hits_total{engine="0"} 400.0\n')
+    tel, ctr = telemetry_from_metrics(page, 1.0)
+    assert (tel.total_blocks, tel.free_blocks, tel.block_size, tel.prefix_hit_rate) == (100, 75, 16, None)
+    page2 = page.replace("1000.0", "1100.0").replace("400.0", "480.0")
+    tel2, _ = telemetry_from_metrics(page2, 2.0, ctr)
+    assert tel2.prefix_hit_rate == pytest.approx(0.8)
+    with pytest.raises(MetricsError, match="kv_cache_usage_perc"):
+        telemetry_from_metrics("up 1\n", 0)
+    with pytest.raises(MetricsError, match="num_gpu_blocks"):
+        telemetry_from_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.1\n', 0)
+
+
+def test_in_process_telemetry_from_scheduler():
+    from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
+    from vllm_mars.admission.telemetry import InProcessTelemetry, ToolStats
+    from vllm_mars.clock import VirtualClock
+    from vllm_mars.engine.rig import assert_no_leaks, make_request, make_scheduler, run_to_completion, step
+
+    clock = VirtualClock()
+    s = make_scheduler("fcfs", num_blocks=64, block_size=16, clock=clock)
+    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, queue_wait_s=0.5))
+    t0 = reader.read()
+    assert (t0.free_blocks, t0.total_blocks, t0.block_size, t0.kv_usage) == (s.num_blocks, s.num_blocks, 16, 0.0)
+    assert (t0.tools_in_flight, t0.tool_workers, t0.tool_queue_wait_s) == (3, 2, 0.5)
+    s.add_request(make_request("r0", prompt_len=320, max_tokens=4, workflow="w0"))
+    step(s)
+    t1 = reader.read()
+    assert t1.free_blocks <= s.num_blocks - 20 and t1.kv_usage > 0
+    ctl = MarsAdmissionController(MarsAdmissionConfig(window_min=1, window_max=1))
+    ctl.observe(t1)
+    assert ctl.budget_blocks() == t1.free_blocks - 7  # guard margin ceil(63 * 0.1)
+    run_to_completion(s)
+    assert_no_leaks(s)

@@ -322,16 +322,21 @@ class MarsAdmissionController:
     # -- the control step -------------------------------------------------------------------------
     def _update_pressure(self, now: float) -> None:
         cfg, t = self.config, self._tel
-        inputs = self._inputs(now)
-        self._set_pressure(now, "telemetry", t is not None and now - t.ts > cfg.stale_s, inputs)
+        stale = t is not None and now - t.ts > cfg.stale_s
+        kv = self._kv_overloaded
         usage = self._usage()
-        if usage is not None and not self._stale:
+        if usage is not None and not stale:
             if usage >= cfg.kv_target:
-                self._set_pressure(now, "kv", True, inputs)
+                kv = True
             elif usage <= cfg.kv_low:
-                self._set_pressure(now, "kv", False, inputs)
-        _, cpu_over, _ = self._cpu_state()
-        self._set_pressure(now, "cpu", cpu_over, inputs)
+                kv = False
+        _, cpu, _ = self._cpu_state()
+        if (stale, kv, cpu) == (self._stale, self._kv_overloaded, self._cpu_overloaded):
+            return  # the hot path: nothing changed, build no event
+        inputs = self._inputs(now)
+        self._set_pressure(now, "telemetry", stale, inputs)
+        self._set_pressure(now, "kv", kv, inputs)
+        self._set_pressure(now, "cpu", cpu, inputs)
 
     def _update_window(self, now: float) -> None:
         cfg = self.config

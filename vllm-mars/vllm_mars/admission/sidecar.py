@@ -130,18 +130,19 @@ class SidecarConfig:
 
 
 class _Backend:
-    __slots__ = ("assigned", "roots", "telemetry", "url")
+    __slots__ = ("assigned", "roots", "telemetry", "up", "url")
 
     def __init__(self, url: str, cfg: SidecarConfig) -> None:
         self.url = url.rstrip("/")
         self.telemetry = HttpTelemetry(self.url, timeout_s=cfg.telemetry_timeout_s, stale_s=cfg.telemetry_stale_s)
         self.assigned: list[tuple[float, int]] = []  # (ts, footprint blocks) since the last reading
         self.roots = 0
+        self.up = False
 
-    @property
-    def up(self) -> bool:
-        st = self.telemetry.status()
-        return st.state is TelemetryState.OK
+    def refresh(self) -> bool:
+        """Recompute ``up`` (last poll good and fresh); cached so the hot path reads a bool."""
+        self.up = self.telemetry.status().state is TelemetryState.OK
+        return self.up
 
     def score(self, kv_target: float) -> float:
         b = self.telemetry.budget_blocks(kv_target)
@@ -202,6 +203,7 @@ class Sidecar:
         self._events_file: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._up_event: asyncio.Event | None = None
+        self.any_up = False
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -243,7 +245,9 @@ class Sidecar:
             self._observe()
 
     def _update_up(self) -> bool:
-        up = any(b.up for b in self.backends)
+        ups = [b.refresh() for b in self.backends]  # refresh every backend, no short-circuit
+        up = any(ups)
+        self.any_up = up
         if self._up_event is not None:
             if up:
                 self._up_event.set()
@@ -273,6 +277,7 @@ class Sidecar:
         while True:
             await asyncio.sleep(self.controller.interval_s)
             try:
+                self._update_up()  # a backend whose readings stop turns stale even without a failed poll
                 self._tick()
                 self._expire_idle()
             except Exception:  # never let the control loop die
@@ -280,7 +285,7 @@ class Sidecar:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if not any(b.up for b in self.backends):
+        if not self.any_up:
             self._flush_events()
             return  # queued roots wait until a backend is back
         for wf in self.controller.tick(now):
@@ -528,7 +533,7 @@ class Sidecar:
             r.last_activity = time.monotonic()
             return r
         if r is None:
-            if not any(b.up for b in self.backends):
+            if not self.any_up:
                 self.counters["rejected_503"] += 1
                 raise _HTTPError(503, "no backend is up; retry later",
                                  [(b"retry-after", str(self.config.retry_after_s).encode())])

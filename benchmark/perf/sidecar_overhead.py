@@ -1,0 +1,224 @@
+"""Sidecar overhead: the same load (N concurrent streaming clients, closed loop) straight to a fast
+local OpenAI-style backend and through the admission sidecar, in one run.
+
+Three processes: the backend (a tiny uvicorn app that streams ``--chunks`` SSE chunks with
+``--chunk-ms`` between them and serves a vLLM-shaped /metrics), the sidecar (``mars sidecar``,
+controller ``mars`` with a window of ``--clients`` so admission never throttles and every call
+still takes the full path: identity, offer/tick, finish), and this process as the load generator
+(aiohttp, one coroutine per client). Phases alternate direct / sidecar ``--rounds`` times so
+machine noise hits both; latency = request sent -> last byte; reports the median over rounds of
+each phase's p50/p99 and throughput.
+
+    .venv/bin/python benchmark/perf/sidecar_overhead.py             # prints the table
+    .venv/bin/python benchmark/perf/sidecar_overhead.py --record    # + results JSON and RESULTS.md row
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+# -- the fast backend (runs in its own process) ----------------------------------------------------
+def backend_app(chunks: int, chunk_ms: float):
+    metrics = (b'vllm:kv_cache_usage_perc{engine="0",model_name="fake"} 0.05\n'
+               b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100001"} 1.0\n')
+    piece = json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]})
+    event = b"data: " + piece.encode() + b"\n\n"
+    delay = chunk_ms / 1000.0
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in ("/health", "/metrics"):
+            body = metrics if path == "/metrics" else b"ok"
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        more = True
+        while more:
+            msg = await receive()
+            more = msg.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(chunks):
+            if delay:
+                await asyncio.sleep(delay)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+def run_backend(port: int, chunks: int, chunk_ms: float) -> None:
+    import uvicorn
+
+    uvicorn.run(backend_app(chunks, chunk_ms), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, lifespan="off")
+
+
+# -- the load generator ----------------------------------------------------------------------------
+BODY = json.dumps({"model": "fake", "stream": True, "max_tokens": 16,
+                   "messages": [{"role": "user", "content": "benchmark prompt " * 20}]}).encode()
+
+
+async def load(url: str, clients: int, duration_s: float, warmup_s: float) -> dict:
+    import aiohttp
+
+    lat: list[float] = []
+    done = 0
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup_s
+    t_end = t_measure + duration_s
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= t_end:
+                return
+            async with session.post(url + "/v1/chat/completions", data=BODY,
+                                    headers={"content-type": "application/json"}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                async for _ in r.content.iter_any():
+                    pass
+            t1 = time.perf_counter()
+            if t0 >= t_measure and t1 <= t_end:
+                lat.append(t1 - t0)
+                done += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    lat.sort()
+    q = statistics.quantiles(lat, n=100, method="inclusive")
+    return {"p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "throughput_rps": done / duration_s, "n": done}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
+    ap.add_argument("--chunks", type=int, default=16, help="SSE chunks per response (default 16)")
+    ap.add_argument("--chunk-ms", type=float, default=5.0, help="ms between chunks at the backend (default 5)")
+    ap.add_argument("--duration", type=float, default=5.0, help="measured seconds per phase (default 5)")
+    ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per phase (default 1)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating direct/sidecar rounds (default 3)")
+    ap.add_argument("--controller", default="mars", choices=("mars", "concur", "none"))
+    ap.add_argument("--record", action="store_true", help="write results JSON and append a RESULTS.md row")
+    ap.add_argument("--role", default="bench", choices=("bench", "backend"), help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "backend":
+        run_backend(args.port, args.chunks, args.chunk_ms)
+        return 0
+
+    bport, sport = _free_port(), _free_port()
+    burl, surl = f"http://127.0.0.1:{bport}", f"http://127.0.0.1:{sport}"
+    procs = [subprocess.Popen([sys.executable, __file__, "--role", "backend", "--port", str(bport),
+                               "--chunks", str(args.chunks), "--chunk-ms", str(args.chunk_ms)])]
+    opts = []
+    if args.controller == "mars":
+        opts = ["--controller-option", f"window_min={args.clients}", "--controller-option",
+                f"window_max={args.clients}"]
+    elif args.controller == "concur":
+        opts = ["--controller-option", f"window_init={args.clients}", "--controller-option",
+                f"window_min={args.clients}", "--controller-option", f"window_max={args.clients}"]
+    try:
+        _wait(burl)
+        procs.append(subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", burl,
+                                       "--port", str(sport), "--controller", args.controller, *opts]))
+        _wait(surl)
+        phases: dict[str, list[dict]] = {"direct": [], "sidecar": []}
+        for rnd in range(args.rounds):
+            for name, url in (("direct", burl), ("sidecar", surl)):
+                cpu0 = [_cpu_s(p.pid) for p in procs]
+                res = asyncio.run(load(url, args.clients, args.duration, args.warmup))
+                cpu1 = [_cpu_s(p.pid) for p in procs]
+                total = res["throughput_rps"] * args.duration + 1e-9  # measured requests (cpu covers warmup too)
+                # CPU per request of each server process over the whole phase (warmup included)
+                n_all = max(1.0, total * (args.duration + args.warmup) / args.duration)
+                res["backend_cpu_ms_per_req"] = (cpu1[0] - cpu0[0]) * 1e3 / n_all
+                res["sidecar_cpu_ms_per_req"] = (cpu1[1] - cpu0[1]) * 1e3 / n_all
+                phases[name].append(res)
+                print(f"round {rnd} {name:8s} p50 {res['p50_ms']:7.2f} ms  p99 {res['p99_ms']:7.2f} ms  "
+                      f"{res['throughput_rps']:8.1f} req/s  cpu/req backend {res['backend_cpu_ms_per_req']:.3f} ms "
+                      f"sidecar {res['sidecar_cpu_ms_per_req']:.3f} ms", flush=True)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in phases[name])
+
+    out = {
+        "added_p50_ms": round(med("sidecar", "p50_ms") - med("direct", "p50_ms"), 3),
+        "added_p99_ms": round(med("sidecar", "p99_ms") - med("direct", "p99_ms"), 3),
+        "throughput_ratio": round(med("sidecar", "throughput_rps") / med("direct", "throughput_rps"), 3),
+        "sidecar_cpu_ms_per_request": round(med("sidecar", "sidecar_cpu_ms_per_req"), 4),
+        "backend_cpu_ms_per_request": round(med("direct", "backend_cpu_ms_per_req"), 4),
+        "direct": {k: round(med("direct", k), 3) for k in ("p50_ms", "p99_ms", "throughput_rps")},
+        "sidecar": {k: round(med("sidecar", k), 3) for k in ("p50_ms", "p99_ms", "throughput_rps")},
+        "params": {"clients": args.clients, "chunks": args.chunks, "chunk_ms": args.chunk_ms,
+                   "duration_s": args.duration, "rounds": args.rounds, "controller": args.controller},
+        "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "rounds": phases,
+    }
+    print(json.dumps({k: out[k] for k in ("added_p50_ms", "added_p99_ms", "throughput_ratio",
+                                           "sidecar_cpu_ms_per_request", "backend_cpu_ms_per_request",
+                                           "direct", "sidecar")},
+                     indent=1))
+    if args.record:
+        (HERE / "results").mkdir(exist_ok=True)
+        (HERE / "results" / "sidecar_overhead.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
