@@ -153,6 +153,7 @@ class SessionTable:
             raise ValueError(f"SessionTable capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._root: OrderedDict[str, str] = OrderedDict()
+        self._members: dict[str, set[str]] = {}  # root -> its sessions (for forget_root)
 
     def resolve(self, ident: Identity) -> Identity:
         root = ident.root
@@ -160,15 +161,31 @@ class SessionTable:
             root = self._root.get(ident.parent, ident.parent)
         if root != ident.root:
             ident = replace(ident, root=root)
-        self._root[ident.workflow] = ident.root
-        self._root.move_to_end(ident.workflow)
+        wf = ident.workflow
+        old = self._root.get(wf)
+        if old is not None and old != ident.root:
+            self._drop_member(old, wf)
+        self._root[wf] = ident.root
+        self._root.move_to_end(wf)
+        self._members.setdefault(ident.root, set()).add(wf)
         if len(self._root) > self.capacity:
-            self._root.popitem(last=False)
+            s, r = self._root.popitem(last=False)
+            self._drop_member(r, s)
         return ident
 
-    def forget_root(self, root: str) -> None:
-        for s in [s for s, r in self._root.items() if r == root]:
-            del self._root[s]
+    def _drop_member(self, root: str, session: str) -> None:
+        m = self._members.get(root)
+        if m is not None:
+            m.discard(session)
+            if not m:
+                del self._members[root]
+
+    def forget_root(self, root: str) -> set[str]:
+        """Drop a root's sessions; returns them."""
+        members = self._members.pop(root, set())
+        for s in members:
+            self._root.pop(s, None)
+        return members
 
     def __len__(self) -> int:
         return len(self._root)

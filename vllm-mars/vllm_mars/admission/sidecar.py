@@ -323,7 +323,8 @@ class Sidecar:
         if not r.future.done():
             r.future.cancel()
         self.controller.finish(root, time.monotonic(), final_tokens)
-        self.sessions.forget_root(root)
+        for session in self.sessions.forget_root(root):
+            self.turns.pop(session, None)
         self.counters["finished"] += 1
         self._tick()
         return True
