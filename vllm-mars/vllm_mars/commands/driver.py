@@ -45,7 +45,8 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
                                                   "the served model name (default: the server's first)")
     p.add_argument("--num-blocks", type=int, default=64 if compare else 96,
-                   help="KV blocks of the in-process engine (small = KV pressure; default %(default)s)")
+                   help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
+                        "for GPUs; default %(default)s)")
     p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens, a multiple of 32 on CPU")
     p.add_argument("--max-model-len", type=int, default=2048, help="context limit (lowered to what the KV holds)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit (default 32)")
@@ -107,7 +108,7 @@ def _config(args: argparse.Namespace, **kw):
 
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+        model=args.model, num_blocks=args.num_blocks or None, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
