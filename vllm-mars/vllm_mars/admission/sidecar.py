@@ -681,7 +681,8 @@ def _uvicorn_config(app: Sidecar) -> Any:
     except ImportError:
         loop = "asyncio"
     return uvicorn.Config(app, host=app.config.host, port=app.config.port, loop=loop, http="httptools",
-                          lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30)
+                          lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30,
+                          proxy_headers=False, server_header=False)
 
 
 def run_sidecar(config: SidecarConfig) -> None:
