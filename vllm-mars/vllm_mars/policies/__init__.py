@@ -18,6 +18,7 @@ from vllm_mars.policies import autellix as _autellix  # noqa: F401  (registers "
 from vllm_mars.policies import continuum as _continuum  # noqa: F401  ("continuum", "continuum_dy")
 from vllm_mars.policies import infercept as _infercept  # noqa: F401  ("infercept", "infercept_swap")
 from vllm_mars.policies import lightllm as _lightllm  # noqa: F401  (registers "lightllm")
+from vllm_mars.policies import mars as _mars  # noqa: F401  (registers "mars" and its ablations)
 
 __all__ = [
     "CallView",

@@ -1,0 +1,385 @@
+"""The ``mars`` policy in the scheduler rig (real vLLM Scheduler, fake model outputs, virtual clock).
+
+One test per mechanism. Each runs the scenario with the mechanism on and asserts the property, and
+runs it again with only that mechanism switched off (its config field) and asserts the property is
+lost, so every test fails when its mechanism is removed. Every run ends with assert_no_leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from vllm_mars.clock import VirtualClock
+from vllm_mars.engine.rig import (
+    assert_block_invariants,
+    assert_no_leaks,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
+from vllm_mars.policies import available_policies, make_policy
+from vllm_mars.policies.mars import MarsConfig, MarsPolicy, PrefillCostModel
+
+
+def _sched(policy: str = "mars", clock: VirtualClock | None = None, **kw):
+    options = kw.pop("options", None)
+    return make_scheduler(policy, clock=clock or VirtualClock(), policy_options=options, **kw)
+
+
+def _finish(s, clock: VirtualClock | None = None) -> None:
+    """Run to completion, drop what is still retained, and check that nothing leaked."""
+    run_to_completion(s)
+    if clock is not None:
+        clock.advance(10_000)
+        s.schedule()  # releases expired retention
+    s.release_retention()
+    assert_no_leaks(s)
+
+
+def _record_preemptions(s) -> list[tuple[int, str, int]]:
+    """Wrap the real _preempt_request to log (step, request id, computed tokens) of each victim."""
+    events: list[tuple[int, str, int]] = []
+    original = s._preempt_request
+
+    def preempt(request, timestamp, drop_stale_output=False):
+        events.append((s._mars_test_step, request.request_id, request.num_computed_tokens))
+        return original(request, timestamp, drop_stale_output)
+
+    s._mars_test_step = 0
+    s._preempt_request = preempt
+    return events
+
+
+# -- registry and config -------------------------------------------------------------------------
+def test_mars_and_ablations_are_registered_with_their_switches():
+    names = available_policies()
+    for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention"):
+        assert n in names
+    assert make_policy("mars-no-mlfq").config.mlfq is False
+    assert make_policy("mars-no-elastic").config.elastic is False
+    p = make_policy("mars-no-retention")
+    assert p.config.retention is False and not p.retains
+    full = make_policy("mars")
+    assert full.retains and full.caps_chunks and full.tracks_service and full.custom_victims
+    # A JSON list is accepted for tuples; bad values name the field and what is allowed.
+    assert make_policy("mars", {"quanta": [8, 4, 2, 1]}).config.quanta == (8, 4, 2, 1)
+    with pytest.raises(ValueError, match="level_thresholds.*increasing"):
+        make_policy("mars", {"level_thresholds": [10, 5, 20]})
+    with pytest.raises(ValueError, match="aging_s"):
+        make_policy("mars", {"aging_s": -1})
+    with pytest.raises(ValueError, match="valid keys"):
+        make_policy("mars", {"agingg_s": 1})
+
+
+def test_reload_cost_model_calibration():
+    m = PrefillCostModel.fit([(100, 0.03), (1000, 0.21), (2000, 0.41)])
+    assert m.per_token_s == pytest.approx(2e-4, rel=1e-6) and m.fixed_s == pytest.approx(0.01, abs=1e-9)
+    p = MarsPolicy(MarsConfig())
+    p.calibrate_reload([(0, 0.0), (1000, 1.0)])
+    assert p.reload.seconds(500) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="samples"):
+        PrefillCostModel.fit([(1, 1.0)])
+
+
+# -- MLFQ ----------------------------------------------------------------------------------------
+def _decode_vs_prefill(options: dict) -> list[dict[str, int]]:
+    # B: a long prompt demoted to the bottom level during its prefill, now decoding.
+    # A: a level-0 prefill arriving while B decodes; the step budget fits A's chunk alone.
+    s = _sched(options=options, num_blocks=400, max_num_batched_tokens=256, max_num_seqs=8)
+    s.add_request(make_request("B", prompt_len=3000, max_tokens=12))
+    while s.requests["B"].num_computed_tokens < 3000:
+        step(s)
+    s.add_request(make_request("A", prompt_len=1500, max_tokens=2))
+    steps = []
+    while s.requests.get("A") is not None and s.requests["A"].num_computed_tokens < 1500:
+        so, _ = step(s)
+        steps.append(dict(so.num_scheduled_tokens))
+        if "B" not in s.requests:
+            break
+    _finish(s)
+    return steps
+
+
+def test_running_decode_is_served_before_a_long_prefill():
+    steps = _decode_vs_prefill({})
+    assert steps and all(d.get("B") == 1 for d in steps[:10]), steps  # B decodes every step
+    # Without decode promotion the demoted decode waits behind the new prefill.
+    off = _decode_vs_prefill({"promote_decodes": False})
+    assert any("B" not in d for d in off[:10]), off
+
+
+def _short_vs_long(policy: str, options: dict | None = None) -> int:
+    """Step at which a short turn arriving behind a long prefill is first scheduled."""
+    s = _sched(policy, options=options, num_blocks=600, max_num_batched_tokens=2048)
+    s.add_request(make_request("long", prompt_len=6000, max_tokens=2))
+    first = None
+    for i in range(10):
+        if i == 1:
+            s.add_request(make_request("short", prompt_len=200, max_tokens=2))
+        so, _ = step(s)
+        if first is None and "short" in so.num_scheduled_tokens:
+            first = i
+    _finish(s)
+    return first
+
+
+def test_short_new_turn_overtakes_a_long_one():
+    assert _short_vs_long("mars") == 1  # scheduled in the step it arrives
+    assert _short_vs_long("mars-no-mlfq") > 1  # the long prefill takes the whole budget first
+    assert _short_vs_long("fcfs") > 1
+
+
+def _late_turn_order(options: dict) -> list[str]:
+    """Waiting order of a late turn (large prompt, mostly cached) vs an earlier mid-size prompt."""
+    s = _sched(options=options, num_blocks=800, max_num_batched_tokens=8192)
+    t0 = make_request("w-t0", prompt_len=4800, max_tokens=1, workflow="w", turn=0, last_step=False)
+    s.add_request(t0)
+    run_to_completion(s)
+    s.release_retention()
+    ids = list(t0.prompt_token_ids) + [42] + list(range(100, 300))
+    s.add_request(make_request("other", prompt_len=3000, max_tokens=1))
+    s.add_request(make_request("w-t1", prompt_token_ids=ids, max_tokens=1, workflow="w", turn=1,
+                               last_step=True))
+    so = s.schedule()
+    order = [r.req_id for r in so.scheduled_new_reqs]
+    s.update_from_output(so, fake_model_output(s, so))
+    _finish(s)
+    return order
+
+
+def test_entry_level_ranks_a_late_turn_by_its_uncached_part():
+    # 5001 prompt tokens, 4801 cached (its previous turn): level 0, ahead of a 3000-token level-1 call.
+    assert _late_turn_order({})[0] == "w-t1"
+    assert _late_turn_order({"estimate_cached_prefix": False})[0] == "other"
+
+
+def _chunks(policy: str, options: dict | None = None) -> list[int]:
+    s = _sched(policy, options=options, num_blocks=400, max_num_batched_tokens=2048)
+    s.add_request(make_request("L", prompt_len=3000, max_tokens=1))
+    sizes = []
+    while s.has_requests():
+        so, _ = step(s)
+        sizes.append(so.num_scheduled_tokens.get("L", 0))
+    _finish(s)
+    return sizes
+
+
+def test_demotion_after_a_spent_quantum():
+    # Level 1 (3000 <= 8192): quantum 1024, then demoted to level 2 (512), then 3 (256).
+    sizes = _chunks("mars")
+    assert sizes[:4] == [1024, 512, 256, 256], sizes
+    assert sum(sizes) == 3000
+    assert _chunks("mars-no-mlfq")[:2] == [2048, 952]
+
+
+def _first_service_of_starved(aging_s: float, horizon_s: float) -> float | None:
+    """Virtual time at which a level-3 call is first scheduled under continuous short arrivals."""
+    clock = VirtualClock()
+    s = _sched(clock=clock, options={"level_thresholds": [16, 32, 64], "aging_s": aging_s},
+               num_blocks=3000, max_num_batched_tokens=64, max_num_seqs=64)
+    s.add_request(make_request("starved", prompt_len=200, max_tokens=2))
+    first, i = None, 0
+    while clock.now() <= horizon_s:
+        for j in range(4):  # 4 x 16 prompt tokens a second: more than the 64-token budget
+            s.add_request(make_request(f"s{i}-{j}", prompt_len=16, max_tokens=2))
+        so, _ = step(s)
+        if first is None and "starved" in so.num_scheduled_tokens:
+            first = clock.now()
+            break
+        clock.advance(1.0)
+        i += 1
+    _finish(s, clock)
+    return first
+
+
+def test_aging_bounds_the_wait_of_a_bottom_level_call():
+    aging = 10.0
+    t = _first_service_of_starved(aging, horizon_s=60)
+    assert t is not None and t <= 3 * aging + 1.0, t
+    # Without aging it starves for the whole horizon.
+    assert _first_service_of_starved(0.0, horizon_s=60) is None
+
+
+# -- elastic prefill -----------------------------------------------------------------------------
+def _elastic_scenario(policy: str) -> tuple[int, list[int]]:
+    """Four decoders cross a block boundary while B prefills: B's chunk has half the blocks it needs."""
+    s = _sched(policy, num_blocks=25, max_num_batched_tokens=128, max_num_seqs=16)
+    for i in range(4):
+        s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=3))
+    step(s)
+    s.add_request(make_request("B", prompt_len=250, max_tokens=2))
+    preempted, chunks = 0, []
+    while s.has_requests():
+        so, _ = step(s)
+        preempted += len(so.preempted_req_ids or ())
+        chunks.append(so.num_scheduled_tokens.get("B", 0))
+        assert_block_invariants(s)
+    _finish(s)
+    return preempted, chunks
+
+
+def test_elastic_prefill_shrinks_the_chunk_instead_of_preempting():
+    preempted, chunks = _elastic_scenario("mars")
+    assert preempted == 0
+    assert chunks[0] == 124 and 0 < chunks[1] < 124, chunks  # shrunk to the free blocks
+    assert _elastic_scenario("mars-no-elastic")[0] >= 1
+    assert _elastic_scenario("fcfs")[0] >= 1
+
+
+# -- priority-aware reclamation -----------------------------------------------------------------
+def _reclaim_scenario(options: dict) -> list[tuple[int, str, int]]:
+    s = _sched(options={"level_thresholds": [16, 32, 48], **options}, num_blocks=200,
+               max_num_batched_tokens=512, max_num_seqs=16)
+    events = _record_preemptions(s)
+    for i in range(4):
+        s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=200))
+    s.add_request(make_request("Pa", prompt_len=2000, max_tokens=2))
+    k = 0
+    while s.has_requests():
+        if k == 2:
+            s.add_request(make_request("Pb", prompt_len=2000, max_tokens=2))
+        s._mars_test_step = k
+        step(s)
+        assert_block_invariants(s)
+        k += 1
+    _finish(s)
+    return events
+
+
+def test_reclamation_order_and_early_stop():
+    # Two level-3 prefills and four decodes; the pool runs out once. The victim is the prefill
+    # holding the most KV (Pa, started first), decodes are spared, and one victim is enough.
+    events = _reclaim_scenario({})
+    assert [e[1] for e in events] == ["Pa"], events
+    # Without priority reclamation vLLM takes the last of the running order: the smaller Pb.
+    assert [e[1] for e in _reclaim_scenario({"priority_reclaim": False})] == ["Pb"]
+
+
+# -- retention -----------------------------------------------------------------------------------
+def _retention_scenario(policy: str, clock: VirtualClock):
+    """W's turn 0 ends in a tool call; other traffic then needs most of the pool; W returns at 1 s."""
+    s = _sched(policy, clock=clock, num_blocks=65, max_num_batched_tokens=1024)
+    w0 = make_request("w-0", prompt_len=320, max_tokens=1, workflow="w", turn=0, last_step=False)
+    s.add_request(w0)
+    run_to_completion(s)
+    retained = s.mars_stats()["retained_blocks"]
+    clock.advance(0.2)
+    s.add_request(make_request("g", prompt_len=320, max_tokens=1))
+    run_to_completion(s)
+    clock.advance(0.2)
+    s.add_request(make_request("f", prompt_len=640, max_tokens=1))
+    run_to_completion(s)
+    clock.advance(0.6)
+    ids = list(w0.prompt_token_ids) + [42] + list(range(500, 550))
+    w1 = make_request("w-1", prompt_token_ids=ids, max_tokens=2, workflow="w", turn=1, last_step=True)
+    s.add_request(w1)
+    step(s)
+    cached = s.call("w-1").num_cached_tokens
+    run_to_completion(s)
+    stats = s.mars_stats()
+    _finish(s, clock)
+    return retained, cached, stats
+
+
+def test_retention_gives_a_returning_turn_its_prefix():
+    retained, cached, stats = _retention_scenario("mars", VirtualClock())
+    assert retained == 20
+    assert cached >= 320, cached
+    assert stats["retention"]["released_on_return"] == 1
+    assert stats["retained_blocks"] == 0
+    # Without retention the other traffic evicted the prefix.
+    retained, cached, _ = _retention_scenario("mars-no-retention", VirtualClock())
+    assert retained == 0 and cached < 320, cached
+
+
+def _retain_one(clock: VirtualClock, **kw):
+    s = _sched(clock=clock, num_blocks=kw.pop("num_blocks", 65), max_num_batched_tokens=1024, **kw)
+    s.add_request(make_request("w-0", prompt_len=320, max_tokens=1, workflow="w", turn=0, last_step=False))
+    run_to_completion(s)
+    return s
+
+
+def test_retention_is_released_on_expiry():
+    clock = VirtualClock()
+    s = _retain_one(clock)
+    entry = s.retention.get("w")
+    assert entry is not None and s.free_blocks() == s.num_blocks - 20
+    assert entry.expires - clock.now() == pytest.approx(2.0 * 1.05 + 1e-3)  # cold start tau
+    clock.advance(1.0)
+    s.schedule()
+    assert "w" in s.retention
+    clock.advance(1.2)
+    s.schedule()
+    assert "w" not in s.retention and s.free_blocks() == s.num_blocks
+    assert s.mars_stats()["retention"]["released_on_expiry"] == 1
+    assert_no_leaks(s)
+
+
+def test_retention_is_released_on_abort():
+    clock = VirtualClock()
+    s = _retain_one(clock)
+    s.add_request(make_request("w-1", prompt_len=400, max_tokens=4, workflow="w", turn=1))
+    s.finish_requests("w-1", RequestStatus.FINISHED_ABORTED)
+    assert "w" not in s.retention and s.mars_stats()["retention"]["released_on_abort"] == 1
+    assert_no_leaks(s)
+
+
+def test_retention_goes_first_under_pressure_and_not_when_scarce():
+    clock = VirtualClock()
+    s = _sched(clock=clock, num_blocks=65, max_num_batched_tokens=2048,
+               options={"reload_per_token_s": 2e-3})  # both contexts worth keeping
+    events = _record_preemptions(s)
+    s.add_request(make_request("a-0", prompt_len=160, max_tokens=1, workflow="a", last_step=False))
+    s.add_request(make_request("b-0", prompt_len=320, max_tokens=1, workflow="b", last_step=False))
+    run_to_completion(s)
+    assert {e.workflow for e in s.retention.entries()} == {"a", "b"}
+    values = {e.workflow: e.value for e in s.retention.entries()}
+    low = min(values, key=values.get)
+    # A running decode holds 2 blocks; a new call needs more than the free blocks: the lowest-value
+    # retention is released, the other kept, nobody preempted.
+    s.add_request(make_request("d", prompt_len=20, max_tokens=30))
+    step(s)
+    free = s.free_blocks()
+    s.add_request(make_request("big", prompt_len=(free + 5) * 16, max_tokens=2))
+    step(s)
+    assert "big" in {r.request_id for r in s.running} and low not in s.retention and len(s.retention) == 1, values
+    assert s.mars_stats()["retention"]["released_under_pressure"] == 1 and not events
+    # With free blocks scarce, a finishing turn is not retained.
+    s.release_retention()
+    s.add_request(make_request("c-0", prompt_len=16, max_tokens=1, workflow="c", last_step=False))
+    s.add_request(make_request("hog", prompt_len=(s.free_blocks() - 3) * 16, max_tokens=40))
+    step(s)
+    step(s)
+    assert "c-0" not in s.requests and "c" not in s.retention
+    _finish(s, clock)
+
+
+def test_retention_tau_is_learned_from_return_gaps():
+    clock = VirtualClock()
+    s = _sched(clock=clock, num_blocks=200, max_num_batched_tokens=2048)
+    ids: list[int] = list(range(10, 170))
+    for turn in range(5):
+        ids = ids + [42] + list(range(1000 + 50 * turn, 1050 + 50 * turn))
+        s.add_request(make_request(f"w-{turn}", prompt_token_ids=ids, max_tokens=1, workflow="w",
+                                   turn=turn, tool="bash", last_step=False))
+        run_to_completion(s)
+        clock.advance(0.5 if turn % 2 else 0.7)  # observed gaps 0.7, 0.5, 0.7, 0.5
+    entry = s.retention.get("w")
+    assert entry is not None
+    # The tau with the best expected saving covers every observed gap (0.7 s), not the 2 s cold start.
+    tau = entry.expires - entry.since
+    assert tau == pytest.approx(0.7 * 1.05 + 1e-3), tau
+    # Gaps longer than max_retention_s are not worth holding for.
+    s2 = _sched(clock=clock, options={"max_retention_s": 0.3}, num_blocks=200)
+    for turn in range(5):
+        s2.add_request(make_request(f"v-{turn}", prompt_len=100 + turn, max_tokens=1, workflow="v",
+                                    turn=turn, last_step=False))
+        run_to_completion(s2)
+        if turn < 4:
+            clock.advance(0.5)
+    assert "v" not in s2.retention
+    _finish(s, clock)
+    _finish(s2, clock)
