@@ -5,11 +5,9 @@ refuses the CPU build by design (checked here too)."""
 from __future__ import annotations
 
 import gc
-
-import pytest
-
 import random
 
+import pytest
 from vllm_mars.demo import DemoWorkflow, run_engine_workload
 from vllm_mars.engine.rig import assert_no_leaks
 from vllm_mars.policies import available_policies
@@ -29,7 +27,6 @@ def _workflows(n: int = 4, turns: int = 3, seed: int = 3) -> list[DemoWorkflow]:
 def _engine(model: str, policy: str, num_blocks: int = 12):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_mars.engine.local import engine_kwargs
 
     # 12 blocks x 32 tokens = 352 usable tokens (also max_model_len) for 4 workflows of up to 272

@@ -5,7 +5,6 @@ ends leak-free."""
 from __future__ import annotations
 
 import pytest
-
 from vllm_mars.clock import VirtualClock
 from vllm_mars.engine.rig import assert_block_invariants, assert_no_leaks, make_request, make_scheduler, step
 from vllm_mars.policies import make_policy
@@ -345,3 +344,25 @@ def test_lightllm_admits_exactly_when_the_peak_fits(b_prompt, admitted):
     fcfs = _lightllm_rig("fcfs", b_prompt)
     assert "b" in first_scheduled(fcfs)  # the prompt fits the free blocks: fcfs admits
     drain(fcfs)
+
+
+# -- configuration --------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, options, field", [
+    ("autellix", {"quanta_s": [1.0]}, "quanta_s"),
+    ("autellix", {"service_thresholds_s": [2.0, 1.0]}, "service_thresholds_s"),
+    ("autellix", {"beta": 0}, "beta"),
+    ("infercept", {"prefill_s_per_token": -1}, "prefill_s_per_token"),
+    ("infercept_swap", {"swap_s_per_token": -1}, "swap_s_per_token"),
+    ("continuum", {"pin_s": -2}, "pin_s"),
+    ("continuum_dy", {"min_samples": 0}, "min_samples"),
+    ("continuum_dy", {"pin_s": 2.0}, "valid keys"),  # continuum's key is not continuum_dy's
+    ("lightllm", {"router_token_ratio": 2.0}, "router_token_ratio"),
+])
+def test_bad_baseline_config_names_the_field(policy, options, field):
+    with pytest.raises(ValueError, match=field):
+        make_policy(policy, options)
+
+
+def test_autellix_accepts_json_lists():
+    pol = make_policy("autellix", {"service_thresholds_s": [1, 2], "quanta_s": [1, 2, 3]})
+    assert pol.config.service_thresholds_s == (1.0, 2.0) and pol.entry_level(1.5) == 1

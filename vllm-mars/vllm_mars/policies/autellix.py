@@ -43,6 +43,7 @@ See :class:`AutellixConfig`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ class AutellixConfig:
         quanta = _as_float_tuple("quanta_s", self.quanta_s)
         object.__setattr__(self, "service_thresholds_s", thr)
         object.__setattr__(self, "quanta_s", quanta)
-        if any(t <= 0 for t in thr) or any(b <= a for a, b in zip(thr, thr[1:])):
+        if any(t <= 0 for t in thr) or any(b <= a for a, b in itertools.pairwise(thr)):
             raise ValueError(f"service_thresholds_s must be positive and increasing, got {thr}")
         if len(quanta) != len(thr) + 1:
             raise ValueError(f"quanta_s needs one value per queue ({len(thr) + 1}), got {len(quanta)}")
@@ -107,8 +108,16 @@ class _Program:
 
 
 class _CallState:
-    __slots__ = ("program", "level", "level_service", "service", "ratio_service", "wait",
-                 "ratio_wait", "queued_since")
+    __slots__ = (
+        "level",
+        "level_service",
+        "program",
+        "queued_since",
+        "ratio_service",
+        "ratio_wait",
+        "service",
+        "wait",
+    )
 
     def __init__(self, program: _Program, level: int, now: float) -> None:
         self.program = program

@@ -199,7 +199,7 @@ class ContinuumDyConfig:
 class _Eta:
     """Running Pearson sums over (k, N - k) pairs of completed workflows: O(1) memory."""
 
-    __slots__ = ("n", "sx", "sy", "sxx", "syy", "sxy")
+    __slots__ = ("n", "sx", "sxx", "sxy", "sy", "syy")
 
     def __init__(self) -> None:
         self.n = self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0

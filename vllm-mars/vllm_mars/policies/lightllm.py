@@ -66,8 +66,7 @@ def peak_demand(items: list[tuple[int, int]]) -> int:
     for i, (left, has_run) in enumerate(items, 1):
         cum += has_run
         v = left * i + cum
-        if v > peak:
-            peak = v
+        peak = max(peak, v)
     return peak
 
 
