@@ -174,9 +174,70 @@ def test_idle_timeout_and_api_key(openai_server):
         assert sc.app.counters["idle_finished"] == 1
 
 
-def test_backend_faults(tiny_model, tmp_path):
-    """Mid-stream death -> error event + slot released; backend down -> 503 + Retry-After for new
-    roots while a queued root waits; the queued root proceeds when the backend is back."""
+def test_backend_dies_mid_stream(tiny_model, tmp_path):
+    """A real server killed (SIGKILL) mid-stream: the client's stream ends with an error event, the
+    workflow's slot is released, /health turns 503 and new roots get 503 + Retry-After."""
+    srv = ServerProcess(tiny_model, tmp_path, num_blocks=128, max_model_len=2048, max_num_seqs=8)
+    srv.wait_ready()
+    cfg = SidecarConfig(backends=(srv.url,), controller="mars", port=free_port(), retry_after_s=1,
+                        controller_options={"window_min": 2, "window_max": 2, "interval_s": 0.05},
+                        telemetry_interval_s=0.1)
+    try:
+        with SidecarThread(cfg) as sc:
+            ctl = sc.app.controller
+            lines: list[str] = []
+            with httpx.stream("POST", sc.url + "/v1/chat/completions", json=LONG,
+                              headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
+                it = r.iter_lines()
+                lines += [next(it) for _ in range(4)]
+                assert ctl.is_active("M")
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+                lines += list(it)
+            data = [x[6:] for x in lines if x.startswith("data: ")]
+            assert "[DONE]" not in data
+            err = json.loads(data[-1])
+            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+            assert not ctl.is_active("M") and ctl.num_active == 0 and sc.app.in_flight == 0  # slot released
+            assert wait_until(lambda: httpx.get(sc.url + "/health", timeout=5).status_code == 503, 5)
+            r = chat(sc, {"X-MARS-Workflow": "N"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert ctl.num_queued == 0
+    finally:
+        srv.stop()
+
+
+def test_backend_down_queued_roots_wait_and_proceed(openai_server):
+    """The shared server frozen (SIGSTOP: it accepts connections but answers nothing, so polls
+    fail) and thawed: new roots get 503 while a queued root keeps waiting, then proceeds."""
+    cfg = SidecarConfig(backends=(openai_server.url,), controller="mars", port=free_port(), retry_after_s=3,
+                        controller_options={"window_min": 1, "window_max": 1, "interval_s": 0.05},
+                        telemetry_interval_s=0.1, telemetry_timeout_s=0.5, telemetry_stale_s=1.0)
+    pgid = openai_server.proc.pid
+    with SidecarThread(cfg) as sc:
+        ctl = sc.app.controller
+        assert chat(sc, {"X-MARS-Workflow": "A"}).status_code == 200
+        queued = Call(sc.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "Q"})
+        assert wait_until(lambda: ctl.is_queued("Q"), 5)
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: httpx.get(sc.url + "/health", timeout=5).status_code == 503, 10)
+            r = chat(sc, {"X-MARS-Workflow": "N"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "3"
+            httpx.post(sc.url + "/mars/v1/workflows/A/finish", timeout=5)  # a free slot, but no backend
+            time.sleep(0.5)
+            assert ctl.is_queued("Q") and queued.is_alive()  # not admitted, not lost
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        queued.join(60)
+        assert queued.resp is not None and queued.resp.status_code == 200, queued.error
+        assert ctl.is_active("Q") and not ctl.is_active("N") and sc.app.in_flight == 0
+        httpx.post(sc.url + "/mars/v1/workflows/Q/finish", timeout=5)
+
+
+@pytest.mark.slow
+def test_backend_faults_with_restart(tiny_model, tmp_path):
+    """The full cycle on one real server: killed mid-stream, new roots 503 while a queued root
+    waits, the server restarted on the same port, the queued root proceeds (two server starts)."""
     kw = {"num_blocks": 128, "max_model_len": 2048, "max_num_seqs": 8}
     srv = ServerProcess(tiny_model, tmp_path, **kw)
     srv.wait_ready()
@@ -198,9 +259,7 @@ def test_backend_faults(tiny_model, tmp_path):
                 os.killpg(srv.proc.pid, signal.SIGKILL)
                 lines += list(it)
             data = [x[6:] for x in lines if x.startswith("data: ")]
-            assert "[DONE]" not in data
-            err = json.loads(data[-1])
-            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+            assert "[DONE]" not in data and json.loads(data[-1])["error"]["code"] == 502
             assert not ctl.is_active("M")  # slot released
             assert wait_until(lambda: httpx.get(sc.url + "/health", timeout=5).status_code == 503, 5)
             r = chat(sc, {"X-MARS-Workflow": "N"})

@@ -59,6 +59,7 @@ from vllm_mars.admission.identity import (
     identify,
 )
 from vllm_mars.admission.telemetry import HttpTelemetry, TelemetryState
+from vllm_mars.admission.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ PROXY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _FINISH = re.compile(r"^/mars/v1/workflows/([^/]+)/finish$")
 _HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding",
         b"date", b"server"}
-_DROP_UP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "accept-encoding",
-            "expect", "upgrade"}
+_DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", b"accept-encoding",
+            b"expect", b"upgrade"}
 
 
 @dataclass(frozen=True)
@@ -130,11 +131,12 @@ class SidecarConfig:
 
 
 class _Backend:
-    __slots__ = ("assigned", "roots", "telemetry", "up", "url")
+    __slots__ = ("assigned", "pool", "roots", "telemetry", "up", "url")
 
     def __init__(self, url: str, cfg: SidecarConfig) -> None:
         self.url = url.rstrip("/")
         self.telemetry = HttpTelemetry(self.url, timeout_s=cfg.telemetry_timeout_s, stale_s=cfg.telemetry_stale_s)
+        self.pool = UpstreamPool(self.url, connect_timeout=cfg.connect_timeout_s)
         self.assigned: list[tuple[float, int]] = []  # (ts, footprint blocks) since the last reading
         self.roots = 0
         self.up = False
@@ -234,6 +236,8 @@ class Sidecar:
                 r.future.exception()  # mark retrieved
         if self._session is not None:
             await self._session.close()
+        for b in self.backends:
+            b.pool.close()
         if self._events_file is not None:
             self._events_file.close()
 
@@ -412,18 +416,21 @@ class Sidecar:
 
     async def _models(self, scope: dict, send: Any) -> None:
         live = [b for b in self.backends if b.up]
+        retry = [(b"retry-after", str(self.config.retry_after_s).encode())]
         if not live:
-            raise _HTTPError(503, "no backend is up", [(b"retry-after", str(self.config.retry_after_s).encode())])
-        headers = self._upstream_headers(scope)
+            raise _HTTPError(503, "no backend is up", retry)
+        resp = None
         try:
-            async with self._session.get(live[0].url + "/v1/models", headers=headers) as resp:
-                body = await resp.read()
-                await self._send(send, resp.status, body, self._down_headers(resp))
-        except (TimeoutError, OSError) as e:
-            raise _HTTPError(503, f"backend {live[0].url} unreachable: {e}",
-                             [(b"retry-after", str(self.config.retry_after_s).encode())]) from None
-        except Exception as e:  # noqa: BLE001 (aiohttp.ClientError and kin: a 502 with the reason)
+            resp = await live[0].pool.request("GET", "/v1/models", self._upstream_headers(scope))
+            body = b"".join([c async for c in resp.chunks(self.config.telemetry_timeout_s)])
+            resp.release()
+        except UpstreamUnreachable as e:
+            raise _HTTPError(503, f"backend {live[0].url} unreachable: {e}", retry) from None
+        except UpstreamBroken as e:
+            if resp is not None:
+                resp.close()
             raise _HTTPError(502, f"backend {live[0].url} failed: {e}") from None
+        await self._send(send, resp.status, body, self._down_headers(resp.headers))
 
     async def _read_body(self, scope: dict, receive: Any) -> bytes:
         limit = self.config.max_body_bytes
@@ -448,23 +455,19 @@ class Sidecar:
             if not msg.get("more_body", False):
                 return b"".join(chunks)
 
-    def _upstream_headers(self, scope: dict) -> dict[str, str]:
-        out = {}
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name in _DROP_UP:
-                continue
-            if name == "authorization" and (self.config.api_key is not None or self.config.backend_api_key):
-                continue
-            out[name] = v.decode("latin-1")
-        if self.config.backend_api_key:
-            out["authorization"] = "Bearer " + self.config.backend_api_key
-        out["content-type"] = "application/json"
+    def _upstream_headers(self, scope: dict) -> list[tuple[bytes, bytes]]:
+        cfg = self.config
+        strip_auth = cfg.api_key is not None or bool(cfg.backend_api_key)
+        out = [(k, v) for k, v in scope["headers"]
+               if k not in _DROP_UP and k != b"content-type" and not (strip_auth and k == b"authorization")]
+        if cfg.backend_api_key:
+            out.append((b"authorization", b"Bearer " + cfg.backend_api_key.encode()))
+        out.append((b"content-type", b"application/json"))
         return out
 
     @staticmethod
-    def _down_headers(resp: Any) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
+    def _down_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in headers if k not in _HOP]
 
     # -- the proxied call -------------------------------------------------------------------------
     async def _proxy(self, scope: dict, receive: Any, send: Any, path: str) -> None:
@@ -591,31 +594,26 @@ class Sidecar:
 
     async def _forward(self, r: _Root, path: str, body: dict, scope: dict, send: Any) -> bool:
         """Send the call to the root's backend and stream the answer back. True on success."""
-        import aiohttp
-
         b = r.backend
         assert b is not None
-        data = json.dumps(body).encode()
         try:
-            resp = await self._session.post(b.url + path, data=data, headers=self._upstream_headers(scope))
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
-            raise _Unreachable(str(e) or type(e).__name__) from None
-        except aiohttp.ClientError as e:
-            self.counters["upstream_errors"] += 1
-            raise _HTTPError(502, f"backend {b.url} failed: {e}") from None
+            resp = await b.pool.request("POST", path, self._upstream_headers(scope), json.dumps(body).encode())
+        except UpstreamUnreachable as e:
+            raise _Unreachable(str(e)) from None
         started = done = False
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         try:
-            await send({"type": "http.response.start", "status": resp.status, "headers": self._down_headers(resp)})
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": self._down_headers(resp.headers)})
             started = True
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.chunks(self.config.read_timeout_s):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             done = True
             return resp.status < 400
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except UpstreamBroken as e:
             self.counters["upstream_errors"] += 1
-            msg = str(e) or type(e).__name__
+            msg = str(e)
             logger.warning("backend %s failed mid-response for workflow %s: %s", b.url, r.root, msg)
             b.telemetry._fail(msg)
             self._update_up()

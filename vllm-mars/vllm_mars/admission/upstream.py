@@ -1,0 +1,232 @@
+"""A lean HTTP/1.1 client for the sidecar's upstream calls: pooled keep-alive connections on
+asyncio protocols, responses parsed by httptools (llhttp, the C parser uvicorn uses).
+
+Why not aiohttp here: the sidecar proxies every streamed chunk, and aiohttp's layers (StreamReader,
+multidict headers, per-request URL/timer/tracing objects) cost about as much CPU per chunk as the
+backend spends producing it. This client does only what a proxy to vLLM needs: one request at a
+time per connection, a body of known length, a response streamed as it arrives, connection reuse
+when the server keeps it alive. Errors are explicit: :class:`UpstreamUnreachable` (nothing was
+sent or received: safe to retry elsewhere) and :class:`UpstreamBroken` (the connection died or sent
+garbage mid-response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class UpstreamUnreachable(Exception):
+    """Could not connect or send; no response byte was received."""
+
+
+class UpstreamBroken(Exception):
+    """The response was cut off or malformed."""
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = ("_body", "_done", "_error", "_head", "_parser", "_waiter", "closed", "headers", "keep_alive",
+                 "status", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self._body: deque[bytes] = deque()
+        self._done = False
+        self._error: BaseException | None = None
+        self._head: asyncio.Future | None = None
+        self._waiter: asyncio.Future | None = None
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamBroken(f"bad HTTP response: {e}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self._done:
+            self._fail(UpstreamBroken(f"connection closed mid-response{': ' + str(exc) if exc else ''}"))
+
+    # -- httptools callbacks ----------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._done = True
+        self._wake()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, err: BaseException) -> None:
+        if self._error is None:
+            self._error = err
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(err)
+            self._head.exception()  # retrieved here; re-raised by the awaiting caller
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Response:
+    """A streaming response: ``status``, ``headers`` (lower-case bytes pairs), ``chunks()``."""
+
+    __slots__ = ("_conn", "_pool", "_released", "headers", "status")
+
+    def __init__(self, conn: _Conn, pool: UpstreamPool) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._released = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+    async def chunks(self, read_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (whatever is buffered is joined into one chunk)."""
+        c = self._conn
+        loop = asyncio.get_running_loop()
+        while True:
+            if c._body:
+                data = b"".join(c._body) if len(c._body) > 1 else c._body[0]
+                c._body.clear()
+                yield data
+                continue
+            if c._done:
+                return
+            if c._error is not None:
+                raise c._error
+            c._waiter = loop.create_future()
+            try:
+                if read_timeout is None:
+                    await c._waiter
+                else:
+                    await asyncio.wait_for(c._waiter, read_timeout)
+            except TimeoutError:
+                raise UpstreamBroken(f"no data for {read_timeout} s") from None
+            finally:
+                c._waiter = None
+
+    def release(self) -> None:
+        """Return the connection to the pool if the response was read fully and may be reused;
+        otherwise close it (the server sees the disconnect and aborts its work)."""
+        if self._released:
+            return
+        self._released = True
+        c = self._conn
+        if c._done and c.keep_alive and not c.closed and c._error is None:
+            self._pool._put(c)
+        else:
+            c.close()
+
+    def close(self) -> None:
+        self._released = True
+        self._conn.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one ``http://host:port`` origin."""
+
+    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, max_idle: int = 256) -> None:
+        u = urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"upstream URL must be http://host[:port], got {base_url!r}")
+        self.host = u.hostname
+        self.port = u.port or 80
+        self.prefix = u.path.rstrip("/")
+        self.host_header = (u.netloc or self.host).encode()
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+
+    def _put(self, c: _Conn) -> None:
+        if len(self._idle) < self.max_idle:
+            c._reset()
+            self._idle.append(c)
+        else:
+            c.close()
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port),
+                                             self.connect_timeout)
+        except (OSError, TimeoutError) as e:
+            raise UpstreamUnreachable(f"cannot connect to {self.host}:{self.port}: {e or type(e).__name__}") from None
+        return conn
+
+    async def request(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
+                      body: bytes = b"") -> Response:
+        """Send one request; returns once the response head has arrived."""
+        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", self.host_header, b"\r\n"]
+        for k, v in headers:
+            head += [k, b": ", v, b"\r\n"]
+        head += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body]
+        payload = b"".join(head)
+        while True:
+            c = None
+            while self._idle:
+                cand = self._idle.pop()
+                if not cand.closed:
+                    c = cand
+                    break
+            reused = c is not None
+            if c is None:
+                c = await self._connect()
+            c._head = asyncio.get_running_loop().create_future()
+            assert c.transport is not None
+            c.transport.write(payload)
+            try:
+                await c._head
+            except UpstreamBroken as e:
+                c.close()
+                if reused and not c.status:
+                    continue  # a kept-alive connection the server had closed: try the next / a fresh one
+                raise UpstreamUnreachable(str(e)) from None
+            except asyncio.CancelledError:
+                c.close()
+                raise
+            return Response(c, self)
+
+    def close(self) -> None:
+        for c in self._idle:
+            c.close()
+        self._idle.clear()
