@@ -44,7 +44,9 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
                                                   "the served model name (default: the server's first)")
-    p.add_argument("--num-blocks", type=int, default=64 if compare else 96,
+    from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
+
+    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS if compare else 96,
                    help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
                         "for GPUs; default %(default)s)")
     p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens, a multiple of 32 on CPU")
@@ -92,10 +94,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "another in this process. Prints the speedup of mars's mean E2E over the "
                                    "fastest baseline per rps and goodput per policy; writes compare.json and "
                                    "report.md. With no arguments: the bundled compact workload, tiny CPU model, "
-                                   "64 KV blocks, mars vs fcfs.")
+                                   "48 KV blocks, 4 roots/s, mars vs mars-no-admission vs fcfs.")
     _common(p, compare=True)
-    p.add_argument("--policies", default="mars,fcfs", help="comma-separated policies (default mars,fcfs)")
-    p.add_argument("--rps", default="2.0", help="comma-separated arrival rates (default 2.0)")
+    from vllm_mars.driver.compare import DEFAULT_POLICIES, DEFAULT_RPS
+
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated policies (default %(default)s)")
+    p.add_argument("--rps", default=",".join(f"{r:g}" for r in DEFAULT_RPS),
+                   help="comma-separated arrival rates (default %(default)s)")
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("report", help="recompute summary.json and report.md of a run or compare dir")
@@ -122,8 +128,14 @@ def _check_workload(path: str) -> None:
         raise FileNotFoundError(f"workload {path} not found")
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _quiet_engine(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not getattr(args, "verbose", False):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _replay(args: argparse.Namespace) -> int:
+    _quiet_engine(args)
     from vllm_mars.driver.runner import run_replay
     from vllm_mars.metrics.report import summary_table
 
@@ -137,7 +149,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _quiet_engine(args)
     from vllm_mars.driver.compare import run_compare
     from vllm_mars.metrics.compare import format_table
 

@@ -16,10 +16,11 @@ from vllm_mars.driver.runner import ReplayConfig, run_replay
 logger = logging.getLogger(__name__)
 
 #: What ``mars compare`` runs with no arguments: the bundled compact workload on the tiny CPU model
-#: with 64 KV blocks of 32 tokens (fcfs preempts), mars against fcfs.
-DEFAULT_POLICIES = ("mars", "fcfs")
-DEFAULT_RPS = (2.0,)
-DEFAULT_NUM_BLOCKS = 64
+#: with 48 KV blocks of 32 tokens at 4 roots/s (fcfs preempts and recomputes), mars against fcfs,
+#: with the mars scheduler alone (no admission) beside them to separate the two halves of MARS.
+DEFAULT_POLICIES = ("mars", "mars-no-admission", "fcfs")
+DEFAULT_RPS = (4.0,)
+DEFAULT_NUM_BLOCKS = 48
 
 
 def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[float],

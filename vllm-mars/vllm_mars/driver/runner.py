@@ -280,10 +280,15 @@ class Replay:
         s = self.backend.sample()
         ts = self.tools.stats()
         cached, prompt = self.hit
+        # A tool plane without a worker count (simulated tools and no CPU_TOOL) has no CPU capacity
+        # to run out of: the recorded tool times already hold any contention. Report no CPU signal
+        # rather than "n tools on an unknown number of cores".
+        cpu = ts.workers is not None
         return Telemetry(ts=self.clock() if s.ts == 0.0 else s.ts, free_blocks=s.free_blocks,
                          total_blocks=s.num_blocks, block_size=s.block_size, kv_usage=s.kv_usage,
-                         prefix_hit_rate=(cached / prompt) if prompt else None, tools_in_flight=ts.in_flight,
-                         tool_workers=ts.workers, tool_queue_wait_s=ts.ema_queue_wait_s)
+                         prefix_hit_rate=(cached / prompt) if prompt else None,
+                         tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
+                         tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None)
 
     async def _arrivals(self) -> None:
         for wid in sorted(self.order, key=lambda w: self.arrivals[w]):
