@@ -296,6 +296,9 @@ def test_randomized_invariants():
         # the limit holds whenever anything was admitted (the starvation guard admits one when idle)
         assert not got or c.num_active <= c.limit() or c.num_active == 1
         assert not set(got) - {f"r{i}" for i in range(n)}
+        if c._tel is not None:  # the incremental promise sum equals the definition
+            brute = sum(a.blocks for a in c._active.values() if c._tel.ts < a.admitted_at + c.config.promise_s)
+            assert c._promised() == brute
     finished = n - c.num_queued - len(active)
     assert finished >= 0 and c.num_admitted == len(active) + finished
 

@@ -161,6 +161,8 @@ class MarsAdmissionController:
         self._cpu_overloaded = False
         self._stale = False
         self._growth = 1.0
+        self._pending: dict[str, tuple[float, int]] = {}  # wf -> (landing ts, blocks), admission order
+        self._pending_sum = 0
         self.num_admitted = 0
 
     # -- feeding ----------------------------------------------------------------------------------
@@ -182,6 +184,9 @@ class MarsAdmissionController:
         act = self._active.pop(workflow, None)
         if act is None:
             return
+        promise = self._pending.pop(workflow, None)
+        if promise is not None:
+            self._pending_sum -= promise[1]
         if final_tokens is not None and final_tokens > 0 and act.prefill_tokens > 0:
             ratio = min(self.config.growth_max, max(1.0, final_tokens / act.prefill_tokens))
             a = self.config.growth_alpha
@@ -245,10 +250,19 @@ class MarsAdmissionController:
         return None
 
     def _promised(self) -> int:
-        """Blocks of admitted roots that the last telemetry cannot show yet."""
+        """Blocks of admitted roots that the last telemetry cannot show yet (kept incrementally:
+        admissions land in admission order, and telemetry time only moves forward)."""
         t = self._tel
-        ts = t.ts if t is not None else -math.inf
-        return sum(a.blocks for a in self._active.values() if ts < a.admitted_at + self.config.promise_s)
+        if t is not None:
+            pending = self._pending
+            while pending:
+                wf = next(iter(pending))
+                landing, blocks = pending[wf]
+                if landing > t.ts:
+                    break
+                del pending[wf]
+                self._pending_sum -= blocks
+        return self._pending_sum
 
     def budget_blocks(self) -> int | None:
         """Free blocks above the guard margin, minus promises; None when telemetry is missing."""
@@ -394,6 +408,8 @@ class MarsAdmissionController:
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
             self._active[root.workflow] = _Active(root.workflow, now, blocks, self._is_long(tokens), tokens)
+            self._pending[root.workflow] = (now + self.config.promise_s, blocks)
+            self._pending_sum += blocks
             del self._queue[root.workflow]
             self._seq.pop(root.workflow, None)
             self.num_admitted += 1

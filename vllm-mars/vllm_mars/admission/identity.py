@@ -28,6 +28,7 @@ session itself. Turn, last-step, tool and prefill estimate come from ``X-MARS-Tu
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import uuid
@@ -60,6 +61,11 @@ class Identity:
     @property
     def anonymous(self) -> bool:
         return self.source == "anonymous"
+
+
+#: one-call workflow ids: a random per-process prefix and a counter (cheaper than a uuid per call)
+_ANON_PREFIX = uuid.uuid4().hex[:12]
+_anon_counter = itertools.count()
 
 
 def _h(headers: Mapping[str, str], *names: str) -> str | None:
@@ -137,7 +143,7 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
         prefill = _as_int("mars_prefill_tokens", xargs["mars_prefill_tokens"], 0)
 
     if workflow is None:
-        workflow = f"anon-{uuid.uuid4().hex}"
+        workflow = f"anon-{_ANON_PREFIX}-{next(_anon_counter)}"
         last = True  # a plain call is its own one-call workflow
     if root is None:
         root = parent or workflow
