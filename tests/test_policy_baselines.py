@@ -244,15 +244,16 @@ def _program_order_rig(policy: str):
     add(s, "a0", ids(40, 100), 1, wf="A", turn=0)
     finish(s, "a0")
     add(s, "b0", ids(41, 300), 1, wf="B", turn=0, last=True)  # B's program arrives after A's
-    clock.advance(5.0)  # A's pin (2 s) is over
+    clock.advance(5.0)  # A's pin (2 s; infercept: break-even 0.02 s) is over
     add(s, "a1", ids(40, 100) + [OUT] + ids(42, 200), 1, wf="A", turn=1, last=True)
     return s, clock
 
 
-def test_continuum_orders_by_program_arrival():
-    s, clock = _program_order_rig("continuum")
+@pytest.mark.parametrize("policy", ["continuum", "infercept"])
+def test_continuum_and_infercept_order_by_program_arrival(policy):
+    s, clock = _program_order_rig(policy)
     got = first_scheduled(s)
-    # b0 was waiting since before a1 arrived, but A's program is older
+    # b0 was waiting since before a1 arrived, but A's program (infercept: its request) is older
     assert "a1" in got and "b0" not in got, got
     drain(s, clock)
     fcfs, clock = _program_order_rig("fcfs")

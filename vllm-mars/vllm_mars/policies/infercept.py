@@ -21,6 +21,11 @@ online (:class:`~vllm_mars.policies.gaps.GapTracker`: the workflow's own return 
 after its previous tool, else all; at least ``min_samples``): when the learned mean already
 exceeds ``tau``, the KV is released at once (the paper's "discard when long"). No oracle.
 
+Order: FCFS by the *original* arrival of the request, i.e. of the workflow's first call: a call
+resuming after an interception keeps its workflow's place (InferCept resumes the same sequence),
+so later turns of earlier workflows go before new workflows; the victim under KV pressure is the
+reverse (the latest-arrived workflow first).
+
 Our choices where the paper is open
 -----------------------------------
 * ``T_fwd(C) = prefill_s_per_token2 * C**2 + prefill_s_per_token * C + prefill_s_const``
@@ -41,6 +46,7 @@ decision by making preservation worth less. On the CPU build it refuses to start
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,20 +82,24 @@ class InferceptConfig:
     min_samples: int = 3
     #: Return gaps remembered per tool / workflow (GapTracker window).
     gap_window: int = 256
+    #: Workflows whose first arrival is remembered for ordering (least recently seen forgotten first).
+    max_workflows: int = 65536
 
     def __post_init__(self) -> None:
         _check_nonneg(self, "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const",
                       "min_retention_s")
         if self.prefill_s_per_token + self.prefill_s_per_token2 + self.prefill_s_const <= 0:
             raise ValueError("the prefill cost model is zero: set prefill_s_per_token > 0")
-        if self.min_samples < 1 or self.gap_window < 1:
-            raise ValueError(f"min_samples and gap_window must be >= 1, got {self.min_samples}, {self.gap_window}")
+        for n in ("min_samples", "gap_window", "max_workflows"):
+            if getattr(self, n) < 1:
+                raise ValueError(f"{n} must be >= 1, got {getattr(self, n)}")
 
 
 @dataclass(frozen=True)
 class Interception:
     """One min-waste decision, in token-seconds (the common factor M dropped)."""
 
+    request_id: str
     context: int
     other: int
     waste_discard: float
@@ -103,21 +113,31 @@ class Interception:
 
 @register_policy
 class InferceptPolicy(Policy):
-    """Min-waste preserve/discard at interceptions; FCFS order and victims (vLLM's own)."""
+    """Min-waste preserve/discard at interceptions; FCFS by the workflow's original arrival."""
 
     name = "infercept"
     Config = InferceptConfig
     retains = True
+    orders = True
     swap = False
 
     def __init__(self, config: Any = None, clock=None) -> None:
         super().__init__(config, clock)
         self.gaps = GapTracker(window=self.config.gap_window)
         self.last_decision: Interception | None = None
+        self._first_seq: OrderedDict[str, int] = OrderedDict()
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
         wf = call.workflow
+        first = self._first_seq.get(wf.workflow)
+        if first is None:
+            first = self._first_seq[wf.workflow] = call.seq
+            if len(self._first_seq) > self.config.max_workflows:
+                self._first_seq.popitem(last=False)
+        else:
+            self._first_seq.move_to_end(wf.workflow)
+        call.state = first
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
 
@@ -127,8 +147,15 @@ class InferceptPolicy(Policy):
             return
         if aborted or wf.last_step:
             self.gaps.forget(wf.workflow)
+            self._first_seq.pop(wf.workflow, None)
         else:
             self.gaps.call_ended(wf.workflow, self.clock.now(), wf.tool)
+
+    # -- order ------------------------------------------------------------------------------------
+    def waiting_key(self, call: CallView) -> Any:
+        return (call.state, call.seq)  # (workflow's first arrival, this call's arrival)
+
+    running_key = waiting_key
 
     # -- decision ---------------------------------------------------------------------------------
     def expected_gap(self, call: CallView) -> float | None:
@@ -158,17 +185,17 @@ class InferceptPolicy(Policy):
             retain, action = 0.0, release
         else:
             retain, action = tau, "preserve"
-        d = Interception(c, other, w_discard, w_swap, expected, retain, action)
+        d = Interception(call.request_id, c, other, w_discard, w_swap, expected, retain, action)
         self.last_decision = d
         return d
 
     def retention_s(self, call: CallView, num_blocks: int) -> float:
-        d = self.decide(call)
-        call.state = d
-        return d.retain_s
+        return self.decide(call).retain_s
 
     def retention_value(self, call: CallView, num_blocks: int) -> float:
-        d: Interception = call.state
+        d = self.last_decision  # decided for this call by retention_s just before
+        if d is None or d.request_id != call.request_id:
+            d = self.decide(call)
         w = d.waste_discard if d.waste_swap is None else min(d.waste_discard, d.waste_swap)
         return w - (d.expected_gap or 0.0) * d.context
 
