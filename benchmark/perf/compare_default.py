@@ -22,11 +22,12 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_mars.cli import build_parser
-    from vllm_mars.commands.driver import _config, _floats
+    from vllm_mars.commands.driver import _config, _floats, _quiet_engine
     from vllm_mars.driver.compare import run_compare
     from vllm_mars.metrics.compare import format_table
 
     args = build_parser().parse_args(["compare", "--no-progress", *argv])
+    _quiet_engine(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     out, record = run_compare(_config(args), policies, _floats(args.rps, "--rps"), args.out)
     table = format_table(record)

@@ -131,7 +131,10 @@ def _check_workload(path: str) -> None:
 def _quiet_engine(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not getattr(args, "verbose", False):
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import warnings
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def _replay(args: argparse.Namespace) -> int:
