@@ -173,14 +173,15 @@ class MarsConfig:
 class _State:
     """Per-call MLFQ state (kept in ``CallView.state``)."""
 
-    __slots__ = ("feedback", "preempted", "known_prefix", "level", "quantum", "quantum_level",
-                 "retention_value")
+    __slots__ = ("feedback", "preempted", "known_prefix", "level", "decoding", "quantum",
+                 "quantum_level", "retention_value")
 
     def __init__(self, known_prefix: int) -> None:
         self.feedback = 0            # demotion level from spent quanta
         self.preempted = False       # preempted and not yet scheduled again
         self.known_prefix = known_prefix  # tokens probably in the prefix cache (estimate)
         self.level = 0               # effective level computed at this step's ordering
+        self.decoding = False        # decoding at this step's ordering
         self.quantum = 0             # cap applied at the last chunk (0: none)
         self.quantum_level = 0
         self.retention_value = 0.0
@@ -209,6 +210,7 @@ class MarsPolicy(Policy):
         self._quanta = cfg.quanta
         self._max_level = len(cfg.quanta) - 1
         self._aging = cfg.aging_s if cfg.mlfq and cfg.aging_s > 0 else 0.0
+        self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
 
@@ -289,12 +291,19 @@ class MarsPolicy(Policy):
         return lvl
 
     # -- decisions ----------------------------------------------------------------------------------
+    # running_key / victim_key run for every running call on every step: they read the request's
+    # counters directly (running calls only) and share this step's level through ``state``.
     def running_key(self, call: CallView) -> Any:
+        st: _State = call.state
+        req = call._req
+        st.decoding = decoding = req.num_computed_tokens >= req.num_tokens - 1
         if not self.config.mlfq:
             return call.seq
-        lvl = self.level(call, self.clock.now())
-        call.state.level = lvl
-        return (lvl, 0 if call.is_decoding else 1, call.seq)
+        if decoding and self._promote:
+            st.level = 0
+            return (0, 0, call.seq)
+        st.level = lvl = self.level(call, self.clock.now())
+        return (lvl, 0 if decoding else 1, call.seq)
 
     def waiting_key(self, call: CallView) -> Any:
         st: _State = call.state
@@ -307,9 +316,9 @@ class MarsPolicy(Policy):
 
     def victim_key(self, call: CallView) -> Any:
         # Largest first: prefills before decodes, lowest level, largest KV, latest arrival.
-        # ``state.level`` was set by running_key in this step's ordering pass.
-        return (0 if call.is_decoding else 1, call.state.level if self.config.mlfq else 0,
-                call.num_computed_tokens, call.seq)
+        # ``state`` was filled by running_key in this step's ordering pass.
+        st: _State = call.state
+        return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, call.seq)
 
     def chunk_tokens(self, call: CallView, num_computed: int, num_new: int) -> int:
         n = num_new
