@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -89,6 +90,7 @@ def test_window_n_then_root_waits_until_one_finishes(sidecar, openai_server):
     # mars_last_step ends a workflow when its call completes
     r = chat(sidecar, {"X-MARS-Workflow": "B", "X-MARS-Last-Step": "true"})
     assert r.status_code == 200 and ctl.num_active == 1
+    assert ctl.growth > 1.0  # finished workflows reported their size (usage.total_tokens)
     httpx.post(sidecar.url + "/mars/v1/workflows/C/finish", timeout=10)
     assert ctl.num_active == 0
     # the normalised ids reached the engine through vllm_xargs
@@ -158,6 +160,28 @@ def test_bad_requests(sidecar):
     for name in ("mars_admission_window 2", "mars_admission_active", "mars_admission_queued",
                  "mars_admission_admitted_total", "mars_backend_telemetry_age_seconds{backend="):
         assert name in text
+
+
+def test_replicas_new_roots_by_budget_and_sticky(openai_server):
+    # one real server reached by two names: two "replicas" with equal budgets
+    port = openai_server.url.rsplit(":", 1)[1]
+    urls = (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+    cfg = SidecarConfig(backends=urls, controller="none", port=free_port(), telemetry_interval_s=0.1)
+    with SidecarThread(cfg) as sc:
+        for wf in ("R1", "R2"):
+            assert chat(sc, {"X-MARS-Workflow": wf}).status_code == 200
+        b1, b2 = sc.app.roots["R1"].backend, sc.app.roots["R2"].backend
+        assert {b1.url, b2.url} == set(urls)  # equal budgets: the replica with fewer roots
+        assert chat(sc, {"x-session-id": "R1-child", "x-parent-session-id": "R1"}).status_code == 200
+        assert chat(sc, {"X-MARS-Workflow": "R1"}).status_code == 200
+        assert sc.app.roots["R1"].backend is b1 and b1.roots == 1  # later turns and children stay
+
+        def place_when_b2_has_more_budget():  # on the sidecar's loop: no poll can interleave
+            b2.telemetry.last = replace(b2.telemetry.last, free_blocks=b2.telemetry.last.free_blocks + 1000)
+            b2.roots += 5  # more budget wins regardless of root counts
+            return sc.app._place(type(sc.app.roots["R1"])("R3", time.monotonic(), None))
+
+        assert sc.call(place_when_b2_has_more_budget) is b2
 
 
 def test_idle_timeout_and_api_key(openai_server):

@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 PROXY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _FINISH = re.compile(r"^/mars/v1/workflows/([^/]+)/finish$")
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 _HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding",
         b"date", b"server"}
 _DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", b"accept-encoding",
@@ -155,7 +156,8 @@ class _Backend:
 
 
 class _Root:
-    __slots__ = ("admitted", "backend", "blocks", "future", "in_flight", "last_activity", "root", "waiters")
+    __slots__ = ("admitted", "backend", "blocks", "future", "in_flight", "last_activity", "root", "tokens",
+                 "waiters")
 
     def __init__(self, root: str, now: float, future: asyncio.Future) -> None:
         self.root = root
@@ -166,6 +168,8 @@ class _Root:
         self.in_flight = 0
         self.last_activity = now
         self.blocks = 0
+        #: the largest ``usage.total_tokens`` seen in this workflow's responses (its KV size so far)
+        self.tokens = 0
 
 
 class _Unreachable(Exception):
@@ -327,6 +331,8 @@ class Sidecar:
             r.backend.roots -= 1
         if not r.future.done():
             r.future.cancel()
+        if final_tokens is None and r.tokens:
+            final_tokens = r.tokens  # lets the controller learn how much workflows grow
         self.controller.finish(root, time.monotonic(), final_tokens)
         for session in self.sessions.forget_root(root):
             self.turns.pop(session, None)
@@ -607,10 +613,18 @@ class Sidecar:
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": self._down_headers(resp.headers)})
             started = True
+            prev = last = b""
             async for chunk in resp.chunks(self.config.read_timeout_s):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                prev, last = last, chunk
             await send({"type": "http.response.body", "body": b""})
             done = True
+            # usage sits at the end of a response (and in the last SSE event with include_usage)
+            tail = prev[-2048:] + last[-2048:]
+            if b'"total_tokens"' in tail:
+                m = _TOTAL_TOKENS.findall(tail)
+                if m:
+                    r.tokens = max(r.tokens, int(m[-1]))
             return resp.status < 400
         except UpstreamBroken as e:
             self.counters["upstream_errors"] += 1
