@@ -25,10 +25,11 @@ HERE = Path(__file__).resolve().parent
 POINTS = ((32, 0), (256, 0), (256, 1000))
 
 
-def _build(policy: str | None, running: int, waiting: int):
+def _build(policy: str | None, running: int, waiting: int, options: dict | None = None):
     from vllm_mars.engine.rig import fake_model_output, make_request, make_scheduler
 
-    s = make_scheduler(policy or "fcfs", stock=policy is None, num_blocks=24000, block_size=16,
+    s = make_scheduler(policy or "fcfs", stock=policy is None, policy_options=options,
+                       num_blocks=24000, block_size=16,
                        max_num_seqs=max(running, 1), max_num_batched_tokens=16384, max_model_len=8192)
     for i in range(running):
         s.add_request(make_request(f"run{i}", prompt_len=64, max_tokens=7000, workflow=f"w{i}", turn=0,
@@ -67,9 +68,10 @@ def _fake_output_cost(s, cycles: int) -> float:
     return dt_us
 
 
-def measure(policy: str, running: int, waiting: int, repeats: int, cycles: int) -> dict:
+def measure(policy: str, running: int, waiting: int, repeats: int, cycles: int,
+            options: dict | None = None) -> dict:
     stock = _build(None, running, waiting)
-    ours = _build(policy, running, waiting)
+    ours = _build(policy, running, waiting, options)
     base, mine = [], []
     gc.disable()
     try:
@@ -105,6 +107,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="alternating timed blocks per side (default 7)")
     ap.add_argument("--cycles", type=int, default=30, help="cycles per timed block (default 30)")
     ap.add_argument("--out", default=str(HERE / "results" / "sched_overhead.json"))
+    ap.add_argument("--policy-options", default="{}",
+                    help='JSON {policy: {option: value}}; e.g. lightllm needs {"lightllm": '
+                         '{"router_token_ratio": 1.0}} to admit 256 long decodes at all')
     ap.add_argument("--record", action="store_true", help="append a dated row per policy to RESULTS.md")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
@@ -112,12 +117,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; available: {', '.join(available_policies())}")
 
+    options = json.loads(args.policy_options)
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise SystemExit('--policy-options must be a JSON object {"policy": {"option": value}}')
     out_path = Path(args.out)
     results = json.loads(out_path.read_text()) if out_path.exists() else {}
     for policy in policies:
         row = {}
         for running, waiting in POINTS:
-            r = measure(policy, running, waiting, args.repeats, args.cycles)
+            r = measure(policy, running, waiting, args.repeats, args.cycles, options.get(policy))
             row[f"ratio_{running}_{waiting}"] = r["ratio"]
             row[f"us_{running}_{waiting}"] = {"stock": r["stock_us"], "mars": r["mars_us"]}
             print(f"{policy:16s} running={running:4d} waiting={waiting:5d}  stock {r['stock_us']:9.1f} us"
@@ -127,7 +135,10 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     if args.record:
-        cmd = "python benchmark/perf/sched_overhead.py --policies " + ",".join(policies) + " --record"
+        cmd = "python benchmark/perf/sched_overhead.py --policies " + ",".join(policies)
+        if options:
+            cmd += f" --policy-options '{args.policy_options}'"
+        cmd += " --record"
         lines = [f"| {dt.date.today().isoformat()} | {policy} | {results[policy]['ratio_32_0']:.3f} | "
                  f"{results[policy]['ratio_256_0']:.3f} | {results[policy]['ratio_256_1000']:.3f} | "
                  f"{results[policy]['us_256_1000']['stock']:.0f} / {results[policy]['us_256_1000']['mars']:.0f} | "

@@ -220,8 +220,8 @@ class MarsSchedulerMixin:
             self._order_running()
             self.waiting.mark_dirty()
             self.kv_holding_waiting.mark_dirty()
-        elif policy.gates:
-            self.waiting.mark_dirty()
+        # A gate without ordering keeps the static arrival order: nothing to re-sort; the gate
+        # itself is asked afresh every time vLLM looks at the queue.
         out = super().schedule(throttle_prefills)
         calls = self._calls
         for new in out.scheduled_new_reqs:
