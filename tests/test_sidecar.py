@@ -364,3 +364,32 @@ def test_in_process_telemetry_from_scheduler():
     assert ctl.budget_blocks() == t1.free_blocks - 7  # guard margin ceil(63 * 0.1)
     run_to_completion(s)
     assert_no_leaks(s)
+
+
+@pytest.mark.slow
+def test_mars_serve_one_command(tiny_model, tmp_path):
+    """`mars serve`: vLLM with MarsScheduler behind the sidecar; Ctrl-C stops both."""
+    import subprocess
+    import sys
+
+    port, engine_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "serve", tiny_model, "--port", str(port),
+                             "--engine-port", str(engine_port), "--served-model-name", "tiny", "--num-blocks", "64",
+                             "--max-model-len", "1024", "--max-num-seqs", "8", "--device", "cpu",
+                             "--engine-log", str(tmp_path / "engine.log")], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None
+        assert wait_until(healthy, 240, 0.5) and proc.poll() is None
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "s1"}, timeout=60)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        assert "mars_admission_active 1" in httpx.get(url + "/metrics", timeout=5).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=2)  # the engine went with it
