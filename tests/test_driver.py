@@ -250,3 +250,20 @@ def test_http_backend_replays_against_the_real_server(openai_server, tmp_path):
     log = openai_server.sched_log.read_text()
     assert '"mars_workflow": "t0"' in log or '"mars_workflow":"t0"' in log
     assert "t2:t2" in log
+
+
+def test_num_workflows_cycles_the_file_with_unique_ids_and_context_is_checked(tmp_path):
+    from vllm_mars.driver.runner import check_context, select_plans
+    from vllm_mars.workload.materialize import load_plans
+
+    plans = load_plans(write_workload(tmp_path / "wl.jsonl", n=3))
+    assert [p.workflow_id for p in select_plans(plans, 2)] == ["t0", "t1"]
+    more = select_plans(plans, 7)
+    ids = [p.workflow_id for p in more]
+    assert ids == ["t0", "t1", "t2", "t0~1", "t1~1", "t2~1", "t0~2"]
+    child = more[4].children[0][1]
+    assert (child.workflow_id, child.root_id, child.parent_id) == ("t1.c0~1", "t1~1", "t1~1")
+    assert more[3].initial_ids == plans[0].initial_ids
+    check_context(plans, 2048)
+    with pytest.raises(ValueError, match=r"workflow 't\d' reaches \d+ tokens of context, above max_model_len=100"):
+        check_context(plans, 100)
