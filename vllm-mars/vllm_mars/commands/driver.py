@@ -85,7 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="root arrivals per second (env RPS; default 1.0)")
     p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
                    help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "
-                        "scheduler policy applies; --policy then selects only the admission controller)")
+                        "scheduler policy applies; --policy then selects only the driver-side admission "
+                        "controller: against `mars serve` or the sidecar, which admit on their own, use a "
+                        "policy without admission such as fcfs)")
     p.add_argument("--url", default=None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
     p.set_defaults(func=_replay)
 
