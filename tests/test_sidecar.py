@@ -153,6 +153,8 @@ def test_bad_requests(sidecar):
     r = httpx.get(u + "/v1/nope", timeout=10)
     assert r.status_code == 404 and "routes" in r.json()["error"]["message"]
     assert httpx.get(u + "/v1/chat/completions", timeout=10).status_code == 405
+    r = httpx.post(u + "/v1/chat/completions", json={**CHAT, "model": "no-such-model"}, timeout=30)
+    assert r.status_code == 404 and sidecar.app.controller.num_active == 0  # vLLM's error passes; slot freed
     assert sidecar.app.controller.num_queued == 0 and sidecar.app.in_flight == 0
     h = httpx.get(u + "/health", timeout=10)
     assert h.status_code == 200

@@ -526,7 +526,7 @@ class Sidecar:
             if not disconnected:
                 raise
             self.counters["client_disconnects"] += 1
-            if ident.anonymous or (r is not None and ident.last_step and ident.workflow == ident.root):
+            if r is not None and ident.last_step and ident.workflow == ident.root:
                 self._finish_root(ident.root)
         finally:
             watcher.cancel()
@@ -534,8 +534,10 @@ class Sidecar:
                 r.in_flight -= 1
                 self.in_flight -= 1
                 r.last_activity = time.monotonic()
-            if ident.anonymous:
+            if ident.anonymous:  # a one-call workflow ends with its call, however the call ended
                 self.turns.pop(ident.workflow, None)
+                if self.roots.get(ident.root) is r and r is not None:
+                    self._finish_root(ident.root)
 
     async def _admit(self, ident: Identity, body: dict) -> _Root:
         """Return the admitted root state for this call, waiting for admission if needed."""
@@ -562,8 +564,8 @@ class Sidecar:
         try:
             await asyncio.shield(r.future)
         except asyncio.CancelledError:
-            if r.future.cancelled():  # finished while waiting (finish route): let it through as a new root
-                raise _HTTPError(409, f"workflow {ident.root!r} was finished while waiting") from None
+            if r.future.cancelled():  # the workflow was ended (finish route) while this call waited
+                raise _HTTPError(409, f"workflow {ident.root!r} was finished while this call waited") from None
             raise
         finally:
             r.waiters -= 1
