@@ -606,7 +606,8 @@ class Sidecar:
         b = r.backend
         assert b is not None
         try:
-            resp = await b.pool.request("POST", path, self._upstream_headers(scope), json.dumps(body).encode())
+            data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            resp = await b.pool.request("POST", path, self._upstream_headers(scope), data)
         except UpstreamUnreachable as e:
             raise _Unreachable(str(e)) from None
         started = done = False

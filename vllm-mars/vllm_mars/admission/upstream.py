@@ -19,6 +19,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+#: Bytes buffered from upstream before reading pauses (backpressure from a slow client).
+_HIGH_WATER = 1 << 20
+
 
 class UpstreamUnreachable(Exception):
     """Could not connect or send; no response byte was received."""
@@ -29,8 +32,8 @@ class UpstreamBroken(Exception):
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("_body", "_done", "_error", "_head", "_parser", "_waiter", "closed", "headers", "keep_alive",
-                 "status", "transport")
+    __slots__ = ("_body", "_buffered", "_done", "_error", "_head", "_parser", "_paused", "_waiter", "closed",
+                 "headers", "keep_alive", "status", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -43,6 +46,8 @@ class _Conn(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
         self._done = False
         self._error: BaseException | None = None
         self._head: asyncio.Future | None = None
@@ -76,7 +81,20 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True  # a slow client: stop reading upstream until it catches up
+            self.transport.pause_reading()
         self._wake()
+
+    def _take(self) -> bytes:
+        data = b"".join(self._body) if len(self._body) > 1 else self._body[0]
+        self._body.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
 
     def on_message_complete(self) -> None:
         self._done = True
@@ -126,9 +144,7 @@ class Response:
         loop = asyncio.get_running_loop()
         while True:
             if c._body:
-                data = b"".join(c._body) if len(c._body) > 1 else c._body[0]
-                c._body.clear()
-                yield data
+                yield c._take()
                 continue
             if c._done:
                 return
