@@ -77,6 +77,7 @@ def run_policy(model: str, policy: str, wfs: list[Workflow], args) -> dict:
 
     # The policy's reload-cost model is calibrated to the same step-cost model the clock uses.
     options = {"reload_per_token_s": args.step_per_token_ms / 1e3, "reload_fixed_s": 0.0}
+    options.update(json.loads(args.mars_options or "{}"))
     options = {k: v for k, v in options.items() if k in config_fields(get_policy_class(policy))}
     eargs = EngineArgs(**engine_kwargs(model, policy=policy, policy_options=options, num_blocks=args.num_blocks,
                                        block_size=32, max_model_len=4096, max_num_seqs=32,
@@ -177,6 +178,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens (default 1024)")
     ap.add_argument("--step-fixed-ms", type=float, default=8.0, help="step-cost model: fixed ms per step")
     ap.add_argument("--step-per-token-ms", type=float, default=0.06, help="step-cost model: ms per token")
+    ap.add_argument("--mars-options", default="", help="JSON of extra config for the mars policies")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the workload's token counts")
     ap.add_argument("--out", default=str(HERE / "results" / "thrash.json"))
     args = ap.parse_args()

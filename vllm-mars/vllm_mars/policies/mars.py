@@ -342,8 +342,9 @@ class MarsPolicy(Policy):
                 # Its last block's unused slots plus the free blocks.
                 fit = (-num_computed) % bs + free * bs
             else:
-                # A new call: its prefix-hit blocks may sit in the free queue too (conservative).
-                fit = free * bs - num_computed
+                # A new call: its prefix hits are counted in num_computed; when they sit in the
+                # free queue the allocation fails, which for a waiting call preempts nobody.
+                fit = free * bs
             if n > fit:
                 # Down to what fits; with nothing free, ask for one block, which makes the
                 # scheduler reclaim (retained KV first, then vLLM preempts our victim).
