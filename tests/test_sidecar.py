@@ -82,10 +82,16 @@ def test_window_n_then_root_waits_until_one_finishes(sidecar, openai_server):
     assert chat(sidecar, {"X-MARS-Workflow": "A"}).status_code == 200
     assert chat(sidecar, {"x-session-id": "A-sub", "x-parent-session-id": "A"}).status_code == 200
     assert ctl.num_queued == 1 and waiting.resp is None
+    # a child of the waiting root waits with it (no second queue entry)
+    child = Call(sidecar.url + "/v1/chat/completions", CHAT, {"x-session-id": "C-sub", "x-parent-session-id": "C"})
+    time.sleep(0.3)
+    assert child.resp is None and ctl.num_queued == 1
     fin = httpx.post(sidecar.url + "/mars/v1/workflows/A/finish", timeout=10)
     assert fin.json() == {"workflow": "A", "ended": True}
     waiting.join(60)
+    child.join(60)
     assert waiting.resp is not None and waiting.resp.status_code == 200, waiting.error
+    assert child.resp is not None and child.resp.status_code == 200, child.error
     assert ctl.num_active == 2 and ctl.num_queued == 0
     # mars_last_step ends a workflow when its call completes
     r = chat(sidecar, {"X-MARS-Workflow": "B", "X-MARS-Last-Step": "true"})
@@ -186,9 +192,10 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
         assert sc.call(place_when_b2_has_more_budget) is b2
 
 
-def test_idle_timeout_and_api_key(openai_server):
+def test_idle_timeout_api_key_and_event_log(openai_server, tmp_path):
+    events = tmp_path / "admission.jsonl"
     cfg = SidecarConfig(backends=(openai_server.url,), controller="concur", port=free_port(), api_key="s3cret",
-                        idle_timeout_s=0.3, telemetry_interval_s=0.1)
+                        idle_timeout_s=0.3, telemetry_interval_s=0.1, events_path=str(events))
     with SidecarThread(cfg) as sc:
         assert httpx.post(sc.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 401
         assert httpx.get(sc.url + "/health", timeout=10).status_code == 200
@@ -198,6 +205,9 @@ def test_idle_timeout_and_api_key(openai_server):
         assert sc.app.controller.num_active == 1
         assert wait_until(lambda: sc.app.controller.num_active == 0, 5)  # ended by the idle timeout
         assert sc.app.counters["idle_finished"] == 1
+    recs = [json.loads(x) for x in events.read_text().splitlines()]
+    admit = [r for r in recs if r["event"] == "admission_admit"]
+    assert admit and admit[0]["workflow"] == "idle-1" and admit[0]["controller"] == "concur"
 
 
 def test_backend_dies_mid_stream(tiny_model, tmp_path):
