@@ -69,44 +69,47 @@ def chat(sc, headers=None, body=None, timeout=60.0):
 
 
 def test_window_n_then_root_waits_until_one_finishes(sidecar, openai_server):
+    # workflow names are unique to this file: the shared server's scheduler log is shared
+    A, B, C = "sc5-A", "sc5-B", "sc5-C"
     ctl = sidecar.app.controller
-    for wf in ("A", "B"):
+    for wf in (A, B):
         r = chat(sidecar, {"X-MARS-Workflow": wf})
         assert r.status_code == 200, r.text
     assert ctl.num_active == 2
-    waiting = Call(sidecar.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "C"})
+    waiting = Call(sidecar.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": C})
     time.sleep(1.0)
     assert waiting.resp is None and waiting.error is None  # the (N+1)th root waits
     assert ctl.num_queued == 1
     # later turns and children of admitted roots pass while C waits
-    assert chat(sidecar, {"X-MARS-Workflow": "A"}).status_code == 200
-    assert chat(sidecar, {"x-session-id": "A-sub", "x-parent-session-id": "A"}).status_code == 200
+    assert chat(sidecar, {"X-MARS-Workflow": A}).status_code == 200
+    assert chat(sidecar, {"x-session-id": A + "-sub", "x-parent-session-id": A}).status_code == 200
     assert ctl.num_queued == 1 and waiting.resp is None
     # a child of the waiting root waits with it (no second queue entry)
-    child = Call(sidecar.url + "/v1/chat/completions", CHAT, {"x-session-id": "C-sub", "x-parent-session-id": "C"})
+    child = Call(sidecar.url + "/v1/chat/completions", CHAT, {"x-session-id": C + "-sub", "x-parent-session-id": C})
     time.sleep(0.3)
     assert child.resp is None and ctl.num_queued == 1
-    fin = httpx.post(sidecar.url + "/mars/v1/workflows/A/finish", timeout=10)
-    assert fin.json() == {"workflow": "A", "ended": True}
+    fin = httpx.post(f"{sidecar.url}/mars/v1/workflows/{A}/finish", timeout=10)
+    assert fin.json() == {"workflow": A, "ended": True}
     waiting.join(60)
     child.join(60)
     assert waiting.resp is not None and waiting.resp.status_code == 200, waiting.error
     assert child.resp is not None and child.resp.status_code == 200, child.error
     assert ctl.num_active == 2 and ctl.num_queued == 0
     # mars_last_step ends a workflow when its call completes
-    r = chat(sidecar, {"X-MARS-Workflow": "B", "X-MARS-Last-Step": "true"})
+    r = chat(sidecar, {"X-MARS-Workflow": B, "X-MARS-Last-Step": "true"})
     assert r.status_code == 200 and ctl.num_active == 1
     assert ctl.growth > 1.0  # finished workflows reported their size (usage.total_tokens)
-    httpx.post(sidecar.url + "/mars/v1/workflows/C/finish", timeout=10)
+    httpx.post(f"{sidecar.url}/mars/v1/workflows/{C}/finish", timeout=10)
     assert ctl.num_active == 0
     # the normalised ids reached the engine through vllm_xargs
     recs = [r for r in sched_records(openai_server) if r["event"] == "arrive"]
     by_wf = {(r["workflow"], r["turn"]): r for r in recs}
-    assert by_wf[("A", 1)]["root"] == "A" and by_wf[("A-sub", 0)]["root"] == "A"
-    assert by_wf[("A-sub", 0)]["parent"] == "A" and by_wf[("C", 0)]["root"] == "C"
-    assert by_wf[("B", 1)]["last_step"] is True
+    assert by_wf[(A, 1)]["root"] == A and by_wf[(A + "-sub", 0)]["root"] == A
+    assert by_wf[(A + "-sub", 0)]["parent"] == A and by_wf[(C, 0)]["root"] == C
+    assert by_wf[(C + "-sub", 0)]["root"] == C
+    assert by_wf[(B, 1)]["last_step"] is True
     ev = list(sidecar.app.recent_events)
-    assert any(e.event == "admission_admit" and e.data["workflow"] == "C" and e.data["waited_s"] > 0.9 for e in ev)
+    assert any(e.event == "admission_admit" and e.data["workflow"] == C and e.data["waited_s"] > 0.9 for e in ev)
 
 
 def test_streaming_passthrough_and_plain_clients(sidecar):
@@ -131,14 +134,14 @@ def test_streaming_passthrough_and_plain_clients(sidecar):
 
 def test_client_disconnect_aborts_upstream(sidecar, openai_server):
     with httpx.stream("POST", sidecar.url + "/v1/chat/completions", json=LONG,
-                      headers={"X-MARS-Workflow": "D", "X-MARS-Last-Step": "1"}, timeout=60) as r:
+                      headers={"X-MARS-Workflow": "sc5-D", "X-MARS-Last-Step": "1"}, timeout=60) as r:
         it = r.iter_lines()
         got = [next(it) for _ in range(4)]
         assert any(g.startswith("data: ") for g in got)
     # the client went away: the sidecar closes the upstream call, vLLM aborts it, accounting drops it
-    assert wait_until(lambda: any(x["event"] == "end" and x["workflow"] == "D" for x in sched_records(openai_server)),
+    assert wait_until(lambda: any(x["event"] == "end" and x["workflow"] == "sc5-D" for x in sched_records(openai_server)),
                       10)
-    end = next(x for x in sched_records(openai_server) if x["event"] == "end" and x["workflow"] == "D")
+    end = next(x for x in sched_records(openai_server) if x["event"] == "end" and x["workflow"] == "sc5-D")
     assert end["aborted"] is True and end["output_tokens"] < 1500
     app = sidecar.app
     assert wait_until(lambda: app.in_flight == 0 and app.controller.num_active == 0, 5)
