@@ -1,6 +1,6 @@
 """KV thrashing under multi-turn agent workflows: fcfs vs mars and its ablations on the real engine.
 
-32 synthetic workflows (shared system prefix, 4-8 turns, each turn's prompt = the previous prompt +
+32 synthetic workflows (shared system prefix, initial context 200-3000 tokens, 4-8 turns, each turn's prompt = the previous prompt +
 its output + a tool output, a tool gap between turns) run through vLLM's CPU engine in-process with
 the tiny model and a KV pool far smaller than the working set, once per policy, one process.
 
@@ -58,7 +58,10 @@ def make_workload(n: int, seed: int, scale: float = 1.0) -> list[Workflow]:
     for i in range(n):
         t += rng.expovariate(n / 4.0)  # all roots arrive within ~4 virtual seconds
         turns = rng.randint(4, 8)
-        task = [rng.randrange(3, 4000) for _ in range(int(rng.randint(200, 700) * scale))]
+        # Initial task context log-uniform in 200..3000 tokens: most turns are short (level 0),
+        # some long (level 1 with the default thresholds), as in agent traces.
+        task_len = int(math.exp(rng.uniform(math.log(200), math.log(3000))) * scale)
+        task = [rng.randrange(3, 4000) for _ in range(task_len)]
         gaps = [min(rng.lognormvariate(math.log(1.0), 0.9), 12.0) for _ in range(turns)]
         wfs.append(Workflow(f"wf{i:02d}", t, system + task,
                             [int(rng.randint(16, 96) * scale) or 1 for _ in range(turns)],
@@ -80,7 +83,7 @@ def run_policy(model: str, policy: str, wfs: list[Workflow], args) -> dict:
     options.update(json.loads(args.mars_options or "{}"))
     options = {k: v for k, v in options.items() if k in config_fields(get_policy_class(policy))}
     eargs = EngineArgs(**engine_kwargs(model, policy=policy, policy_options=options, num_blocks=args.num_blocks,
-                                       block_size=32, max_model_len=4096, max_num_seqs=32,
+                                       block_size=32, max_model_len=min(8192, (args.num_blocks - 1) * 32), max_num_seqs=32,
                                        max_num_batched_tokens=args.budget, disable_log_stats=True))
     engine = LLMEngine.from_engine_args(eargs)
     sched = engine.engine_core.engine_core.scheduler
@@ -174,7 +177,7 @@ def main() -> int:
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--workflows", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens (default 192)")
+    ap.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 32 tokens (default 256)")
     ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens (default 1024)")
     ap.add_argument("--step-fixed-ms", type=float, default=8.0, help="step-cost model: fixed ms per step")
     ap.add_argument("--step-per-token-ms", type=float, default=0.06, help="step-cost model: ms per token")
