@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -213,36 +216,76 @@ def test_idle_timeout_api_key_and_event_log(openai_server, tmp_path):
     assert admit and admit[0]["workflow"] == "idle-1" and admit[0]["controller"] == "concur"
 
 
-def test_backend_dies_mid_stream(tiny_model, tmp_path):
-    """A real server killed (SIGKILL) mid-stream: the client's stream ends with an error event, the
-    workflow's slot is released, /health turns 503 and new roots get 503 + Retry-After."""
-    srv = ServerProcess(tiny_model, tmp_path, num_blocks=128, max_model_len=2048, max_num_seqs=8)
-    srv.wait_ready()
-    cfg = SidecarConfig(backends=(srv.url,), controller="mars", port=free_port(), retry_after_s=1,
-                        controller_options={"window_min": 2, "window_max": 2, "interval_s": 0.05},
-                        telemetry_interval_s=0.1)
+def _engine_pid(engine_port: int) -> int:
+    """The vLLM server process that `mars serve` started (found by its command line)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and str(engine_port).encode() in cmd:
+            return int(d.name)
+    raise AssertionError(f"no vLLM server on port {engine_port}")
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def test_mars_serve_and_backend_dying_mid_stream(tiny_model, tmp_path):
+    """`mars serve` (vLLM + MarsScheduler + sidecar, one command); its vLLM killed (SIGKILL)
+    mid-stream: the client's stream ends with an error event, the slot is released, /health turns
+    503 and new roots get 503 + Retry-After; Ctrl-C then stops the command."""
+    port, engine_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "serve", tiny_model, "--port", str(port),
+                             "--engine-port", str(engine_port), "--served-model-name", "tiny", "--num-blocks", "128",
+                             "--max-model-len", "2048", "--max-num-seqs", "8", "--device", "cpu", "--retry-after", "1",
+                             "--controller-option", "window_min=2", "--controller-option", "window_max=2",
+                             "--telemetry-interval", "0.1", "--engine-log", str(tmp_path / "engine.log")],
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
     try:
-        with SidecarThread(cfg) as sc:
-            ctl = sc.app.controller
-            lines: list[str] = []
-            with httpx.stream("POST", sc.url + "/v1/chat/completions", json=LONG,
-                              headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
-                it = r.iter_lines()
-                lines += [next(it) for _ in range(4)]
-                assert ctl.is_active("M")
-                os.killpg(srv.proc.pid, signal.SIGKILL)
-                lines += list(it)
-            data = [x[6:] for x in lines if x.startswith("data: ")]
-            assert "[DONE]" not in data
-            err = json.loads(data[-1])
-            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
-            assert not ctl.is_active("M") and ctl.num_active == 0 and sc.app.in_flight == 0  # slot released
-            assert wait_until(lambda: httpx.get(sc.url + "/health", timeout=5).status_code == 503, 5)
-            r = chat(sc, {"X-MARS-Workflow": "N"})
-            assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert ctl.num_queued == 0
+        assert wait_until(healthy, 240, 0.5) and proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "A"}, timeout=60)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        lines: list[str] = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=LONG,
+                          headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
+            it = r.iter_lines()
+            lines += [next(it) for _ in range(4)]
+            assert metric(url, "mars_admission_active") == 2
+            os.killpg(_engine_pid(engine_port), signal.SIGKILL)
+            lines += list(it)
+        data = [x[6:] for x in lines if x.startswith("data: ")]
+        assert "[DONE]" not in data
+        err = json.loads(data[-1])
+        assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+        assert metric(url, "mars_admission_active") == 1  # M's slot released, A keeps its own
+        assert metric(url, "mars_sidecar_in_flight") == 0
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, 5)
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "N"}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert metric(url, "mars_admission_queued") == 0
     finally:
-        srv.stop()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode is not None
 
 
 def test_backend_down_queued_roots_wait_and_proceed(openai_server):
@@ -379,32 +422,3 @@ def test_in_process_telemetry_from_scheduler():
     assert ctl.budget_blocks() == t1.free_blocks - 7  # guard margin ceil(63 * 0.1)
     run_to_completion(s)
     assert_no_leaks(s)
-
-
-@pytest.mark.slow
-def test_mars_serve_one_command(tiny_model, tmp_path):
-    """`mars serve`: vLLM with MarsScheduler behind the sidecar; Ctrl-C stops both."""
-    import subprocess
-    import sys
-
-    port, engine_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "serve", tiny_model, "--port", str(port),
-                             "--engine-port", str(engine_port), "--served-model-name", "tiny", "--num-blocks", "64",
-                             "--max-model-len", "1024", "--max-num-seqs", "8", "--device", "cpu",
-                             "--engine-log", str(tmp_path / "engine.log")], start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy():
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(healthy, 240, 0.5) and proc.poll() is None
-        r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "s1"}, timeout=60)
-        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
-        assert "mars_admission_active 1" in httpx.get(url + "/metrics", timeout=5).text
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=2)  # the engine went with it
