@@ -237,15 +237,22 @@ def test_finish_of_queued_root_cancels_it():
     assert c.num_queued == 0 and c.num_active == 1
 
 
-def test_growth_refines_footprint():
+def test_turn_growth_refines_footprint():
     c = mars(window_min=4, window_max=4, growth_alpha=0.5)
     c.observe(tel(0, bs=16))
     offer(c, "a", 0, tokens=160)
+    c.offer(PendingRoot("b", 0, 160, {"turns": 4}))  # the driver says how many turns
     c.tick(0)
-    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 10
-    c.finish("a", 1.0, final_tokens=480)  # grew 3x
-    assert c.growth == pytest.approx(2.0)
-    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 20
+    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 10  # nothing learned: the prefix alone
+    c.finish("a", 1.0, final_tokens=480)  # no turn count: nothing to learn from
+    assert c.turn_growth == 0
+    c.finish("b", 1.0, final_tokens=800)  # (800 - 160) / 4 = 160 tokens per turn
+    assert c.turn_growth == pytest.approx(80.0)  # EMA with alpha 0.5 from 0
+    assert c.footprint_blocks(PendingRoot("x", 0, 160)) == 15  # ceil((160 + 80) / 16)
+    offer(c, "c", 2, tokens=160)
+    c.tick(2)
+    c.finish("c", 3.0, final_tokens=480, turns=2)  # explicit turns: (480 - 160) / 2 = 160
+    assert c.turn_growth == pytest.approx(120.0)
 
 
 def test_unknown_prefill_uses_default():

@@ -55,9 +55,11 @@ class AdmissionController(Protocol):
 
     def offer(self, root: PendingRoot) -> None: ...
 
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
-        """``workflow`` ended, or was cancelled while queued. ``final_tokens`` (optional): its last
-        call's prompt+output tokens, which a controller may use to learn footprint growth."""
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
+               turns: int | None = None) -> None:
+        """``workflow`` ended, or was cancelled while queued. Optional: ``final_tokens`` (its last
+        call's prompt+output tokens) and ``turns`` (its LLM calls), which a controller may use to
+        learn how much workflows grow per turn."""
         ...
 
     def observe(self, telemetry: Telemetry) -> None: ...
@@ -89,7 +91,8 @@ class NoneController:
     def offer(self, root: PendingRoot) -> None:
         self._queued.append(root)
 
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
+               turns: int | None = None) -> None:
         self._queued = [r for r in self._queued if r.workflow != workflow]
         self._active.discard(workflow)
 

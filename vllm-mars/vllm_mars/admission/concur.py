@@ -101,7 +101,8 @@ class ConcurController:
             raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
         self._queue[root.workflow] = root
 
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None) -> None:
+    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
+               turns: int | None = None) -> None:
         if self._queue.pop(workflow, None) is None:
             self._active.discard(workflow)
 

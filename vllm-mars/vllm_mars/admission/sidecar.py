@@ -332,8 +332,8 @@ class Sidecar:
         if not r.future.done():
             r.future.cancel()
         if final_tokens is None and r.tokens:
-            final_tokens = r.tokens  # lets the controller learn how much workflows grow
-        self.controller.finish(root, time.monotonic(), final_tokens)
+            final_tokens = r.tokens  # with the root session's call count: how much workflows grow per turn
+        self.controller.finish(root, time.monotonic(), final_tokens, turns=self.turns.get(root))
         for session in self.sessions.forget_root(root):
             self.turns.pop(session, None)
         self.counters["finished"] += 1
