@@ -135,8 +135,9 @@ def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
         raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid: {', '.join(sorted(fs))}")
     for k, v in d.items():
         default = fs[k].default
-        kind = type(default) if default is not None else int  # the only None default is an int window
-        ok = (v is None and default is None) or (
+        ann = str(fs[k].type)
+        kind = float if "float" in ann else int if "int" in ann else type(default)
+        ok = (v is None and "None" in ann) or (
             isinstance(v, kind) and not isinstance(v, bool)) or (kind is float and isinstance(v, int)
                                                                    and not isinstance(v, bool))
         if not ok:

@@ -63,8 +63,9 @@ class MarsAdmissionConfig:
     interval_s: float = 0.2
     #: Target KV usage: the guard margin keeps ``1 - kv_target`` of all blocks free; also the high watermark.
     kv_target: float = 0.9
-    #: KV usage at or below which the window may grow (and the KV pressure state clears).
-    kv_low: float = 0.85
+    #: KV usage at or below which the window may grow (and the KV pressure state clears);
+    #: None: ``kv_target - 0.05``.
+    kv_low: float | None = None
     #: Tool calls in flight per tool worker at which the CPU plane counts as overloaded.
     cpu_backlog_high: float = 2.0
     #: In-flight per worker at or below which the CPU plane is healthy.
@@ -109,6 +110,8 @@ class MarsAdmissionConfig:
             raise bad("interval_s", ">= 0.01")
         if not 0.1 <= self.kv_target <= 0.999:
             raise bad("kv_target", "in [0.1, 0.999]")
+        if self.kv_low is None:
+            object.__setattr__(self, "kv_low", max(0.0, round(self.kv_target - 0.05, 6)))
         if not 0 <= self.kv_low < self.kv_target:
             raise bad("kv_low", f"in [0, kv_target={self.kv_target})")
         if not 0 < self.cpu_backlog_low <= self.cpu_backlog_high:
