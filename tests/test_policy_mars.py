@@ -383,3 +383,30 @@ def test_retention_tau_is_learned_from_return_gaps():
     assert "v" not in s2.retention
     _finish(s, clock)
     _finish(s2, clock)
+
+
+def test_a_preempted_call_remembers_its_likely_cached_prefix():
+    # The reclamation scenario preempts Pa with 1792 of 2000 tokens computed: its blocks went to the
+    # prefix cache, so its entry level is estimated from the ~208 tokens it probably has to redo.
+    s = _sched(options={"level_thresholds": [16, 32, 48]}, num_blocks=200,
+               max_num_batched_tokens=512, max_num_seqs=16)
+    seen: dict[str, tuple[int, int]] = {}
+    original = s._preempt_request
+
+    def preempt(request, timestamp, drop_stale_output=False):
+        computed = request.num_computed_tokens
+        original(request, timestamp, drop_stale_output)
+        seen[request.request_id] = (computed, s.call(request.request_id).state.known_prefix)
+
+    s._preempt_request = preempt
+    for i in range(4):
+        s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=200))
+    s.add_request(make_request("Pa", prompt_len=2000, max_tokens=2))
+    k = 0
+    while s.has_requests():
+        if k == 2:
+            s.add_request(make_request("Pb", prompt_len=2000, max_tokens=2))
+        step(s)
+        k += 1
+    _finish(s)
+    assert seen == {"Pa": (1792, 1792)}, seen

@@ -173,13 +173,14 @@ class MarsConfig:
 class _State:
     """Per-call MLFQ state (kept in ``CallView.state``)."""
 
-    __slots__ = ("feedback", "preempted", "known_prefix", "level", "decoding", "quantum",
+    __slots__ = ("feedback", "preempted", "known_prefix", "computed", "level", "decoding", "quantum",
                  "quantum_level", "retention_value")
 
     def __init__(self, known_prefix: int) -> None:
         self.feedback = 0            # demotion level from spent quanta
         self.preempted = False       # preempted and not yet scheduled again
         self.known_prefix = known_prefix  # tokens probably in the prefix cache (estimate)
+        self.computed = 0            # computed tokens after the last step it was scheduled in
         self.level = 0               # effective level computed at this step's ordering
         self.decoding = False        # decoding at this step's ordering
         self.quantum = 0             # cap applied at the last chunk (0: none)
@@ -233,6 +234,7 @@ class MarsPolicy(Policy):
     def on_scheduled(self, call: CallView, num_tokens: int) -> None:
         st: _State = call.state
         st.preempted = False
+        st.computed = call._req.num_computed_tokens
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
             st.feedback = min(st.quantum_level + 1, self._max_level)
         st.quantum = 0
@@ -241,7 +243,8 @@ class MarsPolicy(Policy):
         st: _State = call.state
         st.preempted = True
         # Its computed prefix was just freed to the prefix cache; it probably comes back as a hit.
-        st.known_prefix = max(st.known_prefix, min(call.num_computed_tokens, call.num_tokens - 1))
+        # (vLLM has already reset num_computed_tokens here: use what the last step recorded.)
+        st.known_prefix = max(st.known_prefix, min(st.computed, call.num_tokens - 1))
 
     def on_finished(self, call: CallView, aborted: bool) -> None:
         wf = call.workflow
