@@ -13,7 +13,6 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-
 from vllm_mars.clock import VirtualClock
 from vllm_mars.engine.rig import assert_no_leaks
 
@@ -81,7 +80,6 @@ def _drive(engine, clock: VirtualClock, wfs: list[_Wf], turns: int, seed: int = 
 def mars_engine(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_mars.engine.local import engine_kwargs
 
     # 48 blocks x 32 tokens = 1504 usable tokens for 8 workflows growing to ~400 tokens each.

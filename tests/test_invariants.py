@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import pytest
 from vllm.v1.request import RequestStatus
-
 from vllm_mars.clock import VirtualClock
 from vllm_mars.engine.rig import assert_block_invariants, assert_no_leaks, make_request, make_scheduler, step
 from vllm_mars.policies import available_policies, config_fields, get_policy_class
@@ -80,8 +79,8 @@ def _episode(s, clock: VirtualClock, rng: random.Random, ep: int, st: _Stats) ->
             if not wf.done and wf.live is None and wf.next_arrival <= now:
                 rid = f"{wf.name}t{wf.turn}"
                 last = wf.turn == wf.turns - 1
-                kw = dict(workflow=wf.name, turn=wf.turn, last_step=last,
-                          tool=rng.choice(("bash", "read", None))) if wf.tagged else {}
+                kw = {"workflow": wf.name, "turn": wf.turn, "last_step": last,
+                      "tool": rng.choice(("bash", "read", None))} if wf.tagged else {}
                 s.add_request(make_request(rid, prompt_token_ids=wf.ids, max_tokens=rng.randint(1, 32), **kw))
                 wf.live = rid
                 by_id[rid] = wf

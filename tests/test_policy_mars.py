@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 from vllm.v1.request import RequestStatus
-
 from vllm_mars.clock import VirtualClock
 from vllm_mars.engine.rig import (
     assert_block_invariants,

@@ -27,7 +27,6 @@ Pure decision logic: no vllm or torch import.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ class PrefillCostModel:
         return self.fixed_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
 
     @classmethod
-    def fit(cls, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> "PrefillCostModel":
+    def fit(cls, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> PrefillCostModel:
         """Least-squares fit to (tokens, seconds) samples; negative coefficients are clipped to 0."""
         pts = [(float(n), float(t)) for n, t in samples]
         if len(pts) < (3 if quadratic else 2):
@@ -173,8 +172,17 @@ class MarsConfig:
 class _State:
     """Per-call MLFQ state (kept in ``CallView.state``)."""
 
-    __slots__ = ("feedback", "preempted", "known_prefix", "computed", "level", "decoding", "quantum",
-                 "quantum_level", "retention_value")
+    __slots__ = (
+        "computed",
+        "decoding",
+        "feedback",
+        "known_prefix",
+        "level",
+        "preempted",
+        "quantum",
+        "quantum_level",
+        "retention_value",
+    )
 
     def __init__(self, known_prefix: int) -> None:
         self.feedback = 0            # demotion level from spent quanta
@@ -276,20 +284,20 @@ class MarsPolicy(Policy):
         st: _State = call.state
         req = call._req
         done = req.num_computed_tokens
-        if st.known_prefix > done:
+        if st.known_prefix > done:  # noqa: PLR1730 (hot path: no call)
             done = st.known_prefix
         remaining = req.num_tokens - 1 - done
         lvl = st.feedback
         for i, bound in enumerate(self._thresholds):
             if remaining <= bound:
-                if i > lvl:
+                if i > lvl:  # noqa: PLR1730
                     lvl = i
                 break
         else:
             lvl = len(self._thresholds)
         if self._aging and lvl:
             lvl -= int((now - call.last_scheduled) / self._aging)
-            if lvl < 0:
+            if lvl < 0:  # noqa: PLR1730
                 lvl = 0
         return lvl
 
