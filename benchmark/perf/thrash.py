@@ -73,7 +73,6 @@ def run_policy(model: str, policy: str, wfs: list[Workflow], args) -> dict:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_mars.clock import VirtualClock
     from vllm_mars.engine.local import engine_kwargs
     from vllm_mars.policies import config_fields, get_policy_class
@@ -157,7 +156,7 @@ def run_policy(model: str, policy: str, wfs: list[Workflow], args) -> dict:
         "prefix_hit_tokens": stats["prefix_hit_tokens"],
         "prefix_hit_rate": stats["prefix_hit_tokens"] / max(stats["prompt_tokens"], 1),
         "e2e_mean_s": statistics.mean(e2e),
-        "e2e_p95_s": e2e[min(int(math.ceil(0.95 * len(e2e))) - 1, len(e2e) - 1)],
+        "e2e_p95_s": e2e[min(math.ceil(0.95 * len(e2e)) - 1, len(e2e) - 1)],
         "turn_mean_s": statistics.mean(turns),
         "turn_p95_s": sorted(turns)[int(0.95 * (len(turns) - 1))],
         "makespan_s": max(wf.finish for wf in wfs) - min(wf.arrival for wf in wfs),
