@@ -409,3 +409,28 @@ def test_a_preempted_call_remembers_its_likely_cached_prefix():
         k += 1
     _finish(s)
     assert seen == {"Pa": (1792, 1792)}, seen
+
+
+def _preempted_vs_older(options: dict) -> tuple[list[str], list[str]]:
+    """P (level 2) starts before the older X (level 3), spends its quanta down to level 3 and is
+    preempted when decoding A needs a block; then P and X wait at the same level for one slot."""
+    s = _sched(options={"level_thresholds": [256, 512, 1024], "quanta": [32, 32, 32, 32],
+                        "elastic": False, **options},
+               num_blocks=90, max_num_batched_tokens=512, max_num_seqs=2)
+    s.add_request(make_request("A", prompt_len=500, max_tokens=100))
+    s.add_request(make_request("X", prompt_len=1100, max_tokens=2))
+    s.add_request(make_request("P", prompt_len=900, max_tokens=2))
+    started, preempted = [], []
+    while s.has_requests():
+        so, _ = step(s)
+        preempted += list(so.preempted_req_ids or ())
+        started += [r.req_id for r in so.scheduled_new_reqs]
+    _finish(s)
+    return preempted, started
+
+
+def test_preempted_call_goes_first_within_its_level():
+    preempted, started = _preempted_vs_older({})
+    assert preempted == ["P"] and started == ["A", "P", "P", "X"], (preempted, started)
+    # Without the rule the older X (same level) goes ahead of the preempted P.
+    assert _preempted_vs_older({"preempted_first": False})[1] == ["A", "P", "X", "P"]
