@@ -425,6 +425,7 @@ def _preempted_vs_older(options: dict) -> tuple[list[str], list[str]]:
         so, _ = step(s)
         preempted += list(so.preempted_req_ids or ())
         started += [r.req_id for r in so.scheduled_new_reqs]
+        started += sorted(so.scheduled_cached_reqs.resumed_req_ids)  # resumed after preemption
     _finish(s)
     return preempted, started
 
