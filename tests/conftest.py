@@ -99,8 +99,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def openai_server(tiny_model, tmp_path_factory):
-    """One shared server for the session: MarsScheduler(fcfs), 256 blocks of 32 tokens."""
-    server = ServerProcess(tiny_model, tmp_path_factory.mktemp("server"), num_blocks=256,
+    """One shared server for the session: MarsScheduler with the ``mars`` policy (passed the way a
+    user passes it: ``--additional-config '{"mars": {"policy": "mars"}}'``), 256 blocks of 32 tokens."""
+    server = ServerProcess(tiny_model, tmp_path_factory.mktemp("server"), policy="mars", num_blocks=256,
                            max_model_len=2048, max_num_seqs=32)
     try:
         server.wait_ready()

@@ -1,4 +1,4 @@
-"""The real vLLM OpenAI server on 127.0.0.1 with MarsScheduler: serves, and vllm_xargs reach us."""
+"""The real vLLM OpenAI server on 127.0.0.1 with MarsScheduler(mars): serves, and vllm_xargs reach us."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def test_completions_with_workflow_xargs_reach_mars_scheduler(openai_server):
     arrive = next(e for e in events if e["event"] == "arrive")
     assert (arrive["workflow"], arrive["root"], arrive["turn"], arrive["last_step"], arrive["tool"],
             arrive["tagged"]) == ("wf-42", "root-1", 3, False, "bash", True)
+    assert arrive["policy"] == "mars"  # --additional-config '{"mars": {"policy": "mars"}}' took effect
     end = next(e for e in events if e["event"] == "end")
     assert end["output_tokens"] == 7 and end["aborted"] is False
 

@@ -296,7 +296,8 @@ class MarsSchedulerMixin:
 
     def _log_event(self, event: str, call: CallView, **fields: Any) -> None:
         wf = call.workflow
-        rec = {"ts": self.clock.now(), "event": event, "request_id": call.request_id,
+        rec = {"ts": self.clock.now(), "event": event, "policy": self.mars_config.policy,
+               "request_id": call.request_id,
                "workflow": wf.workflow, "root": wf.root, "parent": wf.parent, "turn": wf.turn,
                "last_step": wf.last_step, "tool": wf.tool, "tagged": wf.tagged, **fields}
         self._sched_log.write(json.dumps(rec, default=str) + "\n")
