@@ -145,6 +145,14 @@ class EngineView(Protocol):
         ...
 
 
+def check_nonneg(cfg: Any, *names: str) -> None:
+    """Config validation: each named field must be a number >= 0 (ValueError naming the field)."""
+    for n in names:
+        v = getattr(cfg, n)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{n} must be a number >= 0, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class NoConfig:
     """A policy without parameters."""

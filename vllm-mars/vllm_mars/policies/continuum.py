@@ -49,16 +49,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.policies.base import CallView, Policy, register_policy
+from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker
 from vllm_mars.policies.infercept import prefill_seconds
-
-
-def _check_nonneg(cfg: Any, *names: str) -> None:
-    for n in names:
-        v = getattr(cfg, n)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{n} must be a number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ class ContinuumConfig:
     max_programs: int = 65536
 
     def __post_init__(self) -> None:
-        _check_nonneg(self, "pin_s", "max_tool_mean_s")
+        check_nonneg(self, "pin_s", "max_tool_mean_s")
         if self.gap_window < 1 or self.max_programs < 1:
             raise ValueError(f"gap_window and max_programs must be >= 1, got {self.gap_window}, {self.max_programs}")
 
@@ -186,7 +179,7 @@ class ContinuumDyConfig:
     max_workflows: int = 65536
 
     def __post_init__(self) -> None:
-        _check_nonneg(self, "cold_start_s", "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const")
+        check_nonneg(self, "cold_start_s", "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const")
         for n in ("min_samples", "queue_delay_window", "gap_window", "max_programs", "max_workflows"):
             if getattr(self, n) < 1:
                 raise ValueError(f"{n} must be >= 1, got {getattr(self, n)}")

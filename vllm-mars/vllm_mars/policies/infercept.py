@@ -50,7 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.policies.base import CallView, Policy, register_policy
+from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker
 
 
@@ -59,13 +59,6 @@ def prefill_seconds(tokens: int, s_per_token: float, s_per_token2: float = 0.0, 
     if tokens <= 0:
         return 0.0
     return s_per_token2 * tokens * tokens + s_per_token * tokens + const
-
-
-def _check_nonneg(cfg: Any, *names: str) -> None:
-    for n in names:
-        v = getattr(cfg, n)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{n} must be a number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,7 @@ class InferceptConfig:
     max_workflows: int = 65536
 
     def __post_init__(self) -> None:
-        _check_nonneg(self, "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const",
+        check_nonneg(self, "prefill_s_per_token", "prefill_s_per_token2", "prefill_s_const",
                       "min_retention_s")
         if self.prefill_s_per_token + self.prefill_s_per_token2 + self.prefill_s_const <= 0:
             raise ValueError("the prefill cost model is zero: set prefill_s_per_token > 0")
@@ -207,7 +200,7 @@ class InferceptSwapConfig(InferceptConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_nonneg(self, "swap_s_per_token")
+        check_nonneg(self, "swap_s_per_token")
 
 
 @register_policy
