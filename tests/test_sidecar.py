@@ -316,7 +316,6 @@ def test_backend_down_queued_roots_wait_and_proceed(openai_server):
         httpx.post(sc.url + "/mars/v1/workflows/Q/finish", timeout=5)
 
 
-@pytest.mark.slow
 def test_backend_faults_with_restart(tiny_model, tmp_path):
     """The full cycle on one real server: killed mid-stream, new roots 503 while a queued root
     waits, the server restarted on the same port, the queued root proceeds (two server starts)."""
