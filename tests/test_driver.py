@@ -207,6 +207,11 @@ def test_replay_two_policies_end_to_end_on_the_cpu_engine(compared):
     mars = _check_run(Path(cell["policies"]["mars"]["run_dir"]), wl)
     assert fcfs["preemptions"] > 0, "16 blocks must force fcfs to preempt"
     assert fcfs["recomputed_tokens"] > 0
+    # KV block removals (vLLM KV cache events): the summary's count is the kv_sample counter's span.
+    fcfs_samples = [e["kv_blocks_removed"] for e in read_events(cell["policies"]["fcfs"]["run_dir"])
+                    if e["event"] == "kv_sample"]
+    assert fcfs["kv_blocks_removed"] == fcfs_samples[-1] - fcfs_samples[0] > 0
+    assert (out / "kv_removals_rps8.png").is_file()
     assert mars["controller"] == "mars" and mars["admission"]["admitted"] == 6
     fcfs_events = read_events(cell["policies"]["fcfs"]["run_dir"])
     assert {e["controller"] for e in fcfs_events if e["event"] == "admission_admit"} == {"none"}

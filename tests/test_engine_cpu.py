@@ -17,7 +17,8 @@ def engine(tiny_model):
 
     # 40 blocks x 32 tokens = 1248 usable tokens for 16 workflows of 200-400 tokens: must preempt.
     args = EngineArgs(**engine_kwargs(tiny_model, policy="fcfs", num_blocks=40, max_model_len=1024,
-                                      max_num_seqs=16, max_num_batched_tokens=512, disable_log_stats=True))
+                                      max_num_seqs=16, max_num_batched_tokens=512, disable_log_stats=True,
+                                      kv_events=True))
     return LLMEngine.from_engine_args(args)
 
 
@@ -32,6 +33,8 @@ def test_sixteen_multi_turn_workflows_finish_under_kv_pressure(engine):
     stats = sched.mars_stats()
     assert stats["preemptions"] >= 1, stats
     assert stats["prefix_hit_tokens"] > 0, "later turns must hit the prefix cache"
+    # KV events on: cached blocks were stored, and under this pressure some were evicted for reuse.
+    assert stats["kv_blocks_stored"] > 0 and 0 < stats["kv_blocks_removed"] <= stats["kv_blocks_stored"]
     assert_no_leaks(sched)
 
 

@@ -51,6 +51,8 @@ class EngineSample:
     retained_blocks: int | None = None
     preemptions: int | None = None
     recomputed_tokens: int | None = None
+    #: cached KV blocks evicted for reuse so far (vLLM KV cache events)
+    kv_blocks_removed: int | None = None
     running: int | None = None
     waiting: int | None = None
 
@@ -114,7 +116,7 @@ class InProcessBackend:
 
         from vllm_mars.engine.local import engine_kwargs
 
-        kw = engine_kwargs(self.model, disable_log_stats=True, **self.kwargs)
+        kw = engine_kwargs(self.model, disable_log_stats=True, kv_events=True, **self.kwargs)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
         core = getattr(self.engine.engine_core, "engine_core", None)
         if core is None:
@@ -167,7 +169,8 @@ class InProcessBackend:
             ts=self.clock() if now is None else now, free_blocks=free, num_blocks=total,
             block_size=st["block_size"], kv_usage=(1.0 - free / total) if total else None,
             retained_blocks=st["retained_blocks"], preemptions=st["preemptions"],
-            recomputed_tokens=st["recomputed_tokens"], running=len(s.running), waiting=len(s.waiting))
+            recomputed_tokens=st["recomputed_tokens"], kv_blocks_removed=st.get("kv_blocks_removed"),
+            running=len(s.running), waiting=len(s.waiting))
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:

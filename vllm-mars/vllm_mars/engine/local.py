@@ -25,8 +25,13 @@ def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[s
                   num_blocks: int | None = None, block_size: int = 32, max_model_len: int = 4096,
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                   kv_cache_memory_bytes: int | None = 256 << 20, enable_prefix_caching: bool = True,
-                  seed: int = 0, cpu: bool | None = None, **extra: Any) -> dict[str, Any]:
-    """Keyword arguments for ``EngineArgs`` / ``AsyncEngineArgs`` / ``LLM`` with MarsScheduler."""
+                  seed: int = 0, cpu: bool | None = None, kv_events: bool = False,
+                  **extra: Any) -> dict[str, Any]:
+    """Keyword arguments for ``EngineArgs`` / ``AsyncEngineArgs`` / ``LLM`` with MarsScheduler.
+
+    ``kv_events=True`` turns on vLLM's KV cache events (null publisher) so MarsScheduler can count
+    block removals (``mars_stats()["kv_blocks_removed"]``); in-process engines only.
+    """
     cpu = on_cpu() if cpu is None else cpu
     kw: dict[str, Any] = dict(
         model=model, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -41,6 +46,10 @@ def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[s
             kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = num_blocks
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     kw.update(extra)
     return kw
 

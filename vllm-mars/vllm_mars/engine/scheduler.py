@@ -112,6 +112,32 @@ class PolicyQueue(RequestQueue):
         return reversed(self._sorted())
 
 
+class _CountingPublisher:
+    """Wraps vLLM's KV-event publisher: counts stored and removed blocks, then forwards the batch.
+
+    vLLM emits these events only when ``kv_events_config.enable_kv_cache_events`` is on (the
+    ``null`` publisher is enough): a removal is a cached block evicted for reuse, the "KV block
+    removals" of a thrashing run.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.blocks_stored = 0
+        self.blocks_removed = 0
+
+    def publish(self, batch: Any) -> None:
+        for ev in batch.events:
+            kind = type(ev).__name__
+            if kind == "BlockRemoved":
+                self.blocks_removed += len(ev.block_hashes)
+            elif kind == "BlockStored":
+                self.blocks_stored += len(ev.block_hashes)
+        self._inner.publish(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class MarsSchedulerMixin:
     """The policy plumbing shared by MarsScheduler and AsyncMarsScheduler."""
 
@@ -144,6 +170,9 @@ class MarsSchedulerMixin:
             self.kv_holding_waiting = PolicyQueue(self)
         if policy.retains:
             self._wrap_allocate_for_reclaim()
+        self._kv_events = None
+        if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
+            self._kv_events = self.kv_event_publisher = _CountingPublisher(self.kv_event_publisher)
         policy.bind(self)
         path = os.environ.get(ENV_SCHED_LOG)
         self._sched_log = open(path, "a", buffering=1) if path else None
@@ -348,6 +377,9 @@ class MarsSchedulerMixin:
             "prompt_tokens": self.mars_prompt_tokens,
             "prefix_hit_tokens": self.mars_prefix_hit_tokens,
             "retention": {k: v for k, v in vars(st).items() if not k.startswith("_")},
+            # None unless vLLM's KV cache events are enabled (engine_kwargs(kv_events=True)).
+            "kv_blocks_removed": self._kv_events.blocks_removed if self._kv_events else None,
+            "kv_blocks_stored": self._kv_events.blocks_stored if self._kv_events else None,
         }
 
 

@@ -42,6 +42,7 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
                 f"within_alpha{a}": (s.get("goodput_within") or {}).get(a),
                 "completed": s.get("completed"), "workflows": s.get("workflows"),
                 "preemptions": s.get("preemptions"), "recomputed_tokens": s.get("recomputed_tokens"),
+                "kv_blocks_removed": s.get("kv_blocks_removed"),
                 "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_ttft_s": (s.get("ttft_s") or {}).get("mean"),
                 "makespan_s": s.get("makespan_s"), "t_ideal_source": s.get("t_ideal_source"),
                 "run_dir": (run_dirs or {}).get(rps, {}).get(p)}
@@ -68,14 +69,15 @@ def format_table(record: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     dhead = ["rps", "policy", "done", "mean E2E (s)", "p95 E2E (s)", f"goodput@{a} (wf/s)", "preemptions",
-             "recomputed tokens", "prefix hit"]
+             "recomputed tokens", "prefix hit", "KV blocks evicted"]
     lines += ["| " + " | ".join(dhead) + " |", "|" + "|".join(["---"] * len(dhead)) + "|"]
     for c in record["cells"]:
         for p, d in c["policies"].items():
             lines.append("| " + " | ".join([
                 _fmt(c["rps"]), p, f"{d.get('completed')}/{d.get('workflows')}", _fmt(d.get("mean_e2e_s")),
                 _fmt(d.get("p95_e2e_s")), _fmt(d.get(f"goodput_wps_alpha{a}"), 3), _fmt(d.get("preemptions")),
-                _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate"))]) + " |")
+                _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate")),
+                _fmt(d.get("kv_blocks_removed"))]) + " |")
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ def _fmt(v: Any, digits: int = 2) -> str:
 def series(events: Sequence[dict]) -> dict[str, Any]:
     """Plot data from one run's events."""
     e2e, arrive = [], {}
-    kv_t, kv_u, ret, act, que = [], [], [], [], []
+    kv_t, kv_u, ret, act, que, rem = [], [], [], [], [], []
     win_t, win = [], []
     ttft: dict[int, list[float]] = defaultdict(list)
     for e in events:
@@ -51,6 +51,7 @@ def series(events: Sequence[dict]) -> dict[str, Any]:
             ret.append((e["retained_blocks"] / total) if total and e.get("retained_blocks") is not None else None)
             act.append(e.get("active"))
             que.append(e.get("queued"))
+            rem.append(e.get("kv_blocks_removed"))
         elif ev == "admission_window":
             w = e.get("new", e.get("window"))
             if isinstance(w, (int, float)):
@@ -60,7 +61,7 @@ def series(events: Sequence[dict]) -> dict[str, Any]:
             win_t.append(e["ts"])
             win.append(e["limit"])
     return {"e2e": sorted(e2e), "ttft": dict(sorted(ttft.items())), "kv_t": kv_t, "kv_usage": kv_u,
-            "retained": ret, "active": act, "queued": que, "win_t": win_t, "window": win}
+            "retained": ret, "active": act, "queued": que, "removed": rem, "win_t": win_t, "window": win}
 
 
 def plot_runs(runs: Mapping[str, Sequence[dict]], out: Path, suffix: str = "") -> list[str]:
@@ -113,6 +114,23 @@ def plot_runs(runs: Mapping[str, Sequence[dict]], out: Path, suffix: str = "") -
     files.append(_save(fig, out / f"kv_usage{suffix}.png", plt))
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    any_removed = False
+    for label, d in data.items():
+        pts = [(t, r) for t, r in zip(d["kv_t"], d["removed"]) if r is not None]
+        if pts:
+            any_removed = True
+            ax.step(*zip(*pts), where="post", label=label)
+    if any_removed:
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("cached KV blocks evicted (cumulative)")
+        ax.set_title("KV block removals over time (vLLM KV cache events)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        files.append(_save(fig, out / f"kv_removals{suffix}.png", plt))
+    else:
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
     for label, d in data.items():
         pts = [(t, a) for t, a in zip(d["kv_t"], d["active"]) if a is not None]
         if pts:
@@ -142,8 +160,8 @@ def _save(fig, path: Path, plt) -> str:
 def summary_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """Markdown table of summaries (label, summary)."""
     head = ("| policy | done | mean E2E (s) | p50 | p95 | p99 | goodput@3 (wf/s) | within 3x | preempt | "
-            "recomputed tok | prefix hit | mean TTFT (s) | KV mean | retained blk-s |")
-    lines = [head, "|" + "|".join(["---"] * 14) + "|"]
+            "recomputed tok | prefix hit | mean TTFT (s) | KV mean | retained blk-s | KV blk evicted |")
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for label, s in rows:
         e = s.get("e2e_s") or {}
         lines.append("| " + " | ".join([
@@ -152,7 +170,7 @@ def summary_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
             _fmt((s.get("goodput_within") or {}).get("3.0")), _fmt(s.get("preemptions")),
             _fmt(s.get("recomputed_tokens")), _fmt(s.get("prefix_hit_rate")),
             _fmt((s.get("ttft_s") or {}).get("mean"), 3), _fmt((s.get("kv_usage") or {}).get("mean")),
-            _fmt(s.get("retained_block_seconds"), 1)]) + " |")
+            _fmt(s.get("retained_block_seconds"), 1), _fmt(s.get("kv_blocks_removed"))]) + " |")
     return "\n".join(lines)
 
 

@@ -143,6 +143,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "prefix_hit_rate": cached / prompt if prompt else None,
         "preemptions": counter("preemptions"),
         "recomputed_tokens": counter("recomputed_tokens"),
+        "kv_blocks_removed": counter("kv_blocks_removed"),
         "retained_block_seconds": retained_bs,
         "kv_usage": {"mean": kv_mean, "max": max((u for _, u in usage), default=None)},
         "tools": {"n": len(tools), "total_s": sum(tool_s), "mean_wait_s": (sum(tool_wait) / len(tool_wait))
