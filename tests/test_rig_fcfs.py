@@ -239,3 +239,27 @@ def test_retained_kv_is_reclaimed_before_anyone_is_preempted(retain_policy):
     assert preempted == 0
     assert s.retention.stats.released_under_pressure == 1 and len(s.retention) == 0
     assert_no_leaks(s)
+
+
+def test_retention_is_kept_when_releasing_it_could_not_make_a_waiting_call_fit(retain_policy):
+    clock = VirtualClock()
+    s = make_scheduler(retain_policy, num_blocks=41, clock=clock, policy_options={"tau_s": 60.0})
+    s.add_request(_turn("keep-t0", "keep", 0, list(range(10, 138))))  # 128 tokens = 8 blocks
+    run_to_completion(s)
+    assert s.retention.num_blocks == 8
+    s.add_request(make_request("runner", prompt_len=300, max_tokens=60))  # up to 23 blocks
+    step(s)
+    s.add_request(make_request("big", prompt_len=470, max_tokens=2))  # needs 30 blocks
+    while "runner" in s.requests:
+        step(s)
+        assert_block_invariants(s)
+        if "runner" in s.requests:
+            assert s.free_blocks() + s.retention.num_blocks < 30, "scenario: big cannot fit yet"
+            assert len(s.retention) == 1, "releasing retention could not have helped big"
+    run_to_completion(s)
+    assert s.retention.stats.released_under_pressure == 0
+    clock.advance(61.0)
+    s.add_request(make_request("tick", prompt_len=8, max_tokens=1))  # arrival expires retention
+    run_to_completion(s)
+    assert s.retention.stats.released_on_expiry == 1
+    assert_no_leaks(s)

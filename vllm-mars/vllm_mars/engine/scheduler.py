@@ -346,17 +346,39 @@ class MarsSchedulerMixin:
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
         store = self.retention
-        clock = self.clock
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
             blocks = allocate(request, num_new_tokens, *args, **kwargs)
-            # Retained KV of finished calls goes before anybody's running state.
-            while blocks is None and store:
-                store.release_lowest_value(clock.now())
-                blocks = allocate(request, num_new_tokens, *args, **kwargs)
+            if blocks is None and store and self._reclaim_can_help(request, num_new_tokens, kwargs):
+                # Retained KV of finished calls goes before anybody's running state.
+                while blocks is None and store:
+                    store.release_lowest_value(self.clock.now())
+                    blocks = allocate(request, num_new_tokens, *args, **kwargs)
             return blocks
 
         manager.allocate_slots = allocate_slots
+
+    def _reclaim_can_help(self, request: Request, num_new_tokens: int, kwargs: dict[str, Any]) -> bool:
+        """False only when even releasing every retained block could not satisfy this allocation.
+
+        A lower bound on the new blocks it needs (ignoring vLLM's watermark and cached hits that
+        sit in the free queue) is compared with free + retained blocks; without that check a
+        waiting call that cannot fit anyway would drop all retention every step.
+        """
+        groups = self.kv_cache_manager.coordinator.single_type_managers
+        if len(groups) != 1:
+            return True
+        if kwargs.get("full_sequence_must_fit"):
+            tokens = request.num_tokens
+        else:
+            tokens = (request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+                      + kwargs.get("num_external_computed_tokens", 0) + num_new_tokens)
+        tokens = min(tokens, self.max_model_len)
+        held = len(groups[0].req_to_blocks.get(request.request_id, ()))
+        hit = kwargs.get("new_computed_blocks")
+        hits = len(hit.blocks[0]) if hit is not None else 0
+        need = -(-tokens // self.block_size) - held - hits
+        return need <= self.free_blocks() + self.retention.num_blocks
 
     def release_retention(self, now: float | None = None) -> int:
         """Drop every retained entry (shutdown, tests). Returns the blocks released."""
