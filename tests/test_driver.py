@@ -272,3 +272,37 @@ def test_num_workflows_cycles_the_file_with_unique_ids_and_context_is_checked(tm
     check_context(plans, 2048)
     with pytest.raises(ValueError, match=r"workflow 't\d' reaches \d+ tokens of context, above max_model_len=100"):
         check_context(plans, 100)
+
+
+def test_mas_task_v1_runs_as_live_agents_and_reports_parse_failures(tmp_path, tiny_model):
+    """The preview's live-agent tasks: with the tiny random model nothing parses, and that is
+    reported (events + summary), not a crash; workspace files are materialised; no KV leaks."""
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    wl = tmp_path / "tasks.jsonl"
+    wl.write_text("\n".join(json.dumps(t) for t in [
+        {"schema": "mas_task_v1", "request_id": "tb:broken", "benchmark": "terminalbench",
+         "payload": {"instruction": "Fix pip."}, "workspace_init": [{"path": "notes/a.txt", "content": "hi"}]},
+        {"schema": "mas_task_v1", "request_id": "gen:1", "payload": {"text": "Write hello.py."}},
+    ]) + "\n")
+    cfg = ReplayConfig(workload=str(wl), policy="mars", model=tiny_model, num_blocks=64, progress=False,
+                       out=str(tmp_path / "run"), calibrate=False)
+    out, _ = run_replay(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] == 2 and summary["errors"] == 0
+    agent = summary["agent"]
+    assert agent["tasks"] == 2 and agent["rounds"] >= 2 and agent["parse_failures"] >= 1
+    events = read_events(out)
+    fails = [e for e in events if e["event"] == "agent_parse_failure"]
+    assert len(fails) == agent["parse_failures"] and all(e["reason"] for e in fails)
+    ends = [e for e in events if e["event"] == "call_end"]
+    assert len(ends) == agent["rounds"]
+    # turn k+1's prompt extends turn k's context (append-only text context)
+    by_wf: dict[str, list] = {}
+    for e in ends:
+        by_wf.setdefault(e["workflow"], []).append(e)
+    for calls in by_wf.values():
+        assert all(b["prompt_tokens"] > a["prompt_tokens"] + a["output_tokens"] for a, b in itertools.pairwise(calls))
+    assert (out / "workspaces" / "tb:broken" / "notes" / "a.txt").read_text() == "hi"
+    end = [e for e in events if e["event"] == "run_end"][-1]["engine"]
+    assert end["free_blocks"] == end["num_blocks"] and end["retained_blocks"] == 0

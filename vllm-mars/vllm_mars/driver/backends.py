@@ -68,7 +68,9 @@ class Backend(Protocol):
     async def start(self) -> None: ...
 
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       extra_args: Mapping[str, Any]) -> CallResult: ...
+                       extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
+        """Replays pass ``ignore_eos`` (exact output lengths); live agents let the model stop."""
+        ...
 
     def sample(self) -> EngineSample:
         """The latest engine state (cheap; called by the telemetry loop)."""
@@ -142,8 +144,8 @@ class InProcessBackend:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         break
-                    rid, prompt_ids, max_tokens, extra = cmd
-                    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                    rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
+                    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
@@ -198,12 +200,12 @@ class InProcessBackend:
         self._pending.clear()
 
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       extra_args: Mapping[str, Any]) -> CallResult:
+                       extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
         if self._error is not None:
             raise RuntimeError(f"engine failed: {self._error!r}")
         fut = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (fut, {"ids": [], "first": None, "cached": None, "prompt": len(prompt_ids)})
-        self._cmds.put((request_id, list(prompt_ids), int(max_tokens), dict(extra_args)))
+        self._cmds.put((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
         self._wake.set()
         return await fut
 
@@ -335,10 +337,10 @@ class HTTPBackend:
             await self._poll_once()
 
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       extra_args: Mapping[str, Any]) -> CallResult:
+                       extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
         xargs = {k: (int(v) if isinstance(v, bool) else v) for k, v in extra_args.items() if v is not None}
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
-                "ignore_eos": True, "temperature": 0.0, "stream": True, "return_token_ids": True,
+                "ignore_eos": ignore_eos, "temperature": 0.0, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}, "vllm_xargs": xargs}
         ids: list[int] = []
         first = None

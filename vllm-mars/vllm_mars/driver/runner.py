@@ -255,6 +255,8 @@ class Replay:
         self.all_done = asyncio.Event()
         self.hit = [0, 0]  # recent cached, prompt tokens for the telemetry's prefix hit rate
         self.arrivals_actual: dict[str, float] = {}
+        #: (tokenizer, LiveOptions) when the workload is mas_task_v1 (live agents), else None
+        self.live: tuple | None = None
 
     # -- admission ----------------------------------------------------------------------------------
     def _flush_admission(self) -> None:
@@ -336,7 +338,12 @@ class Replay:
         plan = self.plans[wid]
         final_tokens = None
         try:
-            final_tokens = await self._run_workflow(plan)
+            if self.live is not None:
+                from vllm_mars.driver.live import run_live
+
+                final_tokens = await run_live(self, plan, *self.live)
+            else:
+                final_tokens = await self._run_workflow(plan)
             self.events.emit("workflow_done", workflow=wid, root=wid, root_done=True,
                              e2e_s=round(self.clock() - self.arrivals_actual[wid], 6))
         except Exception as e:  # noqa: BLE001 - one workflow's failure is recorded, the run goes on
@@ -469,7 +476,17 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
     policy = check_policy(cfg.policy)
     from vllm_mars.workload.materialize import load_plans
 
-    plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
+    from vllm_mars.workload.schema import sniff_schema
+
+    live = None
+    if sniff_schema(cfg.workload) == "mas_task_v1":
+        from vllm_mars.driver.live import LiveOptions, load_live_plans
+
+        tokenizer = _tokenizer(cfg)
+        plans = select_plans(load_live_plans(cfg.workload, tokenizer), cfg.num_workflows)
+        live = (tokenizer, LiveOptions())
+    else:
+        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
     check_context(plans, cfg.effective_max_model_len())
     arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
                              trace=[p.arrival_s for p in plans])
@@ -485,6 +502,7 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             cost = await calibrate(backend, 4096, cfg.effective_max_model_len())
         clock.start()
         replay = Replay(cfg, out, backend, plans, arrivals, clock, cost)
+        replay.live = live
         await replay.run()
     finally:
         await backend.close()
@@ -492,6 +510,22 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             replay.events.emit("run_end", engine=backend.engine_stats())
             replay.events.close()
     return out, cost
+
+
+def _tokenizer(cfg: ReplayConfig):
+    """The model's tokenizer, for live-agent tasks (text in, text out)."""
+    from transformers import AutoTokenizer
+
+    model = cfg.model
+    if model is None:
+        from vllm_mars.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model())
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"live-agent (mas_task_v1) tasks need the model's tokenizer locally; --model {model!r}: "
+                         f"{e}") from None
 
 
 def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, CostModel | None]:

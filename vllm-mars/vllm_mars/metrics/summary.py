@@ -52,6 +52,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     calls: list[dict] = []
     tools: list[dict] = []
     samples: list[dict] = []
+    agents: list[dict] = []  # live-agent (mas_task_v1) task ends
     windows: list[tuple[float, float]] = []
     run_start: dict[str, Any] = {}
     run_end: dict[str, Any] = {}
@@ -74,6 +75,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             windows.append((e["ts"], float(e.get("new", e.get("window")))))
         elif ev == "admission_admit":
             admits += 1
+        elif ev == "agent_done":
+            agents.append(e)
         elif ev == "run_start":
             run_start = e
         elif ev == "run_end":
@@ -152,5 +155,10 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                       "window_max": max((w for _, w in windows), default=None),
                       "window_updates": len(windows)},
         "engine": run_end.get("engine"),
+        # live-agent (mas_task_v1) runs only: rounds the model took and how many outputs did not parse
+        "agent": {"tasks": len(agents), "rounds": sum(a.get("rounds", 0) for a in agents),
+                  "parse_failures": sum(a.get("parse_failures", 0) for a in agents),
+                  "outcomes": {o: sum(1 for a in agents if a.get("outcome") == o)
+                               for o in sorted({a.get("outcome") for a in agents})}} if agents else None,
         "wall_s": run_end.get("ts"),
     }
