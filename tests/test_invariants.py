@@ -38,7 +38,7 @@ EPISODES_PER_POLICY = math.ceil(TOTAL_EPISODES / max(sum(_cpu_refusal(p) is None
 STEP_S = 0.05  # virtual seconds per engine step
 
 # Make retention likely where a policy has these knobs (small contexts are otherwise not worth it).
-_RETENTION_FRIENDLY = {"reload_per_token_s": 2e-3, "cold_start_tau_s": 1.0, "max_retention_s": 3.0}
+_RETENTION_FRIENDLY = {"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}, "cold_start_tau_s": 1.0, "max_retention_s": 3.0}
 
 
 @dataclass

@@ -38,6 +38,9 @@ class Telemetry:
     tools_in_flight: int | None = None
     tool_workers: int | None = None
     tool_queue_wait_s: float | None = None  # EMA
+    running: int | None = None            # calls in the engine's running batch
+    recomputed_tokens: int | None = None  # cumulative: computed tokens lost to preemption
+    evicted_blocks: int | None = None     # cumulative: cached KV blocks evicted for reuse
 
 
 @dataclass(frozen=True)

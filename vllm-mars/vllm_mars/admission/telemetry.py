@@ -141,8 +141,9 @@ def telemetry_from_metrics(text: str, ts: float,
         counters = (hits, queries)
         if prev_counters is not None and queries > prev_counters[1]:
             hit_rate = (hits - prev_counters[0]) / (queries - prev_counters[1])
+    running = _sum(m, "vllm:num_requests_running")
     tel = Telemetry(ts=ts, free_blocks=free, total_blocks=total, block_size=block_size, kv_usage=usage,
-                    prefix_hit_rate=hit_rate)
+                    prefix_hit_rate=hit_rate, running=None if running is None else int(running))
     return tel, counters
 
 

@@ -209,6 +209,12 @@ class InProcessBackend:
         self._wake.set()
         return await fut
 
+    def set_cost_model(self, cost: Any) -> None:
+        """Hand the calibrated cost model to the scheduler's policy (pinned: no online refits)."""
+        setter = getattr(self.scheduler, "set_cost_model", None)
+        if setter is not None:
+            setter(cost)
+
     def sample(self) -> EngineSample:
         # Scheduler state only changes inside a step, and the snapshot is taken after every step:
         # it is current now (a step in flight shows up when it ends).
