@@ -287,6 +287,15 @@ def _solve_nonneg(xtx: list[list[float]], xty: list[float]) -> list[float] | Non
     return None
 
 
+def from_polynomial(per_token: float, per_token2: float = 0.0, const: float = 0.0, source: str = "",
+                    calibrated: bool = True) -> CostModel:
+    """``T(C) = const + per_token * C + per_token2 * C^2`` (the baselines' published form) as a
+    CostModel: ``const`` is the step overhead, ``per_token2`` the attention term (``attn = 2 *
+    per_token2``, so ``rebuild_s(C) = per_token * C + per_token2 * C * (C - 1)``)."""
+    return CostModel(step_overhead_s=const, prefill_s_per_token=per_token, attn_s_per_token_ctx=2 * per_token2,
+                     source=source or "polynomial prefill model", calibrated=calibrated)
+
+
 def uncalibrated() -> CostModel:
     """The built-in default (callers must say so when they run on it)."""
     return CostModel()

@@ -234,7 +234,7 @@ class MarsSchedulerMixin:
             fit = self._cost_fit
             if fit is not None:
                 fit.observe(self.clock.now() - work[0], work[1], work[2])
-                if fit.steps % 64 == 0 and (model := fit.model()) is not None:
+                if fit.steps % 16 == 0 and (model := fit.model()) is not None:
                     policy = self.mars_policy
                     if policy.cost_pinned:
                         self._cost_fit = None
