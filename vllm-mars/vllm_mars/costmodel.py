@@ -284,7 +284,7 @@ def _solve_nonneg(xtx: list[list[float]], xty: list[float]) -> list[float] | Non
         if not neg:
             return [coef.get(i, 0.0) for i in range(k)]
         active.remove(min(neg, key=lambda c: coef[c] * scale[c]))
-    return None
+    return [0.0] * k  # every coefficient fitted negative: nothing above zero to explain
 
 
 def from_polynomial(per_token: float, per_token2: float = 0.0, const: float = 0.0, source: str = "",
