@@ -36,7 +36,8 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   below the expected cost of its queueing (the learned mean active time of a root over the number
   active: the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
-  priced by the cost model) at ``rebuild_share_high``. Work-conserving when rebuilds are cheap.
+  priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
+  when rebuilds are cheap.
   Without a cost model the controller says so in an ``admission_cost_model`` event and applies
   the footprint rules (``admit = "footprint"``).
 * **Charging** (``charge``): ``all`` roots count against the budget (ours), or only ``long`` ones
@@ -470,7 +471,12 @@ class MarsAdmissionController:
         budget = self.budget_blocks()
         overloaded = self._kv_overloaded or cpu_over or self._stale
         if overloaded:
-            w = max(cfg.window_min, math.floor(self.window * cfg.dec_factor))
+            base = self.window
+            if self._cost_mode() and self._kv_overloaded:
+                # Measured thrashing: decrease from what is in flight (a window above the active
+                # count would not stop a single admission).
+                base = min(base, max(len(self._active), 1))
+            w = max(cfg.window_min, math.floor(base * cfg.dec_factor))
         elif cpu_healthy and (self._cost_mode() or (
                 (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0))):
             w = min(cfg.window_max, self.window + cfg.inc)
