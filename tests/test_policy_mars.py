@@ -57,7 +57,7 @@ def _record_preemptions(s) -> list[tuple[int, str, int]]:
 def test_mars_and_ablations_are_registered_with_their_switches():
     names = available_policies()
     for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention", "mars-no-cost-reclaim",
-              "mars-no-value-retention", "mars-no-scaled-mlfq"):
+              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve"):
         assert n in names
     assert make_policy("mars-no-mlfq").config.mlfq is False
     assert make_policy("mars-no-elastic").config.elastic is False
@@ -179,7 +179,7 @@ def test_demotion_after_a_spent_quantum():
 
 
 def _contended_chunks(options: dict) -> list[dict[str, int]]:
-    s = _sched(options=options, num_blocks=600, max_num_batched_tokens=2048)
+    s = _sched(options=options, num_blocks=700, max_num_batched_tokens=2048)
     s.add_request(make_request("L", prompt_len=3000, max_tokens=1))
     s.add_request(make_request("M", prompt_len=6000, max_tokens=1))  # competes for the step
     out = []
@@ -270,7 +270,7 @@ def test_elastic_prefill_shrinks_the_chunk_instead_of_preempting():
 
 # -- priority-aware reclamation -----------------------------------------------------------------
 def _reclaim_scenario(options: dict, policy: str = "mars") -> list[tuple[int, str, int]]:
-    options = {"level_thresholds": [16, 32, 48], "scaled_mlfq": False, **options}
+    options = {"level_thresholds": [16, 32, 48], "scaled_mlfq": False, "reserve_prefills": False, **options}
     s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
     events = _record_preemptions(s)
     for i in range(4):
@@ -331,6 +331,40 @@ def test_cost_reclaim_never_recomputes_more_than_fcfs():
     assert recomputed["mars"] < recomputed["fcfs"], recomputed
     # Off, the largest-KV rule throws away L's context like fcfs does.
     assert recomputed["no-cost"] > recomputed["mars"], recomputed
+
+
+def _late_short_calls(policy: str, options: dict | None = None) -> list[tuple[str, int]]:
+    """A long prefill (demoted to the bottom level) while short calls keep arriving: does anyone
+    get preempted when the long prefill needs its remaining blocks?"""
+    s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
+    victims: list[tuple[str, int]] = []
+    original = s._preempt_request
+
+    def preempt(request, timestamp, drop_stale_output=False):
+        victims.append((request.request_id, request.num_computed_tokens))
+        return original(request, timestamp, drop_stale_output)
+
+    s._preempt_request = preempt
+    s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
+    k = 0
+    while s.has_requests():
+        if k in (2, 3, 4, 5):
+            s.add_request(make_request(f"s{k}", prompt_len=300, max_tokens=60))
+        step(s)
+        assert_block_invariants(s)
+        k += 1
+    _finish(s)
+    return victims
+
+
+def test_admission_reserves_the_running_prefills_kv():
+    # vLLM admits a short call when its own prompt fits; MLFQ then serves it before the demoted long
+    # prefill, which later finds its blocks taken: a preemption fcfs never makes. Reserving the
+    # running prefills' remaining KV at admission keeps mars at fcfs's zero.
+    options = {"level_thresholds": [512, 1024, 2048]}
+    assert _late_short_calls("fcfs") == []
+    assert _late_short_calls("mars", options) == []
+    assert _late_short_calls("mars-no-prefill-reserve", options), "the scenario must preempt without it"
 
 
 # -- retention -----------------------------------------------------------------------------------
@@ -437,7 +471,7 @@ def _returning_prefix_under_pressure(policy: str) -> int:
     it; a new call then needs 12 blocks. How much of W's context does its next turn find cached?"""
     clock = VirtualClock()
     s = _sched(policy, clock=clock, num_blocks=65, max_num_batched_tokens=2048,
-               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}})
+               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}, "reserve_prefills": False})
     s.add_request(make_request("hog", prompt_len=480, max_tokens=60))
     w0 = make_request("w-0", prompt_len=320, max_tokens=1, workflow="w", turn=0, last_step=False)
     s.add_request(w0)
@@ -496,7 +530,8 @@ def test_retention_tau_is_learned_from_return_gaps():
 def test_a_preempted_call_remembers_its_likely_cached_prefix():
     # The reclamation scenario preempts Pa with 1792 of 2000 tokens computed: its blocks went to the
     # prefix cache, so its entry level is estimated from the ~208 tokens it probably has to redo.
-    s = _sched(options={"level_thresholds": [16, 32, 48], "cost_reclaim": False, "scaled_mlfq": False},
+    s = _sched(options={"level_thresholds": [16, 32, 48], "cost_reclaim": False, "scaled_mlfq": False,
+                        "reserve_prefills": False},
                num_blocks=200,
                max_num_batched_tokens=512, max_num_seqs=16)
     seen: dict[str, tuple[int, int]] = {}
@@ -525,7 +560,8 @@ def _preempted_vs_older(options: dict) -> tuple[list[str], list[str]]:
     """P (level 2) starts before the older X (level 3), spends its quanta down to level 3 and is
     preempted when decoding A needs a block; then P and X wait at the same level for one slot."""
     s = _sched(options={"level_thresholds": [256, 512, 1024], "quanta": [32, 32, 32, 32],
-                        "elastic": False, "cost_reclaim": False, "scaled_mlfq": False, **options},
+                        "elastic": False, "cost_reclaim": False, "scaled_mlfq": False, "reserve_prefills": False,
+                        **options},
                num_blocks=90, max_num_batched_tokens=512, max_num_seqs=2)
     s.add_request(make_request("A", prompt_len=500, max_tokens=100))
     s.add_request(make_request("X", prompt_len=1100, max_tokens=2))

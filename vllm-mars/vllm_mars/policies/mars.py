@@ -83,6 +83,10 @@ class MarsConfig:
     #: saving exceeds what its blocks would earn serving the waiting calls. Off: a memory cost and
     #: no retention at all below ``min_free_fraction`` free (``mars-no-value-retention``).
     value_retention: bool = True
+    #: A waiting call starts only when the free blocks also hold the remaining prefill of the
+    #: running calls (vLLM's own gate reserves only the new call's prompt; a demoted long prefill
+    #: then finds its blocks taken and someone is preempted) (``mars-no-prefill-reserve``).
+    reserve_prefills: bool = True
     #: Work-conserving quanta (a quantum binds only while other work competes for the step) and
     #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
     #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
@@ -96,6 +100,23 @@ class MarsConfig:
     #: Estimate a new turn's cached prefix by its workflow's previous context (until vLLM's prefix
     #: lookup gives the real number), so a late turn ranks by its uncached part.
     estimate_cached_prefix: bool = True
+
+    def may_start(self, call: CallView) -> bool:
+        """Reserve the running prefills' remaining KV before a new call takes blocks."""
+        engine = self.engine
+        running = engine.running_calls()
+        if not running:
+            return True
+        bs = engine.block_size
+        # Its uncached part (the workflow's previous context is probably still cached or retained).
+        need = -(-max(call.remaining_prefill - call.state.known_prefix, 0) // bs)
+        for c in running:
+            rem = c.remaining_prefill
+            if rem > 0:
+                need += -(-rem // bs)
+        # Retained KV is released for allocations before anyone is preempted: it counts as free.
+        retained = getattr(getattr(engine, "retention", None), "num_blocks", 0)
+        return need <= engine.free_blocks() + retained
 
     def _other_demand(self, call: CallView, limit: int) -> int:
         """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
@@ -137,7 +158,8 @@ class MarsConfig:
             raise ValueError(f"mars config field {name!r} must be {allowed}, got {value!r}")
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
-                     "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq"):
+                     "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
+                     "reserve_prefills"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -205,6 +227,7 @@ class MarsPolicy(Policy):
         self.tracks_service = cfg.mlfq
         self.custom_victims = cfg.priority_reclaim
         self.retains = cfg.retention
+        self.gates = cfg.reserve_prefills
         self.gaps = GapTracker(cfg.gap_window, cfg.gap_max_keys)
         self._thresholds = cfg.level_thresholds
         self._quanta = cfg.quanta
@@ -377,6 +400,23 @@ class MarsPolicy(Policy):
                     st.quantum = 0  # a chunk cut by memory is no spent quantum
         return n
 
+    def may_start(self, call: CallView) -> bool:
+        """Reserve the running prefills' remaining KV before a new call takes blocks."""
+        engine = self.engine
+        running = engine.running_calls()
+        if not running:
+            return True
+        bs = engine.block_size
+        # Its uncached part (the workflow's previous context is probably still cached or retained).
+        need = -(-max(call.remaining_prefill - call.state.known_prefix, 0) // bs)
+        for c in running:
+            rem = c.remaining_prefill
+            if rem > 0:
+                need += -(-rem // bs)
+        # Retained KV is released for allocations before anyone is preempted: it counts as free.
+        retained = getattr(getattr(engine, "retention", None), "num_blocks", 0)
+        return need <= engine.free_blocks() + retained
+
     def _other_demand(self, call: CallView, limit: int) -> int:
         """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
         their quantum), computed once per step and counted only up to ``limit``."""
@@ -493,5 +533,8 @@ MarsNoCostReclaimPolicy = _ablation("mars-no-cost-reclaim", "``mars`` with the l
 MarsNoValueRetentionPolicy = _ablation("mars-no-value-retention",
                                        "``mars`` with the free-share retention cut-off instead of value.",
                                        value_retention=False)
+MarsNoPrefillReservePolicy = _ablation("mars-no-prefill-reserve",
+                                       "``mars`` without reserving running prefills' KV at admission.",
+                                       reserve_prefills=False)
 MarsNoScaledMlfqPolicy = _ablation("mars-no-scaled-mlfq", "``mars`` with fixed quanta and fixed aging_s.",
                                    scaled_mlfq=False)
