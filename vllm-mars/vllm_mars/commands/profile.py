@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="profile file to write, .toml or .json (default: NAME.toml)")
     p.add_argument("--samples-out", default=None, help="also write the timed steps as JSON lines here")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "
+                        "time (all threads; less inflated on a machine shared with other jobs)")
     p.set_defaults(func=_profile)
 
 
@@ -97,7 +100,12 @@ def _profile(args: argparse.Namespace) -> int:
               "max_num_batched_tokens": max(base.max_num_batched_tokens, chunk),
               "max_num_seqs": max(base.max_num_seqs, batch), "policy": "fcfs"}
     if gpu:
-        kw.update(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=base.gpu_memory_utilization)
+        from vllm_mars.engine.local import SCHEDULER_CLS
+
+        # synchronous scheduling, so each timed step() is exactly the batch it scheduled (async scheduling
+        # would overlap the next schedule with this forward pass; the sim has no overlap either)
+        kw.update(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=base.gpu_memory_utilization,
+                  scheduler_cls=SCHEDULER_CLS, async_scheduling=False)
     else:  # enough KV for the largest decode point, whatever the profile's own pool
         kw.update(num_blocks=max(base.num_kv_blocks(), -(-2 * batch * ctx // base.block_size)))
     has_weights = any(Path(model).glob("*.safetensors")) or any(Path(model).glob("*.bin"))
@@ -106,9 +114,9 @@ def _profile(args: argparse.Namespace) -> int:
     t0 = dt.datetime.now(dt.UTC)
     print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
           f"(repeats {grid.repeats})", file=sys.stderr)
-    samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed,
+    samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed, clock=args.clock,
                              progress=lambda m: print(f"  {m}", file=sys.stderr))
-    source = (f"fitted by `mars profile` on {platform.node()} ({os.cpu_count()} CPUs) at "
+    source = (f"fitted by `mars profile --clock {args.clock}` on {platform.node()} ({os.cpu_count()} CPUs) at "
               f"{t0:%Y-%m-%d %H:%M} UTC")
     result = fit_profile(base, samples, source=source)
     prof = result.profile
