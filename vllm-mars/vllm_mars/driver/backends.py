@@ -22,6 +22,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
@@ -103,9 +104,13 @@ class InProcessBackend:
     def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
                  block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, **engine_extra: Any) -> None:
+                 max_num_batched_tokens: int = 1024, seed: int = 0, record_steps: bool = False,
+                 **engine_extra: Any) -> None:
         self.model = model
         self.clock = clock
+        #: with record_steps: (prefill, decode, seconds) of every engine step, for `mars profile --from-steps`
+        self.steps: list[tuple[list, list, float]] | None = [] if record_steps else None
+        self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
@@ -137,6 +142,10 @@ class InProcessBackend:
             raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
+        if self.steps is not None:
+            from vllm_mars.engine.steps import StepRecorder
+
+            self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._snapshot()
         self._loop = asyncio.get_running_loop()
@@ -164,7 +173,13 @@ class InProcessBackend:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                t0 = time.perf_counter()
                 outs = engine.step()
+                if self._recorder is not None:
+                    dt = time.perf_counter() - t0
+                    batches = self._recorder.take()
+                    if len(batches) == 1 and (batches[0][0] or batches[0][1]):
+                        self.steps.append((*batches[0], dt))
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.engine.steps import StepRecorder
 from vllm_mars.sim.fit import Sample
 
 logger = logging.getLogger(__name__)
@@ -93,11 +92,13 @@ class EngineProfiler:
         self.rng = random.Random(seed)
         self.engine = None
         self.scheduler = None
-        self.recorder: StepRecorder | None = None
+        self.recorder = None
         self.vocab = 0
         self._n = 0
 
     def start(self) -> None:
+        from vllm_mars.engine.steps import StepRecorder  # vllm: imported only when an engine starts
+
         self.engine, self.scheduler = make_llm_engine(self.model, **self.engine_kw)
         self.recorder = StepRecorder(self.scheduler)
         self.vocab = self.engine.model_config.get_vocab_size()
@@ -160,30 +161,32 @@ class EngineProfiler:
         self._add(self._ids(min(256, budget)), 4)
         self._add(self._ids(32), 4)
         self._drain(None)
-        for p in grid.contexts:
-            for c in grid.chunks:
-                if c > budget or p + c > cap // 2:
-                    say(f"skip prefill c={c} ctx={p} (budget {budget}, KV {cap} tokens)")
-                    continue
-                prefix = self._ids(p)
-                if p:
-                    self._add(prefix, 1)
-                    self._drain(None)
-                for _ in range(grid.repeats):
+        # repeats are the outer loop, so each point is timed at several moments (a machine shared with
+        # other jobs slows some moments down; the fit down-weights the outliers)
+        for rep in range(grid.repeats):
+            for p in grid.contexts:
+                for c in grid.chunks:
+                    if c > budget or p + c > cap // 2:
+                        if rep == 0:
+                            say(f"skip prefill c={c} ctx={p} (budget {budget}, KV {cap} tokens)")
+                        continue
+                    prefix = self._ids(p)
+                    if p:
+                        self._add(prefix, 1)
+                        self._drain(None)
                     self._add(prefix + self._ids(c), 1)
                     samples += self._drain(lambda _p, _d, c=c, p=p: f"prefill c={c} ctx={p}")
-                say(f"prefill c={c} ctx={p}")
-        for L in grid.decode_contexts:
-            for b in grid.batches:
-                if b * (L + grid.decode_steps + 1) > cap * 0.9:
-                    say(f"skip decode b={b} ctx={L} (KV {cap} tokens)")
-                    continue
-                for _ in range(grid.repeats):
+            for L in grid.decode_contexts:
+                for b in grid.batches:
+                    if b * (L + grid.decode_steps + 1) > cap * 0.9:
+                        if rep == 0:
+                            say(f"skip decode b={b} ctx={L} (KV {cap} tokens)")
+                        continue
                     for _i in range(b):
                         self._add(self._ids(L), grid.decode_steps + 1)
                     samples += self._drain(lambda pf, _d, b=b, L=L:
                                            f"{'prefill-mix' if pf else 'decode'} b={b} ctx={L}")
-                say(f"decode b={b} ctx={L}")
+            say(f"round {rep + 1}/{grid.repeats}: {len(samples)} steps timed")
         return samples
 
 

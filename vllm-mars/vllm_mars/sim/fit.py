@@ -4,13 +4,15 @@ Each timed step is ``seconds = o + s*n_seq + u*F_lin/P + ua*F_attn/P + v*B/W + f
 (linear layers, each attention part) contributes its FLOPs or its bytes, whichever bound it (the
 roofline max). For a fixed assignment of parts to "compute" or "memory" the model is linear in the
 non-negative unknowns (o, s, u = 1/mfu, ua = 1/attn_mfu, v = 1/bw_eff), solved by exact NNLS
-(every subset of columns; there are five) on relative errors (rows weighted by 1/seconds). The
+(every subset of columns; there are five) on relative errors (rows weighted by 1/seconds, and by Huber
+weights of their residuals, so steps slowed by other jobs on a shared machine count less). The
 assignment is then recomputed with the new coefficients, until it stops changing.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -22,6 +24,8 @@ from vllm_mars.sim.profile import Efficiency, Profile
 
 #: efficiency written for a term the data show to be free (coefficient 0): effectively infinite speed
 FREE = 1e6
+#: iteratively re-weighted rounds (at least) before the fit may stop
+HUBER_ROUNDS = 6
 COLUMNS = ("step_overhead_s", "per_seq_overhead_s", "1/mfu", "1/attn_mfu", "1/bw_eff")
 
 
@@ -81,6 +85,14 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+def _huber_weights(rel: np.ndarray, k: float = 1.345) -> np.ndarray:
+    """Huber weights of relative residuals (scale: 1.4826 x median absolute residual), so a few steps
+    slowed by another job on the machine do not pull the fit."""
+    scale = 1.4826 * float(np.median(np.abs(rel))) or 1.0
+    r = np.abs(rel) / scale
+    return np.where(r <= k, 1.0, k / np.maximum(r, 1e-12))
+
+
 def _design(profile: Profile, samples: Sequence[Sample], coef: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
     hw = profile.hardware
     peak, bw = hw.peak_flops * hw.tp, hw.hbm_bandwidth * hw.tp
@@ -137,10 +149,12 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
     w = 1.0 / y
     seen = set()
     it = 0
+    robust = np.ones_like(y)
     for it in range(1, max_iter + 1):
         a, fixed, assign = _design(base, samples, coef)
-        coef = nnls(a * w[:, None], (y - fixed) * w)
-        if assign in seen:
+        coef = nnls(a * (w * robust)[:, None], (y - fixed) * w * robust)
+        robust = _huber_weights((a @ coef + fixed - y) / y)
+        if assign in seen and it >= HUBER_ROUNDS:
             break
         seen.add(assign)
     a, _, _ = _design(base, samples, coef)
@@ -156,3 +170,38 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
     src = f"{source}; rms relative step error {rms * 100:.1f}% over {len(samples)} steps".lstrip("; ")
     fitted = fitted.with_efficiency(_efficiency(coef, a, e, src))
     return FitResult(fitted, points, rms, it)
+
+
+def step_label(prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> str:
+    """A coarse label of a recorded batch (kind and token count rounded to a power of two)."""
+    tokens = sum(c for c, _ in prefill) + len(decode)
+    kind = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+    return f"{kind} ~{1 << max(tokens.bit_length() - 1, 0)} tokens"
+
+
+def load_samples(path: str) -> list[Sample]:
+    """Timed steps from a JSON-lines file (``steps.jsonl`` of a run with record_steps, or the
+    ``--samples-out`` of ``mars profile``); ValueError naming file:line and field."""
+    out: list[Sample] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            try:
+                prefill = tuple((int(c), int(p)) for c, p in d["prefill"])
+                decode = tuple(int(x) for x in d["decode"])
+                seconds = float(d["seconds"])
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: fields prefill ([[chunk, context], ...]), decode ([context, ...]) "
+                                 "and seconds (number) expected") from None
+            if not seconds > 0:
+                raise ValueError(f"{where}: field 'seconds' must be > 0, got {seconds!r}")
+            out.append(Sample(prefill, decode, seconds, str(d.get("label") or step_label(prefill, decode))))
+    return out
