@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "dir; implied when the model dir has no weight files")
     p.add_argument("--out", default=None, help="profile file to write, .toml or .json (default: NAME.toml)")
     p.add_argument("--samples-out", default=None, help="also write the timed steps as JSON lines here")
+    p.add_argument("--loss", choices=("relative", "absolute"), default=None,
+                   help="fit relative step errors (default for a grid; outliers down-weighted) or seconds "
+                        "(default with --from-steps: unbiased for the total time a workload spends)")
     p.add_argument("--from-steps", nargs="+", metavar="JSONL", default=None,
                    help="fit recorded steps instead of running the engine: steps.jsonl of `mars replay "
                         "--record-steps` runs (or --samples-out files); the base profile gives the shape")
@@ -128,7 +131,8 @@ def _profile(args: argparse.Namespace) -> int:
                                  progress=lambda m: print(f"  {m}", file=sys.stderr))
         source = (f"fitted by `mars profile --clock {args.clock}` on {platform.node()} ({os.cpu_count()} CPUs) "
                   f"at {t0:%Y-%m-%d %H:%M} UTC")
-    result = fit_profile(base, samples, source=source)
+    result = fit_profile(base, samples, source=source,
+                         loss=args.loss or ("absolute" if args.from_steps else "relative"))
     prof = result.profile
     if args.name:
         prof = prof.with_efficiency(prof.efficiency, name=args.name)

@@ -108,7 +108,8 @@ class InProcessBackend:
                  **engine_extra: Any) -> None:
         self.model = model
         self.clock = clock
-        #: with record_steps: (prefill, decode, seconds) of every engine step, for `mars profile --from-steps`
+        #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
+        #: stepper loop), for `mars profile --from-steps`
         self.steps: list[tuple[list, list, float]] | None = [] if record_steps else None
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
@@ -158,6 +159,11 @@ class InProcessBackend:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
+        # record_steps: each step's batch and its whole cycle in this loop (the step, the snapshot and
+        # the output hand-off, and the next arrivals' add_request), ending where the next step starts
+        # or where the loop goes idle
+        pending: tuple[list, list, float] | None = None
+        t_end = 0.0
         try:
             while not self._stop:
                 while True:
@@ -170,20 +176,28 @@ class InProcessBackend:
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
+                    if pending is not None:
+                        self.steps.append((pending[0], pending[1], t_end - pending[2]))
+                        pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 t0 = time.perf_counter()
+                if pending is not None:
+                    self.steps.append((pending[0], pending[1], t0 - pending[2]))
+                    pending = None
                 outs = engine.step()
                 if self._recorder is not None:
-                    dt = time.perf_counter() - t0
                     batches = self._recorder.take()
                     if len(batches) == 1 and (batches[0][0] or batches[0][1]):
-                        self.steps.append((*batches[0], dt))
+                        pending = (*batches[0], t0)
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
+                t_end = time.perf_counter()
+            if pending is not None:
+                self.steps.append((pending[0], pending[1], t_end - pending[2]))
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e

@@ -58,13 +58,16 @@ class FitResult:
     #: root-mean-square relative error over all steps
     rms_rel_err: float
     iterations: int
+    #: (predicted total seconds - measured total) / measured total, over all steps
+    total_err: float = 0.0
 
     def table(self) -> str:
         lines = [f"{'grid point':32s} {'steps':>5s} {'measured ms':>12s} {'model ms':>10s} {'error':>8s}"]
         for p in self.points:
             lines.append(f"{p.label:32s} {p.steps:5d} {p.measured_s * 1e3:12.3f} {p.predicted_s * 1e3:10.3f} "
                          f"{p.rel_err * 100:+7.1f}%")
-        lines.append(f"rms relative error over all steps: {self.rms_rel_err * 100:.1f}%")
+        lines.append(f"rms relative error over all steps: {self.rms_rel_err * 100:.1f}%; error of the total "
+                     f"time of all steps: {self.total_err * 100:+.1f}%")
         return "\n".join(lines)
 
 
@@ -138,23 +141,34 @@ def _efficiency(coef: np.ndarray, a: np.ndarray, prior: Efficiency, source: str)
                       per_seq_overhead_s=s, source=source)
 
 
-def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", max_iter: int = 30) -> FitResult:
-    """Fit ``base``'s efficiency to ``samples``; returns the fitted profile and its per-point errors."""
+LOSSES = ("relative", "absolute")
+
+
+def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", max_iter: int = 30,
+                loss: str = "relative") -> FitResult:
+    """Fit ``base``'s efficiency to ``samples``; returns the fitted profile and its per-point errors.
+
+    ``loss="relative"``: every step weighs the same in relative terms, with Huber down-weighting of
+    outliers (a grid, where each point matters alike). ``loss="absolute"``: least squares on seconds,
+    unbiased for the mean (recorded steps of a real run, whose total time is what E2E adds up)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} unknown; allowed: {', '.join(LOSSES)}")
     samples = [s for s in samples if s.seconds > 0 and (s.prefill or s.decode)]
     if len(samples) < len(COLUMNS):
         raise ValueError(f"need at least {len(COLUMNS)} timed steps to fit, got {len(samples)}")
     e = base.efficiency
     coef = np.array([e.step_overhead_s, e.per_seq_overhead_s, 1 / e.mfu, 1 / (e.attn_mfu or e.mfu), 1 / e.bw_eff])
     y = np.array([s.seconds for s in samples])
-    w = 1.0 / y
+    w = 1.0 / y if loss == "relative" else np.full_like(y, 1.0 / float(np.mean(y)))
     seen = set()
     it = 0
     robust = np.ones_like(y)
     for it in range(1, max_iter + 1):
         a, fixed, assign = _design(base, samples, coef)
         coef = nnls(a * (w * robust)[:, None], (y - fixed) * w * robust)
-        robust = _huber_weights((a @ coef + fixed - y) / y)
-        if assign in seen and it >= HUBER_ROUNDS:
+        if loss == "relative":
+            robust = _huber_weights((a @ coef + fixed - y) / y)
+        if assign in seen and (it >= HUBER_ROUNDS or loss == "absolute"):
             break
         seen.add(assign)
     a, _, _ = _design(base, samples, coef)
@@ -167,9 +181,11 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
         by_label.setdefault(s.label, []).append(i)
     points = [PointError(label, len(ix), statistics.median(y[ix]), statistics.median(pred[ix]))
               for label, ix in by_label.items()]
-    src = f"{source}; rms relative step error {rms * 100:.1f}% over {len(samples)} steps".lstrip("; ")
+    total = float(np.sum(pred) / np.sum(y) - 1.0)
+    src = (f"{source}; {loss} loss; rms relative step error {rms * 100:.1f}%, total time error {total * 100:+.1f}% "
+           f"over {len(samples)} steps").lstrip("; ")
     fitted = fitted.with_efficiency(_efficiency(coef, a, e, src))
-    return FitResult(fitted, points, rms, it)
+    return FitResult(fitted, points, rms, it, total)
 
 
 def step_label(prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> str:
