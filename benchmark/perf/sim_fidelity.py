@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
     ap.add_argument("--no-self-fit", action="store_true", help="skip the sim runs with the self-fitted profile")
-    ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>)")
+    ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
+                    "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
     args = ap.parse_args(argv)
 
@@ -105,15 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = os.getloadavg()
-    profile = args.profile or str(fit_grid_profile(out, args.grid, args.grid_repeats))
+    grid_fit = out / "cpu-tiny-grid.toml"
+    profile = args.profile or (str(grid_fit) if grid_fit.exists() else str(fit_grid_profile(out, args.grid,
+                                                                                             args.grid_repeats)))
     base = ReplayConfig(workload=args.workload, num_workflows=args.num_workflows, rps=args.rps, seed=args.seed,
                         num_blocks=args.num_blocks, progress=False)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     grid_profile = shaped(profile, base, out / "profile-grid.toml")
     real, sim, sim_self = {}, {}, {}
     for pol in policies:
-        cfg = replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(out / f"real-{pol}"))
-        d, _ = run_replay(cfg)
+        d = out / f"real-{pol}"
+        if not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):  # resumable: keep finished runs
+            cfg = replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d))
+            d, _ = run_replay(cfg)
         real[pol] = metrics(json.loads((d / "summary.json").read_text()))
         print(f"real {pol}: {real[pol]}", file=sys.stderr)
     for pol in policies:

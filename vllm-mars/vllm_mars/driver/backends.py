@@ -110,7 +110,7 @@ class InProcessBackend:
         self.clock = clock
         #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
         #: stepper loop), for `mars profile --from-steps`
-        self.steps: list[tuple[list, list, float]] | None = [] if record_steps else None
+        self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -143,7 +143,7 @@ class InProcessBackend:
             raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
-        if self.steps is not None:
+        if self.step_times is not None:
             from vllm_mars.engine.steps import StepRecorder
 
             self._recorder = StepRecorder(self.scheduler)
@@ -177,14 +177,14 @@ class InProcessBackend:
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
                     if pending is not None:
-                        self.steps.append((pending[0], pending[1], t_end - pending[2]))
+                        self.step_times.append((pending[0], pending[1], t_end - pending[2]))
                         pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 t0 = time.perf_counter()
                 if pending is not None:
-                    self.steps.append((pending[0], pending[1], t0 - pending[2]))
+                    self.step_times.append((pending[0], pending[1], t0 - pending[2]))
                     pending = None
                 outs = engine.step()
                 if self._recorder is not None:
@@ -197,7 +197,7 @@ class InProcessBackend:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
                 t_end = time.perf_counter()
             if pending is not None:
-                self.steps.append((pending[0], pending[1], t_end - pending[2]))
+                self.step_times.append((pending[0], pending[1], t_end - pending[2]))
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e

@@ -574,8 +574,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             if replay is not None:
                 replay.events.emit("run_end", engine=backend.engine_stats())
                 replay.events.close()
-            if getattr(backend, "steps", None):
-                write_steps(out / STEPS_FILE, backend.steps)
+            if getattr(backend, "step_times", None):
+                write_steps(out / STEPS_FILE, backend.step_times)
     return out, cost
 
 
