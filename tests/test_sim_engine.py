@@ -280,3 +280,22 @@ def test_cli_replay_and_compare_on_the_sim(tmp_path, linear_profile, capsys):
     assert "--num-blocks: the sim backend takes the engine shape from --profile" in capsys.readouterr().err
     assert main(["replay", "--backend", "sim", "--profile", "nope", "--workload", str(wl)]) == 2
     assert "profile 'nope' unknown" in capsys.readouterr().err
+
+
+def test_prefix_reusing_hasher_gives_vllms_block_hashes():
+    from vllm_mars.engine.rig import PrefixReusingHasher
+
+    turn0 = [3 + (j * 31) % 3000 for j in range(1000)]
+    prev = make_request("t0", prompt_token_ids=turn0, max_tokens=5, block_size=16)
+    prev.append_output_token_ids([42] * 37)  # the call's output extends its hashed blocks
+    turn1 = list(prev.all_token_ids) + [7 + j % 900 for j in range(333)]
+    hasher = PrefixReusingHasher(16)
+    hasher.hint("t1", prev.all_token_ids, prev.block_hashes)
+    fast = make_request("t1", prompt_token_ids=turn1, max_tokens=5, block_size=16, block_hasher=hasher)
+    slow = make_request("t1", prompt_token_ids=turn1, max_tokens=5, block_size=16)
+    assert fast.block_hashes == slow.block_hashes and len(fast.block_hashes) == len(turn1) // 16
+    assert hasher.reused == len(prev.all_token_ids) // 16
+    # a hint that does not match the prompt is ignored (vLLM's hasher does all the work)
+    hasher.hint("t2", [1] * 640, prev.block_hashes)
+    other = make_request("t2", prompt_token_ids=turn1, max_tokens=5, block_size=16, block_hasher=hasher)
+    assert other.block_hashes == slow.block_hashes and hasher.reused == len(prev.all_token_ids) // 16
