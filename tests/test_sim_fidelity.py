@@ -95,3 +95,19 @@ def test_profile_from_recorded_steps_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'seconds'"):
         load_samples(str(bad))
     assert mars(["profile", "--from-steps", str(bad)]) == 2
+
+
+def test_sim_call_times_are_on_the_run_clock_after_calibration(tmp_path):
+    """The sim stamps first tokens and ends on the run clock (0 = run start), like the driver's submits:
+    a calibrated run's first call has TTFT = the charge of its prefill step, not + the calibration time."""
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    wl = tmp_path / "one.jsonl"
+    wl.write_text(json.dumps({"schema": "mars_workload_v1", "workflow_id": "w", "prompt_tokens": 588,
+                              "turns": [{"output_tokens": 4}]}) + "\n")
+    prof = load_profile("h200-llama-3.1-8b")
+    out, cost = run_replay(ReplayConfig(workload=str(wl), backend="sim", profile=prof.name, calibrate=True,
+                                        progress=False, out=str(tmp_path / "run")))
+    assert cost is not None
+    ends = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"call_end"' in line]
+    assert ends[0]["ttft_s"] == pytest.approx(prof.step_seconds([(588, 0)], []), rel=1e-3, abs=2e-6)
