@@ -74,6 +74,11 @@ class PrefixReusingHasher:
     def hint(self, request_id: str, tokens: Sequence[int], hashes: list) -> None:
         self._hints[request_id] = (tokens, hashes)
 
+    @staticmethod
+    def prefix_of(request: Request) -> tuple[Sequence[int], list]:
+        """(token ids, block hashes) of a finished request: the hint for the call that continues it."""
+        return request.all_token_ids, request.block_hashes
+
     def __call__(self, request: Request) -> list:
         hint = self._hints.pop(request.request_id, None)
         if (hint is None or request.block_hashes or request.lora_request is not None or request.mm_features
@@ -245,6 +250,12 @@ def abort_request(s: Scheduler, request_id: str) -> None:
     """Abort a request as the engine core does when its client goes away."""
     if request_id in s.requests:
         s.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def abort_all(s: Scheduler) -> None:
+    """Abort every request still in the scheduler."""
+    for rid in list(s.requests):
+        abort_request(s, rid)
 
 
 def step(s: Scheduler, token: int = 42):
