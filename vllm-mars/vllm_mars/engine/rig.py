@@ -24,6 +24,7 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -51,7 +52,11 @@ def _hasher(block_size: int):
 def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
                      block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
-                     long_prefill_token_threshold: int = 0) -> VllmConfig:
+                     long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
+                     async_scheduling: bool = False) -> VllmConfig:
+    """``num_spec_tokens > 0`` adds an n-gram speculative config (no draft model); vLLM's Scheduler
+    reads it as ``vllm_config.num_speculative_tokens``. ``async_scheduling`` is set after the
+    platform hook (which turns it off on CPU), as vLLM would have decided it on GPU."""
     model_config = ModelConfig(model=config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -61,25 +66,40 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
         policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     mars = {"policy": policy, **dict(policy_options or {})}
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                      cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
-                      additional_config={"mars": mars})
+    spec = None
+    if num_spec_tokens:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
+                                 prompt_lookup_min=1, target_model_config=model_config,
+                                 target_parallel_config=ParallelConfig())
+    cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                     cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
+                     speculative_config=spec, additional_config={"mars": mars})
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    return cfg
 
 
 def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
                    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                    policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
-                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False) -> Scheduler:
+                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
+                   num_spec_tokens: int = 0, async_scheduling: bool | None = None) -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
+    ``async_scheduling`` is vLLM's engine decision (default: whether ``scheduler_cls`` is an
+    AsyncScheduler); MarsScheduler builds the variant that matches it.
     """
+    if async_scheduling is None:
+        async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     vllm_config = make_vllm_config(
         policy=policy, policy_options=policy_options, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        long_prefill_token_threshold=long_prefill_token_threshold)
+        long_prefill_token_threshold=long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
+        async_scheduling=async_scheduling)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
                                                       head_size=64, dtype=torch.bfloat16))])
