@@ -494,7 +494,6 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
     clock = RunClock()
     policy = check_policy(cfg.policy)
     from vllm_mars.workload.materialize import load_plans
-
     from vllm_mars.workload.schema import sniff_schema
 
     live = None

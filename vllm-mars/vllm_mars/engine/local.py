@@ -140,12 +140,12 @@ def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[s
     cpu = on_cpu() if cpu is None else cpu
     user = validate_engine_args(engine_args or {})
     check_policy_engine(policy, cpu, {**extra, **user})
-    kw: dict[str, Any] = dict(
-        model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-        enable_prefix_caching=enable_prefix_caching, seed=seed, scheduler_cls=SCHEDULER_CLS,
-        additional_config={"mars": {"policy": policy, **dict(policy_options or {})}},
-    )
+    kw: dict[str, Any] = {
+        "model": model, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max(max_num_batched_tokens, max_num_seqs),
+        "enable_prefix_caching": enable_prefix_caching, "seed": seed, "scheduler_cls": SCHEDULER_CLS,
+        "additional_config": {"mars": {"policy": policy, **dict(policy_options or {})}},
+    }
     if cpu:
         kw.update(dtype=dtype or CPU_DTYPE, block_size=block_size or CPU_BLOCK_SIZE, enforce_eager=True,
                   kv_cache_memory_bytes=kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)

@@ -52,7 +52,7 @@ class PolicyQueue(RequestQueue):
     reports itself empty while the policy holds its head, which is how vLLM's waiting loop stops.
     """
 
-    def __init__(self, owner: "MarsSchedulerMixin", gated: bool = False) -> None:
+    def __init__(self, owner: MarsSchedulerMixin, gated: bool = False) -> None:
         self._owner = owner
         self._items: list[Request] = []
         self._dirty = False
@@ -436,7 +436,7 @@ class MarsScheduler(MarsSchedulerMixin, Scheduler):
     async one under a synchronous engine carries placeholders nobody drains.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "MarsScheduler":
+    def __new__(cls, *args: Any, **kwargs: Any) -> MarsScheduler:  # noqa: PYI034 - may build the other class
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         target = _chosen_class(cls, bool(vllm_config.scheduler_config.async_scheduling))
         obj = super().__new__(target)
