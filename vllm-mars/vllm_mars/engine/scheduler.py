@@ -182,6 +182,11 @@ class MarsSchedulerMixin:
         self._sched_log = open(path, "a", buffering=1) if path else None
         logger.info("%s: policy=%s options=%s async_scheduling=%s", type(self).__name__, cfg.policy,
                     dict(cfg.policy_options), self.scheduler_config.async_scheduling)
+        if isinstance(self, AsyncScheduler) != bool(self.scheduler_config.async_scheduling):
+            # Only a user subclass can get here (ours pick the matching variant at construction).
+            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
+                           "variant (degraded performance or stale placeholders otherwise)",
+                           type(self).__name__, self.scheduler_config.async_scheduling)
 
     # -- injectable clock -------------------------------------------------------------------------
     def set_clock(self, clock: Clock) -> None:
