@@ -1,9 +1,10 @@
 """MarsScheduler: vLLM's own Scheduler with a pluggable Policy applied at vLLM's seams.
 
 Select it with ``scheduler_cls="vllm_mars.engine.scheduler.MarsScheduler"`` (``--scheduler-cls``)
-and configure it with ``additional_config={"mars": {"policy": ...}}``. On GPU, where vLLM runs
-async scheduling, use ``AsyncMarsScheduler`` (a plain Scheduler subclass silently loses the
-async overlap there). ``schedule()`` itself is never copied; the policy acts through:
+and configure it with ``additional_config={"mars": {"policy": ...}}``. Where vLLM runs async
+scheduling (GPU by default) it builds ``AsyncMarsScheduler`` instead (a plain Scheduler subclass
+would silently lose the async overlap there). ``schedule()`` itself is never copied; the policy
+acts through:
 
 * order: ``self.running`` is sorted by the policy's ``running_key`` before each step and each
   request's ``priority`` set to its victim rank, with vLLM in PRIORITY mode, so vLLM's own
