@@ -145,8 +145,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="max context length (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences (default 64)")
+    from vllm_mars.engine.local import SERVER_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
+
+    p.add_argument("--max-model-len", type=int, default=SERVER_MAX_MODEL_LEN,
+                   help="max context length (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
+                   help="max running sequences (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="engine platform for the engine defaults (cpu: bfloat16, 32-token blocks, 256 MiB KV; "
                         "gpu: vLLM's own); the scheduler follows vLLM's async-scheduling choice (default auto)")
