@@ -93,6 +93,11 @@ if [[ $TARGET == cpu ]]; then
 else
   log "installing vllm-mars[gpu,dev] (vllm 0.32.0)"
   "${PIP[@]}" install -q -e ".[gpu,dev]"
+  if ! "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    log "installed, but torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) cannot"
+    log "use the GPU (torch.cuda.is_available() is False): check the driver (>= ${MIN_DRIVER_MAJOR}) and CUDA_VISIBLE_DEVICES"
+    exit 1
+  fi
 fi
 
 log "building the tiny model"

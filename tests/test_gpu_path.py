@@ -193,3 +193,26 @@ def test_setup_driver_check(tmp_path):
     assert newer.returncode == 0
     none = run(None)
     assert none.returncode == 0 and "cpu" in none.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_engine_uses_vllm_sizing(tiny_model):
+    """On GPU nothing CPU-only is forced: vLLM picks the block size and sizes the pool."""
+    from vllm import LLM
+
+    llm = LLM(**local.engine_kwargs(tiny_model, policy="fcfs", cpu=False, gpu_memory_utilization=0.2))
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    assert isinstance(sched, AsyncMarsScheduler)
+    assert sched.num_blocks > local.DRIVER_CPU_NUM_BLOCKS  # sized from free GPU memory, not 96
+    assert_no_leaks(sched)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_refuses_infercept_swap_without_connector(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    kw = local.engine_kwargs(tiny_model, policy="fcfs", cpu=False, gpu_memory_utilization=0.2)
+    kw["additional_config"] = {"mars": {"policy": "infercept_swap"}}  # a hand-made launch, no connector
+    with pytest.raises(Exception, match="needs a KV offloading connector"):
+        LLMEngine.from_engine_args(EngineArgs(**kw))
