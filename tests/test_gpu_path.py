@@ -31,6 +31,22 @@ def test_scheduler_class_follows_async_scheduling(named, async_on):
     assert_no_leaks(s)
 
 
+def test_real_cpu_engine_turns_the_async_class_into_the_sync_one(tiny_model):
+    """vLLM's CPU platform turns async scheduling off even when asked: naming AsyncMarsScheduler
+    (or asking for async) still gives the synchronous scheduler the engine core drives."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    kw = local.engine_kwargs(tiny_model, policy="fcfs", num_blocks=16, max_model_len=256, max_num_seqs=4,
+                             max_num_batched_tokens=256, engine_args={"async_scheduling": True})
+    kw["scheduler_cls"] = "vllm_mars.engine.scheduler.AsyncMarsScheduler"
+    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+    sched = engine.engine_core.engine_core.scheduler
+    assert engine.vllm_config.scheduler_config.async_scheduling is False
+    assert type(sched) is MarsScheduler
+    assert_no_leaks(sched)
+
+
 def test_engine_kwargs_name_one_class_on_both_platforms():
     assert local.engine_kwargs("m", cpu=True)["scheduler_cls"] == local.engine_kwargs("m", cpu=False)[
         "scheduler_cls"] == "vllm_mars.engine.scheduler.MarsScheduler"
