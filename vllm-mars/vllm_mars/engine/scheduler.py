@@ -181,13 +181,7 @@ class MarsSchedulerMixin:
         policy.bind(self)
         path = os.environ.get(ENV_SCHED_LOG)
         self._sched_log = open(path, "a", buffering=1) if path else None
-        logger.info("%s: policy=%s options=%s async_scheduling=%s", type(self).__name__, cfg.policy,
-                    dict(cfg.policy_options), self.scheduler_config.async_scheduling)
-        if isinstance(self, AsyncScheduler) != bool(self.scheduler_config.async_scheduling):
-            # Only a user subclass can get here (ours pick the matching variant at construction).
-            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
-                           "variant (degraded performance or stale placeholders otherwise)",
-                           type(self).__name__, self.scheduler_config.async_scheduling)
+        logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
 
     # -- injectable clock -------------------------------------------------------------------------
     def set_clock(self, clock: Clock) -> None:
@@ -454,6 +448,13 @@ class MarsScheduler(MarsSchedulerMixin, Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mars_init()
+        async_on = bool(self.scheduler_config.async_scheduling)
+        logger.info("%s built (async_scheduling=%s)", type(self).__name__, async_on)
+        if isinstance(self, AsyncScheduler) != async_on:
+            # Only a user subclass can get here (ours pick the matching variant in __new__).
+            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
+                           "variant (degraded performance or stale placeholders otherwise)",
+                           type(self).__name__, async_on)
 
 
 class AsyncMarsScheduler(MarsScheduler, AsyncScheduler):
