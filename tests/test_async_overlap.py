@@ -66,7 +66,7 @@ def _episode(policy: str, depth: int, seed: int, num_blocks: int = 30, max_out: 
     wfs = {f"w{i}": [[3 + (j % 40) for j in range(48)] + [rng.randrange(100, 4000) for _ in range(rng.randint(8, 120))],
                      rng.randint(1, 3), 0, rng.random() * 0.1] for i in range(6)}
     live: dict[str, str] = {}  # request id -> workflow
-    counts = {"steps": 0, "aborts_in_flight": 0, "stops_in_flight": 0, "preempt_in_flight": 0}
+    counts = {"steps": 0, "aborts_in_flight": 0, "stops_in_flight": 0, "preempt_in_flight": 0, "max_depth": 0}
     expected_recomputed = 0
     while True:
         now = clock.now()
@@ -96,6 +96,7 @@ def _episode(policy: str, depth: int, seed: int, num_blocks: int = 30, max_out: 
                 s.finish_requests([rid], _aborted())
             counts["aborts_in_flight"] += 1
         in_flight = core.in_flight_tokens()
+        counts["max_depth"] = max(counts["max_depth"], len(core.batch_queue))  # launched, not yet processed
         computed = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         preempted_before, recomputed_before = s.mars_num_preemptions, s.mars_recomputed_tokens
         outs = core.run_step()
@@ -142,10 +143,12 @@ def _aborted():
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_async_overlap_every_policy(policy, depth):
-    totals = {"steps": 0, "aborts_in_flight": 0, "stops_in_flight": 0, "preempt_in_flight": 0, "preemptions": 0}
+    totals = {"steps": 0, "aborts_in_flight": 0, "stops_in_flight": 0, "preempt_in_flight": 0, "preemptions": 0,
+              "max_depth": 0}
     for seed in range(3):
         for k, v in _episode(policy, depth, seed * 7 + depth).items():
-            totals[k] += v
+            totals[k] = max(totals[k], v) if k == "max_depth" else totals[k] + v
+    assert totals["max_depth"] == depth, totals  # schedule() ran with `depth` steps in flight
     # The episodes must really have exercised the overlap paths.
     assert totals["aborts_in_flight"] > 0, totals
     assert totals["stops_in_flight"] > 0, totals
