@@ -94,6 +94,18 @@ def test_engine_args_reach_the_server_command():
     assert "--tensor-parallel-size 2" in joined and "--no-async-scheduling" in joined and "--enforce-eager" in joined
 
 
+def test_driver_passes_engine_args_to_the_in_process_engine():
+    from vllm_mars.driver.runner import make_backend
+
+    cfg = ReplayConfig(model="m", num_blocks=64, engine_args={"kv_offloading_size": 4, "max_num_seqs": 8})
+    backend = make_backend(cfg, lambda: 0.0, "fcfs")
+    kw = local.engine_kwargs(backend.model, **backend.kwargs)
+    assert kw["kv_offloading_size"] == 4 and kw["max_num_seqs"] == 8  # user arguments win
+    assert kw["num_gpu_blocks_override"] == 64
+    with pytest.raises(ValueError, match="in-process engine"):
+        ReplayConfig(backend="http", url="http://x", engine_args={"tensor_parallel_size": 2}).validate()
+
+
 def test_connector_policy_refused_without_connector():
     with pytest.raises(ValueError, match="none is configured: add --engine-arg kv_offloading_size"):
         local.check_policy_engine("infercept_swap", False, {})
