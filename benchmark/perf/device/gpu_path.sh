@@ -131,11 +131,12 @@ for p in problems:
 sys.exit(1 if problems or len(calls) != 9 else 0)
 EOF
 rc=$?
+# Read the logs before shutdown (a stopping server may print tracebacks of its own).
+bad_log=$(cat "$OUT/engine.log" "$OUT/serve.log" 2>/dev/null | grep -E "MARS scheduler mismatch|Traceback" | head -2)
 # Ctrl-C, as a user stops it: mars serve stops the sidecar, then its vLLM server.
 kill -INT -- -"$SERVE_PID" 2>/dev/null
 for _ in $(seq 60); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
 kill -KILL -- -"$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null
-bad_log=$(grep -E "MARS scheduler mismatch|Traceback" "$OUT/engine.log" "$OUT/serve.log" 2>/dev/null | head -2)
 if [[ $rc == 0 && -z $bad_log ]]; then
   line serve PASS "$(head -1 "$OUT/serve_check.txt")"
 else
