@@ -259,6 +259,22 @@ def test_sim_replay_is_deterministic_and_leak_free(tmp_path, linear_profile):
     assert len(samples) >= 5 and samples[2] - samples[1] == pytest.approx(1.0)
 
 
+def test_skipping_the_loop_between_steps_changes_nothing(tmp_path, linear_profile, monkeypatch):
+    """The engine advances the clock inline when nothing else would run during a step; a run that
+    always sleeps through the loop instead writes the very same events."""
+    from vllm_mars.sim.loop import VirtualTimeLoop
+
+    inline = []
+    advance = VirtualTimeLoop.advance_if_idle
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: inline.append(advance(self, dt))
+                        or inline[-1])
+    fast, _ = run_replay(_sim_cfg(tmp_path, "fast"))
+    assert sum(inline) > 100, "most steps of this run pass while everything else sleeps"
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: False)
+    slow, _ = run_replay(_sim_cfg(tmp_path, "slow"))
+    assert (fast / "events.jsonl").read_bytes() == (slow / "events.jsonl").read_bytes()
+
+
 def test_cli_replay_and_compare_on_the_sim(tmp_path, linear_profile, capsys):
     from vllm_mars.cli import main
 
@@ -299,3 +315,45 @@ def test_prefix_reusing_hasher_gives_vllms_block_hashes():
     hasher.hint("t2", [1] * 640, prev.block_hashes)
     other = make_request("t2", prompt_token_ids=turn1, max_tokens=5, block_size=16, block_hasher=hasher)
     assert other.block_hashes == slow.block_hashes and hasher.reused == len(prev.all_token_ids) // 16
+
+
+def test_block_removals_counted_without_events_equal_vllms_events():
+    def removals(events: bool) -> int:
+        s = make_scheduler("fcfs", num_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                           kv_events=events)
+        if not events:
+            s.count_block_removals()
+        for wave in (0, 1, 0):  # the third wave re-sends wave 0's prompts: prefix hits and evictions
+            for rid, ids, n, extra in _requests(wave):
+                s.add_request(make_request(f"{rid}-{len(s.requests)}-{wave}", prompt_token_ids=ids,
+                                           max_tokens=n, extra_args=extra))
+            while s.has_requests():
+                so = s.schedule()
+                s.update_from_output(so, fake_model_output(s, so))
+        n = s.mars_stats()["kv_blocks_removed"]
+        assert_no_leaks(s)
+        return n
+
+    with_events = removals(True)
+    assert with_events > 0 and removals(False) == with_events
+
+
+@pytest.mark.slow
+def test_sim_runs_are_byte_identical_across_processes_and_hash_seeds(tmp_path):
+    """Two `mars replay --backend sim` processes with different PYTHONHASHSEED (set iteration order,
+    str hashes) on a shipped GPU profile: identical summary.json and events.jsonl."""
+    import os
+    import subprocess
+    import sys
+
+    wl = _workload(tmp_path / "wl.jsonl", n=6)
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"run{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "VLLM_LOGGING_LEVEL": "ERROR"}
+        subprocess.run([sys.executable, "-m", "vllm_mars.cli", "replay", "--backend", "sim", "--profile",
+                        "h200-qwen3-coder-30b-a3b", "--workload", str(wl), "--policy", "mars", "--rps", "1",
+                        "--no-progress", "--out", str(out)], env=env, check=True, capture_output=True, timeout=600)
+        outs.append(out)
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()

@@ -29,6 +29,7 @@ from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
 from vllm_mars.driver.control import check_policy, finish_root, make_controller
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
 from vllm_mars.metrics.ideal import ideal_time
 
@@ -38,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 BACKENDS = ("inprocess", "http", "sim")
 #: kv_sample periods: real engines, and the sim (hours of virtual time; 1 s keeps the log small)
 SAMPLE_INTERVAL_S = 0.1
+CALL_TIMEOUT_S = 600.0
 SIM_SAMPLE_INTERVAL_S = 1.0
 #: the long solo prompt of the sim's calibration (tokens)
 SIM_CALIBRATE_PROMPT = 8192
@@ -71,13 +73,17 @@ class ReplayConfig:
     url: str | None = None
     #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
     model: str | None = None
-    #: KV blocks of the in-process engine (small = real KV pressure)
-    num_blocks: int | None = 96
-    block_size: int = 32
-    #: context limit of the engine (<= num_blocks * block_size)
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    #: KV blocks of the in-process engine: None = engine.local's default (a small pool on the CPU
+    #: build, so the tiny model meets real KV pressure; vLLM's sizing on GPU), 0 = vLLM's sizing
+    num_blocks: int | None = None
+    #: KV block size in tokens: None = 32 on the CPU build, vLLM's choice on GPU
+    block_size: int | None = None
+    #: context limit of the engine (lowered to what num_blocks * block_size holds)
+    max_model_len: int = DRIVER_MAX_MODEL_LEN
+    max_num_seqs: int = DRIVER_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS
+    #: further vLLM engine arguments (validated EngineArgs fields), e.g. {"kv_offloading_size": 4}
+    engine_args: dict[str, Any] = field(default_factory=dict)
     #: scheduler policy options (additional_config["mars"] fields)
     policy_options: dict[str, Any] = field(default_factory=dict)
     #: admission controller options (its config fields)
@@ -96,16 +102,31 @@ class ReplayConfig:
     sample_interval_s: float | None = None
     #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
     calibrate: bool = True
-    #: seconds a single LLM call may take before the workflow fails
-    call_timeout_s: float = 600.0
+    #: seconds a single LLM call may take before the workflow fails (None: 600 s on real engines, no
+    #: limit in the sim, where a call queued for more than 10 virtual minutes is overload, not a hang)
+    call_timeout_s: float | None = None
+    #: in-process engine: time every engine step and write steps.jsonl (what `mars profile --from-steps` fits)
+    record_steps: bool = False
     #: output directory (None: runs/<timestamp>_<policy>)
     out: str | None = None
     #: live progress bar on stderr
     progress: bool = True
 
+    def engine_num_blocks(self) -> int | None:
+        """The in-process engine's KV blocks on this platform (None: vLLM sizes the pool)."""
+        from vllm_mars.engine.local import DRIVER_CPU_NUM_BLOCKS, on_cpu, resolve_num_blocks
+
+        return resolve_num_blocks(self.num_blocks, DRIVER_CPU_NUM_BLOCKS, on_cpu())
+
     def effective_max_model_len(self) -> int:
         """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
-        if self.backend in ("inprocess", "sim") and self.num_blocks:
+        if self.backend == "inprocess":
+            from vllm_mars.engine.local import kv_capacity_tokens, on_cpu
+
+            cap = kv_capacity_tokens(self.engine_num_blocks(), self.block_size, on_cpu())
+            if cap is not None:
+                return min(self.max_model_len, cap)
+        if self.backend == "sim" and self.num_blocks:  # the profile's pool (with_profile)
             return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         return self.max_model_len
 
@@ -120,14 +141,24 @@ class ReplayConfig:
             raise ValueError("the http backend needs --url")
         if self.backend == "sim" and not self.profile:
             raise ValueError("the sim backend needs --profile (a step-time profile name or file)")
+        if self.record_steps and self.backend != "inprocess":
+            raise ValueError("--record-steps times the in-process engine's steps: it needs --backend inprocess")
         if self.backend == "sim" and self.tools != "simulated":
             raise ValueError("the sim backend runs in virtual time: --tools must be simulated")
         if self.num_workflows is not None and self.num_workflows < 1:
             raise ValueError(f"num_workflows must be >= 1, got {self.num_workflows}")
         if self.tools not in ("simulated", "real"):
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
+        if self.engine_args and self.backend != "inprocess":
+            raise ValueError("engine arguments configure the in-process engine; with --backend http pass them to "
+                             "the server (mars serve --engine-arg ...); the sim takes its engine from --profile")
         if self.sample_interval_s is not None and not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+
+    def call_timeout(self) -> float | None:
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return None if self.backend == "sim" else CALL_TIMEOUT_S
 
     def sample_interval(self) -> float:
         if self.sample_interval_s is not None:
@@ -230,6 +261,16 @@ async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, 
                                      source="cost model calibrated by solo calls on the idle engine")
 
 
+#: per-step timings of a run with record_steps
+STEPS_FILE = "steps.jsonl"
+
+
+def write_steps(path: Path, steps) -> None:
+    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds"}``."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prefill": pf, "decode": dc, "seconds": round(dt, 7)}) + "\n" for pf, dc, dt in steps)
+
+
 def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy: str):
     from vllm_mars.driver import backends
 
@@ -246,9 +287,10 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
 
         model = str(build_tiny_model())
     return backends.InProcessBackend(
-        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options, num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(), max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed)
+        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options,
+        num_blocks=cfg.engine_num_blocks(), block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(),
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed,
+        engine_args=cfg.engine_args, record_steps=cfg.record_steps)
 
 
 class _Progress:
@@ -303,6 +345,7 @@ class Replay:
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
         self.sample_interval = cfg.sample_interval()
+        self.call_timeout = cfg.call_timeout()
         self.tasks: set[asyncio.Task] = set()
         self.remaining = len(plans)
         self.all_done = asyncio.Event()
@@ -401,7 +444,7 @@ class Replay:
             self.events.emit("workflow_done", workflow=wid, root=wid, root_done=True,
                              e2e_s=round(self.clock() - self.arrivals_actual[wid], 6))
         except Exception as e:  # noqa: BLE001 - one workflow's failure is recorded, the run goes on
-            logger.warning("workflow %s failed: %s", wid, e)
+            logger.warning("workflow %s failed: %r", wid, e)
             self.events.emit("workflow_error", workflow=wid, root=wid, root_done=True, error=repr(e)[:500])
         finally:
             finish_root(self.ctrl, wid, self.clock(), final_tokens)
@@ -443,7 +486,7 @@ class Replay:
                 self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
                                  prompt_tokens=len(prompt), max_tokens=turn.output_tokens)
                 res = await asyncio.wait_for(self.backend.generate(rid, prompt, turn.output_tokens, extra),
-                                             self.cfg.call_timeout_s)
+                                             self.call_timeout)
                 ttft = None if res.first_token_ts is None else res.first_token_ts - submit
                 if res.first_token_ts is not None:
                     self.events.emit("call_first_token", ts=res.first_token_ts, workflow=wid, root=root, turn=k,
@@ -579,6 +622,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             if replay is not None:
                 replay.events.emit("run_end", engine=backend.engine_stats())
                 replay.events.close()
+            if getattr(backend, "step_times", None):
+                write_steps(out / STEPS_FILE, backend.step_times)
     return out, cost
 
 

@@ -118,8 +118,9 @@ class SimBackend:
         self.scheduler = make_scheduler(
             self.policy, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
-            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, kv_events=True,
-            log_stats=False)
+            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
+        # KV block removals are counted where vLLM would emit them as events, without the events
+        self.scheduler.count_block_removals()
         enable_engine_core_env_cache()
         self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
@@ -140,6 +141,7 @@ class SimBackend:
         loop = self._loop
         profile = self.profile
         block_size = self.profile.block_size
+        advance = loop.advance_if_idle
         try:
             while True:
                 if self._aborts:
@@ -172,7 +174,8 @@ class SimBackend:
                                            f"non-empty batch")
                     self.steps += 1
                     self.busy_s += dt
-                    await asyncio.sleep(dt)
+                    if not advance(dt):  # others run during the step: sleep through the loop
+                        await asyncio.sleep(dt)
                     outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
                 else:
                     outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
@@ -182,7 +185,7 @@ class SimBackend:
                         await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
                     except TimeoutError:
                         pass
-                now = loop.time()
+                now = self.clock()  # the run clock: the driver stamps submits with it (0 = run start)
                 for o in step_outputs(outs):
                     self._deliver(o, now)
         except BaseException as e:
@@ -211,8 +214,7 @@ class SimBackend:
                 if call.last_step:
                     self._prefix.pop(call.workflow, None)
                 else:
-                    r = call.request
-                    self._prefix[call.workflow] = (r.all_token_ids, r.block_hashes)
+                    self._prefix[call.workflow] = self._hasher.prefix_of(call.request)
             if not call.future.done():
                 call.future.set_result(CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now,
                                                   o.finish_reason))
@@ -253,7 +255,7 @@ class SimBackend:
 
     async def close(self) -> None:
         """Stop the engine, release retention, and check that nothing leaked (raises if it did)."""
-        from vllm_mars.engine.rig import abort_request, assert_no_leaks
+        from vllm_mars.engine.rig import abort_all, assert_no_leaks
 
         if self._task is not None:
             self._task.cancel()
@@ -265,9 +267,7 @@ class SimBackend:
         s = self.scheduler
         if s is None:
             return
-        left = [rid for rid in s.requests]
-        for rid in left:  # a cancelled run: abort what is still in flight, as a client disconnect would
-            abort_request(s, rid)
+        abort_all(s)  # a cancelled run: abort what is still in flight, as a client disconnect would
         s.release_retention()
         self._stats = s.mars_stats()
         try:
