@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from vllm.v1.request import RequestStatus
-from vllm_mars.config import ENGINE_KEYS
 from vllm_mars.clock import VirtualClock
+from vllm_mars.config import ENGINE_KEYS
 from vllm_mars.engine.rig import assert_block_invariants, assert_no_leaks, make_request, make_scheduler, step
 from vllm_mars.policies import available_policies, config_fields, get_policy_class
 

@@ -300,14 +300,7 @@ def test_reclamation_order_and_early_stop():
 def _decoders_vs_late_arrival(policy: str, options: dict | None = None) -> list[tuple[str, int]]:
     """Three short decoders and a later 300-token call all grow until the 47-block pool runs out."""
     s = _sched(policy, options=options, num_blocks=48, max_num_batched_tokens=512, max_num_seqs=16)
-    victims: list[tuple[str, int]] = []
-    original = s._preempt_request
-
-    def preempt(request, timestamp, drop_stale_output=False):
-        victims.append((request.request_id, request.num_computed_tokens))
-        return original(request, timestamp, drop_stale_output)
-
-    s._preempt_request = preempt
+    events = _record_preemptions(s)
     for i in range(3):
         s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=160))
     step(s)
@@ -316,7 +309,7 @@ def _decoders_vs_late_arrival(policy: str, options: dict | None = None) -> list[
         step(s)
         assert_block_invariants(s)
     _finish(s)
-    return victims
+    return [(e[1], e[2]) for e in events]
 
 
 def test_cost_reclaim_never_recomputes_more_than_fcfs():
@@ -337,14 +330,7 @@ def _late_short_calls(policy: str, options: dict | None = None) -> list[tuple[st
     """A long prefill (demoted to the bottom level) while short calls keep arriving: does anyone
     get preempted when the long prefill needs its remaining blocks?"""
     s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
-    victims: list[tuple[str, int]] = []
-    original = s._preempt_request
-
-    def preempt(request, timestamp, drop_stale_output=False):
-        victims.append((request.request_id, request.num_computed_tokens))
-        return original(request, timestamp, drop_stale_output)
-
-    s._preempt_request = preempt
+    events = _record_preemptions(s)
     s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
     k = 0
     while s.has_requests():
@@ -354,7 +340,7 @@ def _late_short_calls(policy: str, options: dict | None = None) -> list[tuple[st
         assert_block_invariants(s)
         k += 1
     _finish(s)
-    return victims
+    return [(e[1], e[2]) for e in events]
 
 
 def test_admission_reserves_the_running_prefills_kv():

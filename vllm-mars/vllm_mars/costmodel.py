@@ -61,11 +61,11 @@ class CostModel:
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0) or math.isinf(v):
-                raise ValueError(f"cost model field {f.name!r} must be a finite number >= 0, got {v!r}")  # noqa: TRY004
+                raise ValueError(f"cost model field {f.name!r} must be a finite number >= 0, got {v!r}")
         if self.prefill_s_per_token + self.attn_s_per_token_ctx <= 0:
             raise ValueError("cost model: prefill_s_per_token and attn_s_per_token_ctx are both 0 (free prefill)")
         if not isinstance(self.source, str) or not isinstance(self.calibrated, bool):
-            raise ValueError("cost model: 'source' must be a string and 'calibrated' true or false")
+            raise ValueError("cost model: 'source' must be a string and 'calibrated' true or false")  # noqa: TRY004
 
     # -- queries --------------------------------------------------------------------------------
     def prefill_s(self, tokens: int, context: int = 0) -> float:

@@ -101,41 +101,6 @@ class MarsConfig:
     #: lookup gives the real number), so a late turn ranks by its uncached part.
     estimate_cached_prefix: bool = True
 
-    def may_start(self, call: CallView) -> bool:
-        """Reserve the running prefills' remaining KV before a new call takes blocks."""
-        engine = self.engine
-        running = engine.running_calls()
-        if not running:
-            return True
-        bs = engine.block_size
-        # Its uncached part (the workflow's previous context is probably still cached or retained).
-        need = -(-max(call.remaining_prefill - call.state.known_prefix, 0) // bs)
-        for c in running:
-            rem = c.remaining_prefill
-            if rem > 0:
-                need += -(-rem // bs)
-        # Retained KV is released for allocations before anyone is preempted: it counts as free.
-        retained = getattr(getattr(engine, "retention", None), "num_blocks", 0)
-        return need <= engine.free_blocks() + retained
-
-    def _other_demand(self, call: CallView, limit: int) -> int:
-        """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
-        their quantum), computed once per step and counted only up to ``limit``."""
-        d = self._step_demand
-        if d is None:
-            d = 0
-            engine = self.engine
-            for group in (engine.running_calls(), engine.waiting_calls()):
-                for c in group:
-                    rem = c.remaining_prefill
-                    d += min(rem, self._quanta[c.state.level]) if rem > 0 else 1
-                    if d > limit + 4096:
-                        break
-            self._step_demand = d
-        own = call.remaining_prefill
-        own = min(own, self._quanta[call.state.level]) if own > 0 else 1
-        return max(d - own, 0)
-
     # -- retention ----------------------------------------------------------------------------------
     #: Longest retention, seconds.
     max_retention_s: float = 60.0
