@@ -424,8 +424,10 @@ def test_retention_is_released_on_abort():
 
 def test_retention_goes_first_under_pressure_and_not_when_scarce():
     clock = VirtualClock()
+    # (without the prefill reserve, which keeps a new call waiting while retained KV is held)
     s = _sched(clock=clock, num_blocks=65, max_num_batched_tokens=2048,
-               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}})  # both contexts worth keeping
+               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"},  # both worth keeping
+                        "reserve_prefills": False})
     events = _record_preemptions(s)
     s.add_request(make_request("a-0", prompt_len=160, max_tokens=1, workflow="a", last_step=False))
     s.add_request(make_request("b-0", prompt_len=320, max_tokens=1, workflow="b", last_step=False))
