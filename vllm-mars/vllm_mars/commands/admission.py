@@ -154,6 +154,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for the vLLM server to become healthy (default 900)")
     p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
     _add_sidecar_options(p, serve=True)
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME|none",
+                   help="vLLM tool-call parser; tool calling (tool_choice auto, which OpenCode and Codex send) "
+                        "is on by default with the parser that fits the model: qwen3_coder for Qwen3-Coder, "
+                        "hermes for Qwen2/Qwen3 and the tiny model, openai for gpt-oss (docs/frontends.md); "
+                        "'none' leaves it off")
     p.set_defaults(func=_serve)
 
 
@@ -183,6 +188,21 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
 
 
+def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """Tool calling on by default with the parser that fits the model (issue 12); logged."""
+    from vllm_mars.engine.tool_calling import choose_tool_parser, user_set_tool_calling, validate_parser
+
+    if args.tool_call_parser is not None:
+        validate_parser(args.tool_call_parser)
+    if user_set_tool_calling(cmd):
+        print("mars serve: tool calling as configured in --vllm-args", file=sys.stderr)
+        return []
+    choice = choose_tool_parser(args.model, args.served_model_name, args.tool_call_parser)
+    state = f"on, parser {choice.parser}" if choice.parser else "off"
+    print(f"mars serve: tool calling {state} ({choice.reason})", file=sys.stderr)
+    return choice.server_args()
+
+
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
     from vllm_mars.engine.local import server_args
@@ -201,6 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
            *shlex.split(args.vllm_args)]
+    cmd += _tool_calling_args(args, cmd)
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
