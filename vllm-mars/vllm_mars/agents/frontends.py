@@ -189,9 +189,9 @@ class OpenCode(Frontend):
     identity_headers = ("x-session-id", "x-session-affinity", "x-parent-session-id")
 
     def config(self, s: CliSettings) -> dict[str, Any]:
-        limit: dict[str, int] = {"context": int(s.context_window)}
-        if s.max_output_tokens is not None:
-            limit["output"] = int(s.max_output_tokens)
+        # OpenCode requires limit.output (it sends it as max_tokens)
+        out = s.max_output_tokens if s.max_output_tokens is not None else min(8192, s.context_window // 2)
+        limit = {"context": int(s.context_window), "output": int(out)}
         return {
             "$schema": "https://opencode.ai/config.json",
             "provider": {"mars": {

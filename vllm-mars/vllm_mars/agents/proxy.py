@@ -165,7 +165,7 @@ class SessionProxy:
             rec.__dict__.update(usage_from_tail(tail))
             try:
                 self.on_call(rec)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("recording call %s of %s failed", rec.index, rec.session)
         return resp
 

@@ -58,6 +58,9 @@ class AgentRunConfig:
     #: served model name (default: the server's first in /v1/models)
     model: str | None = None
     session_timeout_s: float = 600.0
+    #: follow-up prompts continue the CLI's last session (``resume --last`` / ``--continue``) instead
+    #: of naming it by id
+    resume_last: bool = False
     #: run the CLIs without bubblewrap (required where bwrap is not usable)
     unsandboxed: bool = False
     #: npm prefix holding the CLIs (default $MARS_AGENTS_PREFIX, else ./.agents, else PATH)
@@ -83,7 +86,7 @@ class AgentRunConfig:
     def server_root(self) -> str:
         """The server URL without a trailing /v1."""
         s = self.server.rstrip("/")
-        return s[:-3] if s.endswith("/v1") else s
+        return s.removesuffix("/v1")
 
 
 def find_cli(fe: Frontend, prefix: str | None = None) -> str:
@@ -114,6 +117,16 @@ def sandbox_mode(unsandboxed: bool) -> tuple[str, str | None]:
         return "bwrap", None
     raise ValueError("bubblewrap (bwrap) is not usable here, so the agent sessions cannot be sandboxed: install "
                      "it (scripts/setup_agents.sh does, as root) or pass --unsandboxed to run them without one")
+
+
+def sandboxed_argv(cmd: list[str], paths: SessionPaths, sock_dir: str) -> list[str]:
+    """``cmd`` under bubblewrap: writes only in ``paths.root`` (and ``sock_dir``, which holds the proxy's
+    socket), no network but 127.0.0.1:BRIDGE_PORT, which leads to ``sock_dir/proxy.sock``."""
+    from vllm_mars.driver._sandbox_exec import bwrap_argv
+
+    inner = [sys.executable, "-I", _EXEC, "--port", str(BRIDGE_PORT), "--unix", f"{sock_dir}/proxy.sock",
+             "--chdir", str(paths.workspace), "--", *cmd]
+    return bwrap_argv(str(paths.root), inner, net=False, binds=(sock_dir,))
 
 
 def _safe(s: str) -> str:
@@ -155,13 +168,7 @@ class AgentRun:
 
     # -- one session -----------------------------------------------------------------------------
     def _argv(self, cmd: list[str], paths: SessionPaths, sock_dir: str | None) -> list[str]:
-        if self.sandbox != "bwrap":
-            return cmd
-        from vllm_mars.driver._sandbox_exec import bwrap_argv
-
-        inner = [sys.executable, "-I", _EXEC, "--port", str(BRIDGE_PORT), "--unix", f"{sock_dir}/proxy.sock",
-                 "--chdir", str(paths.workspace), "--", *cmd]
-        return bwrap_argv(str(paths.root), inner, net=False, binds=(sock_dir,) if sock_dir else ())
+        return sandboxed_argv(cmd, paths, sock_dir) if self.sandbox == "bwrap" else cmd
 
     async def _cli(self, argv: list[str], env: dict[str, str], cwd: Path, deadline: float,
                    log_base: Path) -> tuple[int | None, bool, str, str]:
@@ -218,7 +225,8 @@ class AgentRun:
                 if k and client_session is None:
                     error = "cannot resume: the first run reported no session id"
                     break
-                cmd = self.fe.argv(self.exe, prompt, resume=client_session if k else None)
+                cmd = self.fe.argv(self.exe, prompt, resume=client_session if k else None,
+                                   continue_last=bool(k) and self.cfg.resume_last)
                 rc, timed_out, stdout, stderr = await self._cli(self._argv(cmd, paths, sock_dir), env,
                                                                 paths.workspace, deadline, paths.root / f"cli-{k}")
                 parsed = self.fe.parse(stdout)

@@ -203,6 +203,10 @@ def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> list[str]:
     return choice.server_args()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
     from vllm_mars.engine.local import server_args
@@ -226,6 +230,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    # SIGTERM must run the cleanup below too (uvicorn re-raises the signal it caught once it has stopped;
+    # with the default action the vLLM server was left running)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _wait_healthy(f"http://127.0.0.1:{engine_port}", proc, args.engine_timeout)
         print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", default=None, help="served model name (default: the server's first)")
     r.add_argument("--session-timeout", type=float, default=600.0, metavar="S",
                    help="kill a session after S seconds (default 600)")
+    r.add_argument("--resume-last", action="store_true",
+                   help="follow-up prompts continue the CLI's last session (codex exec resume --last, opencode "
+                        "run --continue) instead of naming it by id")
     r.add_argument("--unsandboxed", action="store_true",
                    help="run the CLIs without bubblewrap (needed where bwrap is not usable; said in the events)")
     r.add_argument("--agents-prefix", default=None, metavar="DIR",
@@ -49,6 +52,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = AgentRunConfig(frontend=args.frontend, tasks=args.tasks, server=args.server,
                          concurrency=args.concurrency, model=args.model, session_timeout_s=args.session_timeout,
+                         resume_last=args.resume_last,
                          unsandboxed=args.unsandboxed, agents_prefix=args.agents_prefix, api_key=args.api_key,
                          context_window=args.context_window, max_output_tokens=args.max_output_tokens,
                          out=args.out)
