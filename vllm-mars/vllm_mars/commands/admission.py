@@ -65,7 +65,9 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                             "with the most KV budget)")
         g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
         g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
-    g.add_argument("--controller", choices=("mars", "concur", "none"), default="mars",
+    from vllm_mars.admission.base import available_controllers
+
+    g.add_argument("--controller", choices=available_controllers(), default="mars",
                    help="admission controller: mars (KV/CPU-aware AIMD + footprint selection), concur "
                         "(CONCUR AIMD on utilisation/hit rate), none (admit all) (default mars)")
     g.add_argument("--controller-option", action="append", metavar="KEY=VALUE",
