@@ -188,12 +188,12 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
         assert {b1.url, b2.url} == set(urls)  # equal budgets: the replica with fewer roots
         assert chat(sc, {"x-session-id": "R1-child", "x-parent-session-id": "R1"}).status_code == 200
         assert chat(sc, {"X-MARS-Workflow": "R1"}).status_code == 200
-        assert sc.app.roots["R1"].backend is b1 and b1.roots == 1  # later turns and children stay
+        assert sc.app.roots["R1"].backend is b1 and b1.roots == {"R1"}  # later turns and children stay
 
         def place_when_b2_has_more_budget():  # on the sidecar's loop: no poll can interleave
             b2.telemetry.last = replace(b2.telemetry.last, free_blocks=b2.telemetry.last.free_blocks + 1000)
-            b2.roots += 5  # more budget wins regardless of root counts
-            return sc.app._place(type(sc.app.roots["R1"])("R3", time.monotonic(), None))
+            b2.roots.update(f"x{i}" for i in range(5))  # more budget wins regardless of root counts
+            return sc.app.placement.place("R3")
 
         assert sc.call(place_when_b2_has_more_budget) is b2
 
