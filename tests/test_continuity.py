@@ -172,3 +172,16 @@ def test_footprint_reestimated_from_the_agent_call():
     assert ctl.promised_blocks() > promised and ctl._active["S"].prefill_tokens == 8000
     t.prompt_seen(title, 100)  # smaller prompts change nothing
     assert title.prompt_max == 8000
+
+
+def test_final_answer_waits_for_a_side_call_in_flight():
+    t, ctl, _clock = _table(window=2)
+    side = identify(oc("S"), chat("title", "t", tools=False))
+    agent = identify(oc("S"), chat("s", "S"))
+    r = t.arrive(side, 50)
+    t.call_started(r, side)  # the title call, still streaming ...
+    t.call_started(r, agent)
+    t.call_ended(r, agent, ok=True, final_answer=True)  # ... when the agent's final answer ends
+    assert ctl.is_active("S")
+    t.call_ended(r, side, ok=True)
+    assert not ctl.is_active("S") and "S" in t.dormant

@@ -293,6 +293,19 @@ def _check_run(srv: MarsServe, out: Path, traces: list[dict], frontend: str) -> 
     na, nb = len(a["calls"]), len(b["calls"])
     assert len(by_wf[sa]) == na >= 2 and len(by_wf[sb]) == nb >= 1
     assert sorted(by_wf[sa]) == list(range(na))  # one workflow across the resume: turns go on
+    # the sidecar told each call the workflow it assigned: the client's session, every call
+    assert a["sidecar_workflows"] == [sa] and b["sidecar_workflows"] == [sb]
+    assert all(c["workflow"] == c["root"] == t["client_session"] for t in traces for c in t["calls"])
+    # each session's final answer (no tool call) released its slot: no idle timeout (600 s) needed
+    deadline = time.monotonic() + 10
+    while srv.metric("mars_admission_active") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert srv.metric("mars_admission_active") == 0 and srv.metric("mars_admission_queued") == 0
+    evs = [json.loads(x) for x in srv.events.read_text().splitlines()]
+    ends = [e for e in evs if e["event"] == "workflow_end_inferred" and e["workflow"] in (sa, sb)]
+    assert {e["workflow"] for e in ends} == {sa, sb} and {e["reason"] for e in ends} == {"final_answer"}
+    assert len([e for e in ends if e["workflow"] == sa]) == 2  # ended, resumed, ended again
+    assert [e["workflow"] for e in evs if e["event"] == "workflow_resumed" and e["workflow"] in (sa, sb)] == [sa]
 
 
 @need_cli("codex")

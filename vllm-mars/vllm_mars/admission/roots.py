@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 class RootState:
     """One root workflow known to the sidecar."""
 
-    __slots__ = ("admitted", "backend", "blocks", "failed", "in_flight", "last_activity", "last_end", "prompt_max",
-                 "returning", "root", "tokens", "waiter", "waiters")
+    __slots__ = ("admitted", "backend", "blocks", "failed", "final_seen", "in_flight", "last_activity", "last_end",
+                 "prompt_max", "returning", "root", "tokens", "waiter", "waiters")
 
     def __init__(self, root: str, now: float) -> None:
         self.root = root
@@ -72,6 +72,8 @@ class RootState:
         self.prompt_max = 0
         #: a dormant workflow that came back
         self.returning = False
+        #: its root session's last agent call was a final answer (ends it once nothing is in flight)
+        self.final_seen = False
 
 
 class RootTable:
@@ -178,6 +180,8 @@ class RootTable:
         if r.in_flight == 0 and r.last_end is not None:
             self.gaps.observe(self.clock.now() - r.last_end)  # how long the agent was away (its tool time)
         r.in_flight += 1
+        if ident.is_root:
+            r.final_seen = False
         turn = self.turns.get(ident.workflow, 0)
         self.turns[ident.workflow] = turn + 1
         return turn
@@ -194,8 +198,11 @@ class RootTable:
             self.turns.pop(ident.workflow, None)
         if self.roots.get(ident.root) is r and (ident.anonymous or (ident.last_step and ident.is_root)):
             self.finish(ident.root)
-        elif ok and final_answer and ident.is_root and r.in_flight == 0 and self.roots.get(ident.root) is r:
-            self.soft_end(ident.root, "final_answer")
+        else:
+            if ok and final_answer and ident.is_root:
+                r.final_seen = True  # a side call still in flight (a title) does not keep the slot
+            if r.final_seen and r.in_flight == 0 and self.roots.get(ident.root) is r:
+                self.soft_end(ident.root, "final_answer")
 
     def prompt_seen(self, r: RootState, prompt_tokens: int) -> None:
         """An agent call of ``r`` with this prompt size: re-estimate its footprint when it grew."""
