@@ -104,6 +104,46 @@ def test_cli_output_and_usage_parsing():
     assert usage_from_tail(b"") == {"prompt_tokens": None, "output_tokens": None, "cached_tokens": None}
 
 
+# The identity each frontend sends, as captured on the wire (Codex CLI 0.171.0 and OpenCode 1.18.33
+# against `mars serve`; OpenHands SDK >= 1.25 from its source: it is not installable here).
+CODEX_WIRE = {"session-id": "019a-thr", "thread-id": "019a-thr", "x-client-request-id": "019a-thr",
+              "x-codex-window-id": "019a-thr:0", "originator": "codex_exec",
+              "x-codex-turn-metadata": '{"session_id":"019a-thr","thread_id":"019a-thr","turn_id":"t1"}',
+              "user-agent": "codex_exec/0.171.0 (Debian 12.0.0; x86_64) dumb (codex_exec; 0.171.0)"}
+OPENCODE_WIRE = {"x-session-affinity": "ses_dd06", "x-session-id": "ses_dd06",
+                 "user-agent": "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14"}
+OPENHANDS_WIRE = {"x-litellm-session-id": "conv-7", "user-agent": "litellm/1.80.0"}
+
+
+def test_wire_identity_of_each_frontend():
+    from vllm_mars.admission.continuity import Continuity
+    from vllm_mars.admission.identity import identify
+
+    responses = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                 "instructions": "codex base instructions", "prompt_cache_key": "019a-thr", "tools": [{}],
+                 "tool_choice": "auto", "stream": True, "store": False}
+    i = identify(CODEX_WIRE, responses)
+    assert (i.workflow, i.root, i.parent, i.source) == ("019a-thr", "019a-thr", None, "codex")
+    sub = identify({**CODEX_WIRE, "session-id": "019b-sub", "thread-id": "019b-sub",
+                    "x-codex-parent-thread-id": "019a-thr", "x-openai-subagent": "collab_spawn"}, responses)
+    assert (sub.workflow, sub.root, sub.parent) == ("019b-sub", "019a-thr", "019a-thr")
+    chat_body = {"model": "m", "messages": [{"role": "system", "content": "You are opencode"},
+                                            {"role": "user", "content": "fix"}],
+                 "tools": [{}], "tool_choice": "auto", "stream": True, "stream_options": {"include_usage": True}}
+    i = identify(OPENCODE_WIRE, chat_body)
+    assert (i.workflow, i.root, i.source) == ("ses_dd06", "ses_dd06", "opencode")
+    child = identify({**OPENCODE_WIRE, "x-session-id": "ses_kid", "x-session-affinity": "ses_kid",
+                      "x-parent-session-id": "ses_dd06"}, chat_body)
+    assert (child.workflow, child.root, child.parent) == ("ses_kid", "ses_dd06", "ses_dd06")
+    c = Continuity()  # a child session is never renamed by the prefix check
+    assert c.check(child, chat_body)[0] == child
+    oh = {"model": "m", "messages": chat_body["messages"], "prompt_cache_key": "conv-7"}
+    i = identify(OPENHANDS_WIRE, oh)
+    assert (i.workflow, i.root, i.source) == ("conv-7", "conv-7", "openhands")
+    kid = identify({**OPENHANDS_WIRE, "x-litellm-session-id": "conv-8"}, oh)  # a sub-agent keeps the root's key
+    assert (kid.workflow, kid.root, kid.parent) == ("conv-8", "conv-7", "conv-7")
+
+
 def test_cli_configs_point_at_the_proxy(tmp_path):
     s = CliSettings(base_url="http://127.0.0.1:8000/v1", model="tiny", max_output_tokens=16)
     paths = SessionPaths(tmp_path / "s").make()
