@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
-from vllm_mars.admission.held import HeldBody, QueueBudget
+from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
 from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
 from vllm_mars.admission.proxy import (
@@ -511,6 +511,8 @@ class Sidecar:
             call[:] = [None, None]
             held = await HeldBody.hold(raw, self.config.spill_bytes, self.config.spill_dir)
             del raw
+            if held.spilled and size >= 1 << 20:
+                give_back_memory()
             await asyncio.shield(r.waiter)
             call[1], held = held, None
         except OSError as e:
