@@ -8,7 +8,6 @@ returns the roots admitted now. Controllers never reach into the engine: they on
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -129,20 +128,9 @@ CONTROLLERS = ("mars", "concur", "none")
 def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
     """Build the config dataclass ``cls`` from ``d``: unknown keys and values of the wrong type are a
     ValueError naming the field and what is allowed."""
-    fs = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fs))
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid: {', '.join(sorted(fs))}")
-    for k, v in d.items():
-        default = fs[k].default
-        ann = str(fs[k].type)
-        kind = float if "float" in ann else int if "int" in ann else type(default)
-        ok = (v is None and "None" in ann) or (
-            isinstance(v, kind) and not isinstance(v, bool)) or (kind is float and isinstance(v, int)
-                                                                   and not isinstance(v, bool))
-        if not ok:
-            raise ValueError(f"{cls.__name__}.{k} must be {kind.__name__}, got {v!r}")
-    return cls(**d)
+    from vllm_mars.config import check_options
+
+    return check_options(cls, d, owner=cls.__name__)
 
 
 def make_controller(name: str, options: dict[str, Any] | None = None) -> AdmissionController:
