@@ -9,7 +9,6 @@ returns the roots admitted now. Controllers never reach into the engine: they on
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -308,33 +307,13 @@ class NoneController(ControllerBase):
 
 
 def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
-    """Build the config dataclass ``cls`` from ``d``: unknown keys, values of the wrong type and
-    non-finite numbers are a ValueError naming the field and what is allowed. The one options
-    validator of every controller."""
-    fs = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fs))
-    if unknown:
-        if not fs:
-            raise ValueError(f"this admission controller takes no options, got {unknown}")
-        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid: {', '.join(sorted(fs))}")
-    for k, v in d.items():
-        default = fs[k].default
-        ann = str(fs[k].type)
-        kind = bool if "bool" in ann else float if "float" in ann else int if "int" in ann else type(default)
-        if v is None:
-            ok = "None" in ann
-        elif kind is bool:
-            ok = isinstance(v, bool)
-        elif kind is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        elif kind is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, kind)
-        if not ok:
-            what = "a finite number" if kind is float else kind.__name__
-            raise ValueError(f"{cls.__name__}.{k} must be {what}, got {v!r}")
-    return cls(**d)
+    """Build the config dataclass ``cls`` from ``d`` with the one options validator
+    (:func:`vllm_mars.config.check_options`: unknown keys, wrong types, non-finite numbers)."""
+    from vllm_mars.config import check_options
+
+    if d and not dataclasses.fields(cls):
+        raise ValueError(f"this admission controller takes no options, got {sorted(d)}")
+    return check_options(cls, d, owner=cls.__name__)
 
 
 def get_controller_class(name: str) -> type[ControllerBase]:

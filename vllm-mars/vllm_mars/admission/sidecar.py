@@ -48,7 +48,7 @@ import math
 import re
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
@@ -182,18 +182,13 @@ class SidecarConfig:
 
 
 def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
-    """The one range check of numeric options: each named field (None allowed where its default
-    is None) must be a finite number within its (lowest, highest); ValueError naming the field."""
+    """Range-check the named numeric fields of a config dataclass with the one options validator
+    (:func:`vllm_mars.config.check_value`: type, finite, range); ValueError naming the field."""
+    from vllm_mars.config import check_value
+
+    types = {f.name: f.type for f in fields(obj)}
     for name, (lo, hi) in ranges.items():
-        v = getattr(obj, name)
-        if v is None and getattr(type(obj), name, 0) is None:
-            continue
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        if ok and ((lo is not None and v < lo) or (hi is not None and v > hi)):
-            ok = False
-        if not ok:
-            rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-            raise ValueError(f"{type(obj).__name__}.{name} = {v!r}: must be a finite number in {rng}")
+        check_value(f"{type(obj).__name__}.{name}", types[name], getattr(obj, name), minimum=lo, maximum=hi)
 
 
 class Sidecar:
