@@ -20,6 +20,7 @@ METRICS = (
     'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 0.0\n'
     'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 0.0\n'
 )
+MODELS = '{"object": "list", "data": [{"id": "tiny", "object": "model"}]}'
 OK_BODY = (b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",'
            b'"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,'
            b'"total_tokens":4}}')
@@ -32,6 +33,8 @@ class FaultyBackend:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.posts = 0
+        #: the /metrics page served (a test may replace it)
+        self.metrics = METRICS
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,8 +56,8 @@ class FaultyBackend:
                 n = int(hdrs.get("content-length", "0"))
                 if n:
                     await reader.readexactly(n)
-                if method == "GET" and path == "/metrics":
-                    body = METRICS.encode()
+                if method == "GET" and path in ("/metrics", "/v1/models"):
+                    body = (self.metrics if path == "/metrics" else MODELS).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
                                  + str(len(body)).encode() + b"\r\n\r\n" + body)
                     await writer.drain()

@@ -408,7 +408,7 @@ def test_in_process_telemetry_from_scheduler():
 
     clock = VirtualClock()
     s = make_scheduler("fcfs", num_blocks=64, block_size=16, clock=clock)
-    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, queue_wait_s=0.5))
+    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, ema_queue_wait_s=0.5))
     t0 = reader.read()
     assert (t0.free_blocks, t0.total_blocks, t0.block_size, t0.kv_usage) == (s.num_blocks, s.num_blocks, 16, 0.0)
     assert (t0.tools_in_flight, t0.tool_workers, t0.tool_queue_wait_s) == (3, 2, 0.5)

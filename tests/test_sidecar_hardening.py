@@ -302,3 +302,92 @@ def test_bad_sidecar_options_exit_2_naming_the_flag(flag, value):
     assert p.returncode == 2, p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and flag in err[0] and "Traceback" not in p.stderr, p.stderr
+
+
+# -- one telemetry: the driver's HTTP backend reads /metrics with the sidecar's parser -----------------
+def _driver_sample(url: str):
+    import asyncio
+
+    from vllm_mars.driver.backends import HTTPBackend
+
+    async def run():
+        b = HTTPBackend(url, time.monotonic, poll_s=0.05)
+        await b.start()
+        try:
+            return b.sample()
+        finally:
+            await b.close()
+
+    return asyncio.run(run())
+
+
+def test_driver_http_telemetry_is_the_sidecars(openai_server):
+    """Before: the driver counted vLLM's null block (256 vs 255) and returned its own sample type."""
+    from vllm_mars.admission.base import Telemetry
+    from vllm_mars.admission.telemetry import HttpTelemetry
+
+    s = _driver_sample(openai_server.url)
+    t = HttpTelemetry(openai_server.url).poll().reading
+    assert isinstance(s, Telemetry) and t is not None
+    assert s.total_blocks == t.total_blocks == 255 and s.block_size == t.block_size == 32
+    assert s.free_blocks is not None and 0 <= s.free_blocks <= s.total_blocks
+    assert s.running is not None and s.waiting is not None and s.preemptions == 0
+
+
+def test_driver_http_telemetry_over_data_parallel_engines():
+    """Two engines behind one server: usage is averaged, blocks add up (before: usage summed to
+    1.3 and free blocks went negative)."""
+    page = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.6\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.7\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1001"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1001"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="tiny"} 4.0\n'
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"} 2.0\n'
+    )
+    with FaultyBackend(free_port()) as fb:
+        fb.metrics = page
+        s = _driver_sample(fb.url)
+    assert s.total_blocks == 2000 and s.free_blocks == 700 and abs(s.kv_usage - 0.65) < 1e-9
+    assert s.running == 7 and s.preemptions == 0  # a delta since the backend started
+
+
+# -- root lifecycle in virtual time --------------------------------------------------------------------
+def test_root_lifecycle_runs_in_virtual_time():
+    """RootTable with a real controller on a VirtualClock: admission, the idle and failed-call
+    timeouts and last-step ends, with no event loop and no sleeping."""
+    from vllm_mars.admission.base import make_controller
+    from vllm_mars.admission.identity import identify
+    from vllm_mars.admission.roots import RootTable
+    from vllm_mars.clock import VirtualClock
+
+    clock = VirtualClock()
+    ctl = make_controller("concur", {"window_min": 1, "window_max": 1})
+    admitted, ended = [], []
+    rt = RootTable(ctl, clock, idle_timeout_s=100.0, failed_idle_timeout_s=5.0,
+                   on_admit=lambda r: admitted.append(r.root), on_end=lambda r: ended.append(r.root))
+
+    def ident(wf, last=False):
+        return rt.sessions.resolve(identify({"x-mars-workflow": wf, "x-mars-last-step": str(last).lower()}, {}))
+
+    a = rt.arrive(ident("A"), 100)
+    b = rt.arrive(ident("B"), 100)
+    assert a.admitted and not b.admitted and admitted == ["A"]
+    rt.call_started(a, ident("A"))
+    clock.advance(50)
+    rt.call_ended(a, ident("A"), ok=True)
+    clock.advance(99)
+    assert rt.expire() == [] and ctl.is_active("A")
+    clock.advance(2)  # 101 s idle
+    assert rt.expire() == ["A"] and admitted == ["A", "B"] and ended == ["A"]
+    rt.call_started(b, ident("B"))
+    rt.call_ended(b, ident("B"), ok=False)  # a failed call: B ends after 5 s without calls
+    clock.advance(4)
+    assert rt.expire() == []
+    clock.advance(2)
+    assert rt.expire() == ["B"] and rt.counters == {"finished": 2, "idle_finished": 1, "failed_finished": 1}
+    c = rt.arrive(ident("C"), 10)
+    rt.call_started(c, ident("C", last=True))
+    rt.call_ended(c, ident("C", last=True), ok=False)  # a failed last step still ends the workflow
+    assert ended == ["A", "B", "C"] and ctl.num_active == 0 and rt.roots == {}

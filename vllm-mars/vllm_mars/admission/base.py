@@ -27,17 +27,44 @@ class PendingRoot:
 
 @dataclass(frozen=True)
 class Telemetry:
-    """One reading of engine and tool-plane state. ``None`` fields are unknown."""
+    """One reading of engine and tool-plane state: the one type every source produces (the
+    in-process scheduler, a vLLM server's /metrics, the sidecar's pooled view). ``None`` fields
+    are unknown to that source."""
 
     ts: float
     free_blocks: int | None = None       # allocatable now (free + evictable; retained are not free)
-    total_blocks: int | None = None
+    total_blocks: int | None = None      # usable KV blocks (vLLM's null block excluded)
     block_size: int | None = None
     kv_usage: float | None = None        # 0..1
     prefix_hit_rate: float | None = None  # 0..1, recent
     tools_in_flight: int | None = None
     tool_workers: int | None = None
     tool_queue_wait_s: float | None = None  # EMA
+    retained_blocks: int | None = None   # held for paused workflows (MarsScheduler retention)
+    preemptions: int | None = None       # since the reader started
+    recomputed_tokens: int | None = None
+    kv_blocks_removed: int | None = None  # cached KV blocks evicted for reuse (vLLM KV cache events)
+    running: int | None = None
+    waiting: int | None = None
+
+    @property
+    def num_blocks(self) -> int | None:
+        """``total_blocks`` under the engine's name."""
+        return self.total_blocks
+
+    def as_dict(self) -> dict[str, Any]:
+        """The known fields (for event logs)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    """The CPU tool plane: calls queued or running, workers (None: unlimited, simulated tools do
+    not queue), EMA of the queue wait (s)."""
+
+    in_flight: int
+    workers: int | None
+    ema_queue_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
