@@ -42,12 +42,13 @@ def post(sc, content: bytes | None = None, headers=None, body=None, timeout=30.0
     b'{"mars_workflow": "ov", "mars_turn": -Infinity}',
     b'{"mars_workflow": "ov", "mars_prefill_tokens": ' + str(2**1024).encode() + b"}",
     b'{"mars_workflow": "ov", "mars_prefill_tokens": ' + str(2**40).encode() + b"}",
+    b'{"mars_workflow": "' + b"w" * 5000 + b'"}',
 ])
 def test_overflowing_mars_values_are_400(sidecar2, xargs):
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "vllm_xargs": ' + xargs + b"}"
     r = post(sidecar2, body)
     assert r.status_code == 400, r.text
-    assert "mars_" in r.json()["error"]["message"]
+    assert "mars_" in r.json()["error"]["message"] or "workflow id" in r.json()["error"]["message"]
     assert sidecar2.app.controller.num_queued == 0 and sidecar2.app.controller.num_active == 0
 
 
@@ -391,3 +392,13 @@ def test_root_lifecycle_runs_in_virtual_time():
     rt.call_started(c, ident("C", last=True))
     rt.call_ended(c, ident("C", last=True), ok=False)  # a failed last step still ends the workflow
     assert ended == ["A", "B", "C"] and ctl.num_active == 0 and rt.roots == {}
+
+
+def test_mars_serve_checks_the_policy_before_launching_vllm(tmp_path):
+    t0 = time.monotonic()
+    for extra in (["--policy", "nosuch"], ["--policy", "mars", "--policy-option", "nope=1"]):
+        p = subprocess.run([sys.executable, "-m", "vllm_mars.cli", "serve", str(tmp_path), *extra], check=False,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and ("nosuch" in p.stderr or "nope" in p.stderr)
+    assert time.monotonic() - t0 < 30  # no vLLM was started
