@@ -260,6 +260,9 @@ def test_mars_serve_and_backend_dying_mid_stream(tiny_model, tmp_path):
         assert wait_until(healthy, 240, 0.5) and proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "A"}, timeout=60)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        # the sidecar's /metrics polls (10 a second here) stay out of vLLM's access log (issue 11, 9)
+        log = (tmp_path / "engine.log").read_text()
+        assert '"POST /v1/chat/completions' in log and '"GET /metrics' not in log, log[-2000:]
         lines: list[str] = []
         with httpx.stream("POST", url + "/v1/chat/completions", json=LONG,
                           headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
@@ -408,7 +411,7 @@ def test_in_process_telemetry_from_scheduler():
 
     clock = VirtualClock()
     s = make_scheduler("fcfs", num_blocks=64, block_size=16, clock=clock)
-    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, queue_wait_s=0.5))
+    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, ema_queue_wait_s=0.5))
     t0 = reader.read()
     assert (t0.free_blocks, t0.total_blocks, t0.block_size, t0.kv_usage) == (s.num_blocks, s.num_blocks, 16, 0.0)
     assert (t0.tools_in_flight, t0.tool_workers, t0.tool_queue_wait_s) == (3, 2, 0.5)

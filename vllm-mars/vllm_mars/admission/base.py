@@ -9,7 +9,6 @@ returns the roots admitted now. Controllers never reach into the engine: they on
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -28,17 +27,44 @@ class PendingRoot:
 
 @dataclass(frozen=True)
 class Telemetry:
-    """One reading of engine and tool-plane state. ``None`` fields are unknown."""
+    """One reading of engine and tool-plane state: the one type every source produces (the
+    in-process scheduler, a vLLM server's /metrics, the sidecar's pooled view). ``None`` fields
+    are unknown to that source."""
 
     ts: float
     free_blocks: int | None = None       # allocatable now (free + evictable; retained are not free)
-    total_blocks: int | None = None
+    total_blocks: int | None = None      # usable KV blocks (vLLM's null block excluded)
     block_size: int | None = None
     kv_usage: float | None = None        # 0..1
     prefix_hit_rate: float | None = None  # 0..1, recent
     tools_in_flight: int | None = None
     tool_workers: int | None = None
     tool_queue_wait_s: float | None = None  # EMA
+    retained_blocks: int | None = None   # held for paused workflows (MarsScheduler retention)
+    preemptions: int | None = None       # since the reader started
+    recomputed_tokens: int | None = None
+    kv_blocks_removed: int | None = None  # cached KV blocks evicted for reuse (vLLM KV cache events)
+    running: int | None = None
+    waiting: int | None = None
+
+    @property
+    def num_blocks(self) -> int | None:
+        """``total_blocks`` under the engine's name."""
+        return self.total_blocks
+
+    def as_dict(self) -> dict[str, Any]:
+        """The known fields (for event logs)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    """The CPU tool plane: calls queued or running, workers (None: unlimited, simulated tools do
+    not queue), EMA of the queue wait (s)."""
+
+    in_flight: int
+    workers: int | None
+    ema_queue_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -339,33 +365,13 @@ class NoneController(ControllerBase):
 
 
 def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
-    """Build the config dataclass ``cls`` from ``d``: unknown keys, values of the wrong type and
-    non-finite numbers are a ValueError naming the field and what is allowed. The one options
-    validator of every controller."""
-    fs = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fs))
-    if unknown:
-        if not fs:
-            raise ValueError(f"this admission controller takes no options, got {unknown}")
-        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid: {', '.join(sorted(fs))}")
-    for k, v in d.items():
-        default = fs[k].default
-        ann = str(fs[k].type)
-        kind = bool if "bool" in ann else float if "float" in ann else int if "int" in ann else type(default)
-        if v is None:
-            ok = "None" in ann
-        elif kind is bool:
-            ok = isinstance(v, bool)
-        elif kind is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        elif kind is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, kind)
-        if not ok:
-            what = "a finite number" if kind is float else kind.__name__
-            raise ValueError(f"{cls.__name__}.{k} must be {what}, got {v!r}")
-    return cls(**d)
+    """Build the config dataclass ``cls`` from ``d`` with the one options validator
+    (:func:`vllm_mars.config.check_options`: unknown keys, wrong types, non-finite numbers)."""
+    from vllm_mars.config import check_options
+
+    if d and not dataclasses.fields(cls):
+        raise ValueError(f"this admission controller takes no options, got {sorted(d)}")
+    return check_options(cls, d, owner=cls.__name__)
 
 
 def get_controller_class(name: str) -> type[ControllerBase]:

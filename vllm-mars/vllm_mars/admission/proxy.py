@@ -35,6 +35,8 @@ _DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"k
             b"expect", b"upgrade"}
 #: the largest token count a client may claim (``mars_prefill_tokens``); larger is a 400
 MAX_CLAIMED_TOKENS = 1 << 31
+#: the longest workflow / root / parent / tool id accepted (ids are kept per workflow and logged)
+MAX_ID_CHARS = 1024
 
 
 class HTTPError(Exception):
@@ -108,6 +110,10 @@ def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
     except (ValueError, OverflowError, TypeError) as e:
         msg = str(e) if isinstance(e, ValueError) else f"a mars_* value is out of range: {e}"
         raise HTTPError(400, msg) from None
+    for what, v in (("workflow", ident.workflow), ("root", ident.root), ("parent", ident.parent),
+                    ("tool", ident.tool)):
+        if v is not None and len(v) > MAX_ID_CHARS:
+            raise HTTPError(400, f"the {what} id is {len(v)} characters; at most {MAX_ID_CHARS}")
     if ident.prefill_tokens is not None and ident.prefill_tokens > MAX_CLAIMED_TOKENS:
         raise HTTPError(400, f"mars_prefill_tokens = {ident.prefill_tokens}: must be <= {MAX_CLAIMED_TOKENS}")
     if ident.turn is not None and ident.turn > MAX_CLAIMED_TOKENS:

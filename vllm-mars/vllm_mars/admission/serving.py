@@ -72,10 +72,9 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         def data_received(self, data: bytes) -> None:
             if self._in_head:
                 self._head_bytes += len(data)
-                if self._head_bytes > max_header_bytes:
-                    self._reject(431, "Request Header Fields Too Large")
-                    return
             super().data_received(data)
+            if self._in_head and self._head_bytes > max_header_bytes:  # still no end of head
+                self._reject(431, "Request Header Fields Too Large")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -107,7 +106,7 @@ def uvicorn_config(app: Any) -> Any:
     proto = guarded_protocol(cfg.header_timeout_s, cfg.max_header_bytes, cfg.max_connections)
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=proto,
                           lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30,
-                          proxy_headers=False, server_header=False)
+                          proxy_headers=False, server_header=False, timeout_graceful_shutdown=5)
 
 
 def run_sidecar(config: Any) -> None:

@@ -48,12 +48,12 @@ import math
 import re
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
 from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
-from vllm_mars.admission.held import HeldBody, QueueBudget
+from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
 from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
 from vllm_mars.admission.proxy import (
@@ -183,18 +183,13 @@ class SidecarConfig:
 
 
 def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
-    """The one range check of numeric options: each named field (None allowed where its default
-    is None) must be a finite number within its (lowest, highest); ValueError naming the field."""
+    """Range-check the named numeric fields of a config dataclass with the one options validator
+    (:func:`vllm_mars.config.check_value`: type, finite, range); ValueError naming the field."""
+    from vllm_mars.config import check_value
+
+    types = {f.name: f.type for f in fields(obj)}
     for name, (lo, hi) in ranges.items():
-        v = getattr(obj, name)
-        if v is None and getattr(type(obj), name, 0) is None:
-            continue
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        if ok and ((lo is not None and v < lo) or (hi is not None and v > hi)):
-            ok = False
-        if not ok:
-            rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-            raise ValueError(f"{type(obj).__name__}.{name} = {v!r}: must be a finite number in {rng}")
+        check_value(f"{type(obj).__name__}.{name}", types[name], getattr(obj, name), minimum=lo, maximum=hi)
 
 
 def _observed(send: Any, ident: Identity, scan: ToolCallScan | None) -> Any:
@@ -549,6 +544,8 @@ class Sidecar:
             call[:] = [None, None]
             held = await HeldBody.hold(raw, self.config.spill_bytes, self.config.spill_dir)
             del raw
+            if held.spilled and size >= 1 << 20:
+                give_back_memory()
             await asyncio.shield(r.waiter)
             call[1], held = held, None
         except OSError as e:

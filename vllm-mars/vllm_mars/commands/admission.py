@@ -254,10 +254,13 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
     from vllm_mars.engine.local import server_args
+    from vllm_mars.policies import make_policy
 
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
+    # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
+    make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
     cpu = None if args.device == "auto" else args.device == "cpu"
     kw: dict[str, Any] = {"policy": args.policy, "policy_options": _kv(args.policy_option, "--policy-option"),
