@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import ServerProcess, free_port
 from vllm_mars.agents.frontends import CliSettings, Codex, OpenCode, SessionPaths, get_frontend
 from vllm_mars.agents.proxy import usage_from_tail
 from vllm_mars.agents.runner import BRIDGE_PORT, AgentRunConfig, find_cli, run_agents, sandboxed_argv
@@ -241,34 +240,23 @@ def test_sandbox_allows_only_the_bridge_and_the_workspace(tmp_path):
 
 
 # -- the real CLIs through `mars serve` ---------------------------------------------------------------
-class MarsServe:
-    """`mars serve` (vLLM + MarsScheduler + the sidecar) with the tiny model, as a user starts it."""
+class MarsServe(ServerProcess):
+    """`mars serve` (vLLM + MarsScheduler + the sidecar) with the tiny model, as a user starts it;
+    ``wait_ready`` and ``stop`` (SIGTERM: mars serve then stops its vLLM) are the shared server's."""
 
     def __init__(self, model: str, tmp: Path) -> None:
         self.port, engine_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.sched_log, self.events, self.log = tmp / "sched.jsonl", tmp / "admission.jsonl", tmp / "serve.log"
-        self._out = open(self.log, "w")  # noqa: SIM115 (closed in stop)
+        self.sched_log, self.events, self.log_path = tmp / "sched.jsonl", tmp / "admission.jsonl", tmp / "serve.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_mars.cli", "serve", model, "--port", str(self.port),
              "--engine-port", str(engine_port), "--served-model-name", "tiny", "--device", "cpu",
              "--num-blocks", "2048", "--max-model-len", "32768", "--max-num-seqs", "8",
              "--telemetry-interval", "0.1", "--events", str(self.events), "--engine-log", str(tmp / "engine.log"),
              "--vllm-args", "--override-generation-config '{\"max_new_tokens\": 8}'"],
-            stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MARS_SCHED_LOG": str(self.sched_log)})
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(self.log.read_text()[-3000:])
 
     def metric(self, name: str) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
@@ -280,16 +268,6 @@ class MarsServe:
         recs = [json.loads(x) for x in self.sched_log.read_text().splitlines() if x.strip()]
         return [r for r in recs if r["event"] == "arrive"]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._out.close()
-
 
 @pytest.fixture(scope="module")
 def mars_serve(tiny_model, tmp_path_factory):
@@ -297,8 +275,8 @@ def mars_serve(tiny_model, tmp_path_factory):
         pytest.skip("no agent CLI installed: run scripts/setup_agents.sh (CI does)")
     srv = MarsServe(tiny_model, tmp_path_factory.mktemp("serve"))
     try:
-        srv.wait_ready()
-        assert "tool calling on, parser hermes" in srv.log.read_text()
+        srv.wait_ready(300)
+        assert "tool calling on, parser hermes" in srv.log_path.read_text()
         yield srv
     finally:
         srv.stop()
