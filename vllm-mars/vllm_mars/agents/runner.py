@@ -350,5 +350,19 @@ def run_agents(cfg: AgentRunConfig) -> Path:
     asyncio.run(AgentRun(cfg, out, tasks, exe, model, sandbox, note).run())
     summary = summarize(read_events(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_run_report(out, summary)
+    report = write_run_report(out, summary)
+    with open(report, "a") as f:
+        f.write(sessions_table([json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines()]))
     return out
+
+
+def sessions_table(traces: list[dict[str, Any]]) -> str:
+    """Markdown: one row per session (what report.md adds to the replay report)."""
+    lines = ["", "## Sessions", "", ("| task | outcome | E2E (s) | calls (side) | prompt tok | output tok | "
+             "client session | sidecar workflow |"), "|" + "---|" * 8]
+    for t in sorted(traces, key=lambda t: t["task"]):
+        outcome = "ok" if t["error"] is None else str(t["error"])[:60].replace("|", "/")
+        lines.append(f"| {t['task']} | {outcome} | {t['e2e_s']:.2f} | {len(t['calls'])} ({t['side_calls']}) | "
+                     f"{t['prompt_tokens']} | {t['output_tokens']} | {t['client_session'] or '-'} | "
+                     f"{', '.join(t['sidecar_workflows']) or '-'} |")
+    return "\n".join(lines) + "\n"
