@@ -28,6 +28,10 @@ def _raw_response(status: int, reason: str) -> bytes:
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").encode()
 
 
+class _HeadTooLarge(Exception):
+    """Raised inside the parser's callbacks to stop parsing an oversized request head."""
+
+
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connections: int) -> type:
     """uvicorn's httptools protocol with the limits of the module docstring."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -36,6 +40,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False
         _head_bytes = 0
+        _raw_head = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -47,7 +52,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
 
         def _arm(self) -> None:
             self._in_head = True
-            self._head_bytes = 0
+            self._head_bytes = self._raw_head = 0
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
@@ -69,12 +74,26 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
                 logger.info("request head from %s not complete in %s s: closing", self.client, header_timeout_s)
                 self._reject(408, "Request Timeout")
 
+        def _count_head(self, n: int) -> None:
+            self._head_bytes += n
+            if self._head_bytes > max_header_bytes:
+                self._reject(431, "Request Header Fields Too Large")
+                raise _HeadTooLarge  # stops the parser: no request is started
+
         def data_received(self, data: bytes) -> None:
             if self._in_head:
-                self._head_bytes += len(data)
+                self._raw_head += len(data)
             super().data_received(data)
-            if self._in_head and self._head_bytes > max_header_bytes:  # still no end of head
+            if self._in_head and self._raw_head > max_header_bytes:  # a head still unfinished (one huge line)
                 self._reject(431, "Request Header Fields Too Large")
+
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
