@@ -476,10 +476,10 @@ class Sidecar:
         started = ok = False
         scan = ToolCallScan() if agent and not side and ident.is_root and not ident.anonymous else None
         try:
-            if agent and not side and (r0 := self.lifecycle.get(ident.root)) is not None:
+            if est is not None and (r0 := self.lifecycle.get(ident.root)) is not None:
                 self.lifecycle.prompt_seen(r0, est)  # a queued root's footprint from its agent call
             r = await self._admit(ident, call, est)
-            if agent and not side:
+            if est is not None:
                 self.lifecycle.prompt_seen(r, est)
             turn = self.lifecycle.call_started(r, ident)
             started = True
@@ -499,7 +499,7 @@ class Sidecar:
                 self.in_flight -= 1
                 self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call)
 
-    def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int]:
+    def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int | None]:
         """Prefix continuity of a generic session id (may rename the workflow; events say why),
         and what the call is: (identity, offers tools, side call, prompt estimate)."""
         agent = offers_tools(body)
@@ -507,8 +507,11 @@ class Sidecar:
         ev = verdict.event()
         if ev is not None:
             self.lifecycle.emit("workflow_continuity", ev)
-        est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(body)
-        return ident, agent, verdict.kind == "side_call", est
+        side = verdict.kind == "side_call"
+        est = None  # only agent calls re-estimate their root's footprint; _admit estimates new roots
+        if agent and not side:
+            est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(body)
+        return ident, agent, side, est
 
     async def _admit(self, ident: Identity, call: list, est: int | None = None) -> RootState:
         """The admitted root of this call, waiting for admission if needed. ``call`` is
