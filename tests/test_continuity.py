@@ -105,7 +105,7 @@ def _table(window: int = 1, **kw) -> tuple[RootTable, MarsAdmissionController, V
 
 
 def _call(t: RootTable, clock: VirtualClock, session: str, tokens: int = 100, final: bool = False) -> None:
-    ident = identify(oc(session), chat("s", session))
+    ident = t.sessions.resolve(identify(oc(session), chat("s", session)))
     r = t.arrive(ident, tokens)
     assert r.admitted, session
     t.call_started(r, ident)
@@ -156,6 +156,14 @@ def test_idle_timeout_adapts_to_return_gaps():
     end = next(e for e in t.take_events() if e.event == "workflow_end_inferred")
     assert end.data["reason"] == "idle_timeout" and end.data["idle_s"] == pytest.approx(4.5)
     assert t.finish("A") and "A" not in t.dormant  # the finish route ends a dormant workflow for good
+    assert "A" not in t.turns and len(t.sessions) == 0
+
+
+def test_dormant_workflows_are_bounded():
+    t, _ctl, clock = _table(window=1, dormant_capacity=2)
+    for wf in ("A", "B", "C"):
+        _call(t, clock, wf, final=True)
+    assert list(t.dormant) == ["B", "C"] and "A" not in t.turns and len(t.sessions) == 2
 
 
 def test_footprint_reestimated_from_the_agent_call():

@@ -227,8 +227,8 @@ class RootTable:
         self._finish(root, keep_sessions=True)
         self.dormant[root] = (now, last_end, tokens, prompt_max)
         self.dormant.move_to_end(root)
-        while len(self.dormant) > self.dormant_capacity:
-            self.dormant.popitem(last=False)
+        while len(self.dormant) > self.dormant_capacity:  # the oldest is forgotten for good
+            self._forget(self.dormant.popitem(last=False)[0])
         self.counters["inferred_ends"] += 1
         self.emit("workflow_end_inferred", {"workflow": root, "reason": reason, "turns": turns,
                                              "tokens": tokens or None, "idle_timeout_s": round(self.gaps.timeout_s(), 3),
@@ -250,9 +250,12 @@ class RootTable:
             return True
         if self.dormant.pop(root, None) is None:
             return False
-        for session in self.sessions.forget_root(root):
-            self.turns.pop(session, None)
+        self._forget(root)
         return True
+
+    def _forget(self, root: str) -> None:
+        for session in self.sessions.forget_root(root) | {root}:
+            self.turns.pop(session, None)
 
     def _finish(self, root: str, final_tokens: int | None = None, keep_sessions: bool = False) -> bool:
         r = self.roots.pop(root, None)
