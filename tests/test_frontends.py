@@ -180,6 +180,17 @@ def test_bad_agents_run_arguments_exit_2(tmp_path, capsys):
 
 
 # -- the sandbox --------------------------------------------------------------------------------------
+def test_no_bwrap_means_no_run_unless_unsandboxed(monkeypatch):
+    from vllm_mars.agents.runner import sandbox_mode
+    from vllm_mars.driver import tools
+
+    monkeypatch.setattr(tools, "detect_sandbox", lambda: "landlock")  # Landlock cannot cut the network
+    with pytest.raises(ValueError, match="--unsandboxed"):
+        sandbox_mode(False)
+    mode, why = sandbox_mode(True)
+    assert mode == "none" and "--unsandboxed" in why  # written to run_start and a sandbox_off event
+
+
 PROBE = r"""
 import json, socket, sys
 out = {}
