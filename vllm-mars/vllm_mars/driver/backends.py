@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ class InProcessBackend:
     name = "inprocess"
 
     def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
-                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
-                 block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, **engine_extra: Any) -> None:
+                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
+                 block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
+                 max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
+                 seed: int = 0, **engine_extra: Any) -> None:
+        """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
