@@ -193,3 +193,44 @@ def test_final_answer_waits_for_a_side_call_in_flight():
     assert ctl.is_active("S")
     t.call_ended(r, side, ok=True)
     assert not ctl.is_active("S") and "S" in t.dormant
+
+
+# -- through the sidecar, against the real server --------------------------------------------------------
+def test_sidecar_splits_strangers_under_one_session_id(openai_server, tmp_path):
+    """Over HTTP: three replayed users under one X-Session-ID are three workflows (the engine's own log
+    and the x-mars-workflow header say so), and a user's next turn finds its own workflow again.
+    (Final answers over HTTP: tests/test_frontends.py, against `mars serve`, which enables tool
+    calling; this shared server has none.)"""
+    import json
+
+    import httpx
+    from conftest import free_port
+    from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
+
+    events = tmp_path / "adm.jsonl"
+    cfg = SidecarConfig(backends=(openai_server.url,), controller="mars", port=free_port(), telemetry_interval_s=0.1,
+                        controller_options={"window_min": 4, "window_max": 4, "interval_s": 0.05},
+                        events_path=str(events))
+
+    def post(sc, body, session):
+        r = httpx.post(sc.url + "/v1/chat/completions", json={**body, "model": "tiny", "max_tokens": 4},
+                       headers=oc(session), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-mars-root"] == r.headers["x-mars-workflow"]
+        return r.headers["x-mars-workflow"]
+
+    with SidecarThread(cfg) as sc:
+        got = [post(sc, chat("sys", f"cont-user {u}", tools=False), "cont-shared") for u in range(3)]
+        assert got == ["cont-shared", "cont-shared~1", "cont-shared~2"]
+        assert post(sc, chat("sys", "cont-user 1", "turn 2", tools=False), "cont-shared") == "cont-shared~1"
+        ctl = sc.app.controller
+        assert ctl.num_active == 3  # no tools offered: no final answer inferred, the slots stay
+        for wf in got:
+            httpx.post(f"{sc.url}/mars/v1/workflows/{wf}/finish", timeout=5)
+        assert ctl.num_active == 0
+    recs = [json.loads(x) for x in openai_server.sched_log.read_text().splitlines()]
+    arrivals = [(r["workflow"], r["turn"]) for r in recs
+                if r["event"] == "arrive" and str(r["workflow"]).startswith("cont-")]
+    assert arrivals == [("cont-shared", 0), ("cont-shared~1", 0), ("cont-shared~2", 0), ("cont-shared~1", 1)]
+    evs = [json.loads(x) for x in events.read_text().splitlines()]
+    assert [e["kind"] for e in evs if e["event"] == "workflow_continuity"] == ["new_workflow", "new_workflow"]
