@@ -282,8 +282,6 @@ class MarsServe(ServerProcess):
 
 @pytest.fixture(scope="module")
 def mars_serve(tiny_model, tmp_path_factory):
-    if _installed("codex") is None and _installed("opencode") is None:
-        pytest.skip("no agent CLI installed: run scripts/setup_agents.sh (CI does)")
     srv = MarsServe(tiny_model, tmp_path_factory.mktemp("serve"))
     try:
         srv.wait_ready(300)
@@ -335,6 +333,31 @@ def _check_run(srv: MarsServe, out: Path, traces: list[dict], frontend: str) -> 
     assert {e["workflow"] for e in ends} == {sa, sb} and {e["reason"] for e in ends} == {"final_answer"}
     assert len([e for e in ends if e["workflow"] == sa]) == 2  # ended, resumed, ended again
     assert [e["workflow"] for e in evs if e["event"] == "workflow_resumed" and e["workflow"] in (sa, sb)] == [sa]
+
+
+def test_mars_serve_takes_tool_choice_auto_and_ends_the_turn_on_a_final_answer(mars_serve):
+    """What OpenCode sends, by hand: tools with tool_choice "auto" is accepted (tool calling is on by
+    default), the answer without a tool call ends the workflow softly (its slot is free at once), and
+    the session's next call continues it, turn counter and all."""
+    body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}, "tool_choice": "auto",
+            "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}],
+            "messages": [{"role": "system", "content": "agent"}, {"role": "user", "content": "fin-task"}]}
+    h = {"x-session-id": "ses_fin", "x-session-affinity": "ses_fin"}
+    for k in range(2):
+        with httpx.stream("POST", mars_serve.url + "/v1/chat/completions", json=body, headers=h, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["x-mars-workflow"] == "ses_fin"
+            assert "tool_calls" not in "".join(r.iter_text())  # the tiny model's junk: a final answer
+        deadline = time.monotonic() + 5
+        while mars_serve.metric("mars_admission_active") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mars_serve.metric("mars_admission_active") == 0
+        body["messages"].append({"role": "user", "content": f"go on {k}"})
+    assert [(r["workflow"], r["turn"]) for r in mars_serve.arrivals() if r["workflow"] == "ses_fin"] == \
+        [("ses_fin", 0), ("ses_fin", 1)]
+    evs = [json.loads(x) for x in mars_serve.events.read_text().splitlines()]
+    assert [e["reason"] for e in evs if e["event"] == "workflow_end_inferred" and e["workflow"] == "ses_fin"] == \
+        ["final_answer", "final_answer"]
+    assert [e["workflow"] for e in evs if e["event"] == "workflow_resumed"].count("ses_fin") == 1
 
 
 @need_cli("codex")
