@@ -224,15 +224,16 @@ class RootTable:
         now = self.clock.now()
         tokens, prompt_max, last_end = r.tokens, r.prompt_max, r.last_end
         turns = self.turns.get(root)
+        self.counters["inferred_ends"] += 1
+        # the event goes first: ending flushes the event log (on_end)
+        self.emit("workflow_end_inferred", {"workflow": root, "reason": reason, "turns": turns,
+                                            "tokens": tokens or None, "idle_timeout_s": round(self.gaps.timeout_s(), 3),
+                                            "gap_samples": self.gaps.samples, **data})
         self._finish(root, keep_sessions=True)
         self.dormant[root] = (now, last_end, tokens, prompt_max)
         self.dormant.move_to_end(root)
         while len(self.dormant) > self.dormant_capacity:  # the oldest is forgotten for good
             self._forget(self.dormant.popitem(last=False)[0])
-        self.counters["inferred_ends"] += 1
-        self.emit("workflow_end_inferred", {"workflow": root, "reason": reason, "turns": turns,
-                                             "tokens": tokens or None, "idle_timeout_s": round(self.gaps.timeout_s(), 3),
-                                             "gap_samples": self.gaps.samples, **data})
         return True
 
     def take_events(self) -> list[AdmissionEvent]:
