@@ -78,15 +78,17 @@ def test_mars_profile_then_sim_tracks_the_real_engine(tmp_path, tiny_model):
     shaped = o.with_efficiency(o.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--out", str(tmp_path / "sim")]) == 0
     real, sim = _mean_e2e(tmp_path / "real"), _mean_e2e(tmp_path / "sim")
-    # loose enough for a busy 2-core machine, tight enough to catch a sim off by 2x
-    assert 0.6 < sim / real < 1.6, (real, sim)
+    # loose enough for a busy 2-core machine (1.42 with a load average of 15), tight enough to catch
+    # a sim off by 2x ...
+    assert 0.55 < sim / real < 1.75, (real, sim)
     e = o.efficiency
     slow = o.with_efficiency(type(e)(mfu=e.mfu / 2, attn_mfu=(e.attn_mfu or e.mfu) / 2, bw_eff=e.bw_eff / 2,
                                      step_overhead_s=2 * e.step_overhead_s,
                                      per_seq_overhead_s=2 * e.per_seq_overhead_s),
                              num_blocks=40, max_model_len=1248).write(tmp_path / "slow.toml")
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(slow), "--out", str(tmp_path / "slow")]) == 0
-    assert _mean_e2e(tmp_path / "slow") / real > 1.6
+    # ... because on this engine-bound workload twice the step time is about twice the E2E
+    assert _mean_e2e(tmp_path / "slow") / sim > 1.8
 
 
 def test_profile_from_recorded_steps_and_bad_files(tmp_path):
