@@ -299,3 +299,24 @@ def test_prefix_reusing_hasher_gives_vllms_block_hashes():
     hasher.hint("t2", [1] * 640, prev.block_hashes)
     other = make_request("t2", prompt_token_ids=turn1, max_tokens=5, block_size=16, block_hasher=hasher)
     assert other.block_hashes == slow.block_hashes and hasher.reused == len(prev.all_token_ids) // 16
+
+
+def test_block_removals_counted_without_events_equal_vllms_events():
+    def removals(events: bool) -> int:
+        s = make_scheduler("fcfs", num_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                           kv_events=events)
+        if not events:
+            s.count_block_removals()
+        for wave in (0, 1, 0):  # the third wave re-sends wave 0's prompts: prefix hits and evictions
+            for rid, ids, n, extra in _requests(wave):
+                s.add_request(make_request(f"{rid}-{len(s.requests)}-{wave}", prompt_token_ids=ids,
+                                           max_tokens=n, extra_args=extra))
+            while s.has_requests():
+                so = s.schedule()
+                s.update_from_output(so, fake_model_output(s, so))
+        n = s.mars_stats()["kv_blocks_removed"]
+        assert_no_leaks(s)
+        return n
+
+    with_events = removals(True)
+    assert with_events > 0 and removals(False) == with_events

@@ -95,7 +95,9 @@ def main() -> None:
             if k in ("workflows", "policy", "rps", "profile", "preset")),
     }
     if prof:
-        rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(pstats.Stats(prof)).items()}
+        stats = pstats.Stats(prof)
+        rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
+        stats.sort_stats("tottime").print_stats(25)
     print(json.dumps(rec, indent=2))
     if args.record:
         Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")

@@ -118,8 +118,9 @@ class SimBackend:
         self.scheduler = make_scheduler(
             self.policy, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
-            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, kv_events=True,
-            log_stats=False)
+            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
+        # KV block removals are counted where vLLM would emit them as events, without the events
+        self.scheduler.count_block_removals()
         enable_engine_core_env_cache()
         self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
