@@ -142,8 +142,8 @@ def _profile(args: argparse.Namespace) -> int:
     prof = result.profile
     if args.name:
         prof = prof.with_efficiency(prof.efficiency, name=args.name)
-    if not prof.description:
-        prof = prof.with_efficiency(prof.efficiency, description=f"{base.hardware.name}; {source}")
+    desc = base.description.replace(" (efficiency priors, not fitted)", "") or base.hardware.name
+    prof = prof.with_efficiency(prof.efficiency, description=f"{desc}; efficiency {source}")
     out = Path(args.out or f"{prof.name}.toml")
     prof.write(out)
     if args.samples_out:
