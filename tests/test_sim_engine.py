@@ -320,3 +320,24 @@ def test_block_removals_counted_without_events_equal_vllms_events():
 
     with_events = removals(True)
     assert with_events > 0 and removals(False) == with_events
+
+
+@pytest.mark.slow
+def test_sim_runs_are_byte_identical_across_processes_and_hash_seeds(tmp_path):
+    """Two `mars replay --backend sim` processes with different PYTHONHASHSEED (set iteration order,
+    str hashes) on a shipped GPU profile: identical summary.json and events.jsonl."""
+    import os
+    import subprocess
+    import sys
+
+    wl = _workload(tmp_path / "wl.jsonl", n=6)
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"run{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "VLLM_LOGGING_LEVEL": "ERROR"}
+        subprocess.run([sys.executable, "-m", "vllm_mars.cli", "replay", "--backend", "sim", "--profile",
+                        "h200-qwen3-coder-30b-a3b", "--workload", str(wl), "--policy", "mars", "--rps", "1",
+                        "--no-progress", "--out", str(out)], env=env, check=True, capture_output=True, timeout=600)
+        outs.append(out)
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()

@@ -37,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 BACKENDS = ("inprocess", "http", "sim")
 #: kv_sample periods: real engines, and the sim (hours of virtual time; 1 s keeps the log small)
 SAMPLE_INTERVAL_S = 0.1
+CALL_TIMEOUT_S = 600.0
 SIM_SAMPLE_INTERVAL_S = 1.0
 #: the long solo prompt of the sim's calibration (tokens)
 SIM_CALIBRATE_PROMPT = 8192
@@ -95,8 +96,9 @@ class ReplayConfig:
     sample_interval_s: float | None = None
     #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
     calibrate: bool = True
-    #: seconds a single LLM call may take before the workflow fails
-    call_timeout_s: float = 600.0
+    #: seconds a single LLM call may take before the workflow fails (None: 600 s on real engines, no
+    #: limit in the sim, where a call queued for more than 10 virtual minutes is overload, not a hang)
+    call_timeout_s: float | None = None
     #: in-process engine: time every engine step and write steps.jsonl (what `mars profile --from-steps` fits)
     record_steps: bool = False
     #: output directory (None: runs/<timestamp>_<policy>)
@@ -131,6 +133,11 @@ class ReplayConfig:
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
         if self.sample_interval_s is not None and not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+
+    def call_timeout(self) -> float | None:
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return None if self.backend == "sim" else CALL_TIMEOUT_S
 
     def sample_interval(self) -> float:
         if self.sample_interval_s is not None:
@@ -312,6 +319,7 @@ class Replay:
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
         self.sample_interval = cfg.sample_interval()
+        self.call_timeout = cfg.call_timeout()
         self.tasks: set[asyncio.Task] = set()
         self.remaining = len(plans)
         self.all_done = asyncio.Event()
@@ -409,7 +417,7 @@ class Replay:
             self.events.emit("workflow_done", workflow=wid, root=wid, root_done=True,
                              e2e_s=round(self.clock() - self.arrivals_actual[wid], 6))
         except Exception as e:  # noqa: BLE001 - one workflow's failure is recorded, the run goes on
-            logger.warning("workflow %s failed: %s", wid, e)
+            logger.warning("workflow %s failed: %r", wid, e)
             self.events.emit("workflow_error", workflow=wid, root=wid, root_done=True, error=repr(e)[:500])
         finally:
             finish_root(self.ctrl, wid, self.clock(), final_tokens)
@@ -451,7 +459,7 @@ class Replay:
                 self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
                                  prompt_tokens=len(prompt), max_tokens=turn.output_tokens)
                 res = await asyncio.wait_for(self.backend.generate(rid, prompt, turn.output_tokens, extra),
-                                             self.cfg.call_timeout_s)
+                                             self.call_timeout)
                 ttft = None if res.first_token_ts is None else res.first_token_ts - submit
                 if res.first_token_ts is not None:
                     self.events.emit("call_first_token", ts=res.first_token_ts, workflow=wid, root=root, turn=k,
