@@ -259,6 +259,22 @@ def test_sim_replay_is_deterministic_and_leak_free(tmp_path, linear_profile):
     assert len(samples) >= 5 and samples[2] - samples[1] == pytest.approx(1.0)
 
 
+def test_skipping_the_loop_between_steps_changes_nothing(tmp_path, linear_profile, monkeypatch):
+    """The engine advances the clock inline when nothing else would run during a step; a run that
+    always sleeps through the loop instead writes the very same events."""
+    from vllm_mars.sim.loop import VirtualTimeLoop
+
+    inline = []
+    advance = VirtualTimeLoop.advance_if_idle
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: inline.append(advance(self, dt))
+                        or inline[-1])
+    fast, _ = run_replay(_sim_cfg(tmp_path, "fast"))
+    assert sum(inline) > 100, "most steps of this run pass while everything else sleeps"
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: False)
+    slow, _ = run_replay(_sim_cfg(tmp_path, "slow"))
+    assert (fast / "events.jsonl").read_bytes() == (slow / "events.jsonl").read_bytes()
+
+
 def test_cli_replay_and_compare_on_the_sim(tmp_path, linear_profile, capsys):
     from vllm_mars.cli import main
 

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
+
 logger = logging.getLogger(__name__)
 
 
@@ -102,10 +104,11 @@ class InProcessBackend:
     name = "inprocess"
 
     def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
-                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
-                 block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, record_steps: bool = False,
-                 **engine_extra: Any) -> None:
+                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
+                 block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
+                 max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
+                 seed: int = 0, record_steps: bool = False, **engine_extra: Any) -> None:
+        """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
         #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
