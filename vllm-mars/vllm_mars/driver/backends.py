@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -46,6 +47,18 @@ def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Tel
     """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
     the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
     return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
+
+
+def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
+    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
+    telemetry, read straight from the scheduler."""
+    st = s.mars_stats()
+    free, total = st["free_blocks"], st["num_blocks"]
+    return EngineSample(
+        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
+        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
+        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
+        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
 
 
 class Backend(Protocol):
@@ -80,10 +93,14 @@ class InProcessBackend:
                  policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
                  block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
                  max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
-                 seed: int = 0, **engine_extra: Any) -> None:
+                 seed: int = 0, record_steps: bool = False, **engine_extra: Any) -> None:
         """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
+        #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
+        #: stepper loop), for `mars profile --from-steps`
+        self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
+        self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
@@ -115,6 +132,10 @@ class InProcessBackend:
             raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
+        if self.step_times is not None:
+            from vllm_mars.engine.steps import StepRecorder
+
+            self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._snapshot()
         self._loop = asyncio.get_running_loop()
@@ -127,6 +148,11 @@ class InProcessBackend:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
+        # record_steps: each step's batch and its whole cycle in this loop (the step, the snapshot and
+        # the output hand-off, and the next arrivals' add_request), ending where the next step starts
+        # or where the loop goes idle
+        pending: tuple[list, list, float] | None = None
+        t_end = 0.0
         try:
             while not self._stop:
                 while True:
@@ -139,30 +165,35 @@ class InProcessBackend:
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
+                    if pending is not None:
+                        self.step_times.append((pending[0], pending[1], t_end - pending[2]))
+                        pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                t0 = time.perf_counter()
+                if pending is not None:
+                    self.step_times.append((pending[0], pending[1], t0 - pending[2]))
+                    pending = None
                 outs = engine.step()
+                if self._recorder is not None:
+                    batches = self._recorder.take()
+                    if len(batches) == 1 and (batches[0][0] or batches[0][1]):
+                        pending = (*batches[0], t0)
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
+                t_end = time.perf_counter()
+            if pending is not None:
+                self.step_times.append((pending[0], pending[1], t_end - pending[2]))
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
     def _snapshot(self, now: float | None = None) -> None:
-        s = self.scheduler
-        st = s.mars_stats()
-        free, total = st["free_blocks"], st["num_blocks"]
-        self._stats = st
-        self._sample = EngineSample(
-            ts=self.clock() if now is None else now, free_blocks=free, num_blocks=total,
-            block_size=st["block_size"], kv_usage=(1.0 - free / total) if total else None,
-            retained_blocks=st["retained_blocks"], preemptions=st["preemptions"],
-            recomputed_tokens=st["recomputed_tokens"], kv_blocks_removed=st.get("kv_blocks_removed"),
-            running=len(s.running), waiting=len(s.waiting))
+        self._sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:
