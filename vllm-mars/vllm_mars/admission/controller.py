@@ -52,30 +52,34 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry, config_from_dict
+from vllm_mars.admission.base import (
+    AdmissionEvent,
+    ControllerBase,
+    PendingRoot,
+    Telemetry,
+    WindowConfig,
+    register_controller,
+)
 from vllm_mars.costmodel import CostModel
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class MarsAdmissionConfig:
-    """Knobs of the MARS admission controller (defaults from SPEC section 4 / the preview)."""
+class MarsAdmissionConfig(WindowConfig):
+    """Knobs of the MARS admission controller (defaults from SPEC section 4 / the preview).
+    ``window_max`` (the preview's active pool size P), ``window_init`` (None: ``window_min``, a
+    slow start that grows +inc per interval), ``interval_s``, ``stale_s`` and
+    ``no_telemetry_window`` come from :class:`WindowConfig`."""
 
-    #: Upper bound of the window (the preview's active pool size P).
-    window_max: int = 30
     #: Lower bound of the window; pressure never pushes the limit below this.
     window_min: int = 4
-    #: Starting window (None: ``window_min``, a slow start that grows +inc per interval).
-    window_init: int | None = None
     #: Multiplicative decrease factor under pressure.
     dec_factor: float = 0.7
     #: Additive increase per control interval when healthy.
     inc: int = 1
-    #: Control interval in seconds: the window changes at most this often; the feeder ticks this often.
-    interval_s: float = 0.2
     #: Target KV usage: the guard margin keeps ``1 - kv_target`` of all blocks free; also the high watermark.
     kv_target: float = 0.9
     #: KV usage at or below which the window may grow (and the KV pressure state clears);
@@ -89,10 +93,6 @@ class MarsAdmissionConfig:
     cpu_wait_high_s: float = 5.0
     #: Tool queue wait EMA (s) at or below which the CPU plane is healthy.
     cpu_wait_low_s: float = 2.0
-    #: Telemetry older than this (s) counts as pressure.
-    stale_s: float = 2.0
-    #: Active-root limit while no usable telemetry has been seen.
-    no_telemetry_window: int = 2
     #: Prefill estimate above which a root is "long" (draining rules); <= 0 disables the split.
     long_prefill_tokens: int = 50_000
     #: Prompt tokens assumed for a root that arrives without any estimate.
@@ -122,21 +122,12 @@ class MarsAdmissionConfig:
     cost_model: str | None = None
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"MarsAdmissionConfig.{name} = {getattr(self, name)!r}: must be {allowed}")
-
-        if self.window_min < 1:
-            raise bad("window_min", ">= 1")
-        if self.window_max < self.window_min:
-            raise bad("window_max", f">= window_min ({self.window_min})")
-        if self.window_init is not None and not self.window_min <= self.window_init <= self.window_max:
-            raise bad("window_init", f"within [window_min, window_max] = [{self.window_min}, {self.window_max}]")
+        super().__post_init__()
+        bad = self._bad
         if not 0.1 <= self.dec_factor <= 0.99:
             raise bad("dec_factor", "in [0.1, 0.99]")
         if self.inc < 0:
             raise bad("inc", ">= 0")
-        if self.interval_s < 0.01:
-            raise bad("interval_s", ">= 0.01")
         if not 0.1 <= self.kv_target <= 0.999:
             raise bad("kv_target", "in [0.1, 0.999]")
         if self.kv_low is None:
@@ -147,10 +138,6 @@ class MarsAdmissionConfig:
             raise bad("cpu_backlog_low", f"in (0, cpu_backlog_high={self.cpu_backlog_high}]")
         if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
             raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
-        if self.stale_s <= 0:
-            raise bad("stale_s", "> 0")
-        if self.no_telemetry_window < 1:
-            raise bad("no_telemetry_window", ">= 1")
         if self.unknown_prefill_tokens < 0:
             raise bad("unknown_prefill_tokens", ">= 0")
         if self.default_block_size < 1:
@@ -170,10 +157,6 @@ class MarsAdmissionConfig:
         if self.default_turns < 1:
             raise bad("default_turns", ">= 1")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> MarsAdmissionConfig:
-        return config_from_dict(cls, d)
-
 
 @dataclass
 class _Active:
@@ -185,35 +168,29 @@ class _Active:
     turns: int | None = None
 
 
-class MarsAdmissionController:
+@register_controller
+class MarsAdmissionController(ControllerBase):
     """The MARS admission controller (see the module docstring for the rules)."""
 
     name = "mars"
+    config_cls = MarsAdmissionConfig
+    config: MarsAdmissionConfig
+    _active: dict[str, _Active]
 
     def __init__(self, config: MarsAdmissionConfig | None = None) -> None:
-        self.config = cfg = config or MarsAdmissionConfig()
-        self.interval_s = cfg.interval_s
+        super().__init__(config)
+        cfg = self.config
         self.cost: CostModel | None = None
         self._service_s = 0.0  # EMA of a root's active time (admission to finish)
         self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
         self._rebuild_share: float | None = None  # measured share of engine time spent rebuilding
         self._prev_rebuild: tuple[float, int] | None = None  # (ts, cumulative rebuilt tokens)
         self._cost_warned = False
-        self.window = cfg.window_init if cfg.window_init is not None else cfg.window_min
-        self._queue: dict[str, PendingRoot] = {}  # insertion order = arrival order
-        self._seq: dict[str, int] = {}
-        self._next_seq = 0
-        self._active: dict[str, _Active] = {}
-        self._events: list[AdmissionEvent] = []
-        self._tel: Telemetry | None = None
         self._last_window_update: float | None = None
         self._kv_overloaded = False
         self._cpu_overloaded = False
         self._stale = False
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
-        self._pending: dict[str, tuple[float, int]] = {}  # wf -> (landing ts, blocks), admission order
-        self._pending_sum = 0
-        self.num_admitted = 0
         if cfg.cost_model:
             self.set_cost_model(CostModel.load(cfg.cost_model))
 
@@ -222,10 +199,9 @@ class MarsAdmissionController:
         self.cost = model
         if model is not None and self.config.admit == "cost" and self.config.window_init is None:
             self.window = self.config.window_max  # work-conserving start; AIMD is the safety net
-        self._events.append(AdmissionEvent(self._tel.ts if self._tel else 0.0, "admission_cost_model", {
-            "controller": self.name, "rule": self._rule(),
-            "source": None if model is None else model.source,
-            "calibrated": None if model is None else model.calibrated}))
+        self._emit(self._tel.ts if self._tel else 0.0, "admission_cost_model", {
+            "rule": self._rule(), "source": None if model is None else model.source,
+            "calibrated": None if model is None else model.calibrated})
 
     def _rule(self) -> str:
         return "cost" if self.config.admit == "cost" and self.cost is not None else "footprint"
@@ -235,29 +211,10 @@ class MarsAdmissionController:
         return self._rule() == "cost" and self._rebuild_share is not None
 
     # -- feeding ----------------------------------------------------------------------------------
-    def offer(self, root: PendingRoot) -> None:
-        if root.workflow in self._queue or root.workflow in self._active:
-            raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
-        if root.prefill_tokens is not None and root.prefill_tokens < 0:
-            raise ValueError(f"PendingRoot.prefill_tokens must be >= 0, got {root.prefill_tokens}")
-        self._queue[root.workflow] = root
-        self._seq[root.workflow] = self._next_seq
-        self._next_seq += 1
-
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
-               turns: int | None = None) -> None:
-        """``workflow`` ended (or was cancelled while queued). ``final_tokens``, when known, is its
-        last call's prompt+output size and ``turns`` its number of LLM calls (else the ``turns`` key
-        of the root's ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
-        if self._queue.pop(workflow, None) is not None:
-            self._seq.pop(workflow, None)
-            return
-        act = self._active.pop(workflow, None)
-        if act is None:
-            return
-        promise = self._pending.pop(workflow, None)
-        if promise is not None:
-            self._pending_sum -= promise[1]
+    def _on_finish(self, act: _Active, now: float, final_tokens: int | None, turns: int | None) -> None:
+        """An admitted root ended. ``final_tokens``, when known, is its last call's prompt+output
+        size and ``turns`` its number of LLM calls (else the ``turns`` key of the root's
+        ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
         a = self.config.growth_alpha
         took = max(now - act.admitted_at, 0.0)
         self._service_s = took if self._service_s <= 0 else (1 - a) * self._service_s + a * took
@@ -269,17 +226,16 @@ class MarsAdmissionController:
             self._turn_growth = (1 - a) * self._turn_growth + a * per_turn
 
     def observe(self, telemetry: Telemetry) -> None:
-        if self._tel is not None and telemetry.ts < self._tel.ts:
-            return  # out-of-order reading: keep the newer one
-        self._tel = telemetry
-        self._measure_rebuilds(telemetry)
+        super().observe(telemetry)
+        if self._tel is telemetry:
+            self._measure_rebuilds(telemetry)
 
     def _measure_rebuilds(self, t: Telemetry) -> None:
         """Share of engine time spent recomputing lost KV (preempted tokens + evicted blocks,
         priced per token by the cost model), an EMA over readings at least ``interval_s`` apart."""
         if self.cost is None or t.recomputed_tokens is None:
             return
-        tokens = t.recomputed_tokens + (t.evicted_blocks or 0) * (t.block_size or self._block_size())
+        tokens = t.recomputed_tokens + (t.kv_blocks_removed or 0) * (t.block_size or self._block_size())
         prev = self._prev_rebuild
         if prev is None:
             self._prev_rebuild = (t.ts, tokens)
@@ -293,23 +249,9 @@ class MarsAdmissionController:
         self._rebuild_share = share if old is None else 0.7 * old + 0.3 * share
         self._prev_rebuild = (t.ts, tokens)
 
-    def take_events(self) -> list[AdmissionEvent]:
-        out, self._events = self._events, []
-        return out
-
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
-
-    def is_active(self, workflow: str) -> bool:
-        return workflow in self._active
-
-    def is_queued(self, workflow: str) -> bool:
-        return workflow in self._queue
+    def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
+        # growth is measured from the agent's context, not from a short side call it was offered on
+        act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
 
     @property
     def turn_growth(self) -> float:
@@ -345,21 +287,6 @@ class MarsAdmissionController:
         if t.free_blocks is not None and t.total_blocks:
             return 1.0 - t.free_blocks / t.total_blocks
         return None
-
-    def _promised(self) -> int:
-        """Blocks of admitted roots that the last telemetry cannot show yet (kept incrementally:
-        admissions land in admission order, and telemetry time only moves forward)."""
-        t = self._tel
-        if t is not None:
-            pending = self._pending
-            while pending:
-                wf = next(iter(pending))
-                landing, blocks = pending[wf]
-                if landing > t.ts:
-                    break
-                del pending[wf]
-                self._pending_sum -= blocks
-        return self._pending_sum
 
     def budget_blocks(self) -> int | None:
         """Free blocks above the guard margin, minus promises; None when telemetry is missing."""
@@ -527,13 +454,9 @@ class MarsAdmissionController:
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
-            self._active[root.workflow] = _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                                  turns if isinstance(turns, int) else None)
-            self._pending[root.workflow] = (now + self.config.promise_s, blocks)
-            self._pending_sum += blocks
-            del self._queue[root.workflow]
-            self._seq.pop(root.workflow, None)
-            self.num_admitted += 1
+            self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
+                                           turns if isinstance(turns, int) else None),
+                        blocks, self.config.promise_s)
             out.append(root.workflow)
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
@@ -560,14 +483,14 @@ class MarsAdmissionController:
                  and (usage is None or usage <= cfg.kv_low) and budget > 0
                  and len(queue) <= slots and sum(foot.values()) <= budget)
         if cpu_over:
-            order = sorted(queue, key=lambda r: (-foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
             mode = "cpu_overloaded_large_first"
         elif cost_rule:
             order, mode = queue, "cost_fit"
         elif light:
             order, mode = queue, "light_fcfs"
         else:
-            order = sorted(queue, key=lambda r: (foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
             mode = "smallest_fit"
         queue_s = self._queue_cost_s(now) if cost_rule else None
         out, remaining = [], budget
@@ -631,9 +554,8 @@ class MarsAdmissionController:
 
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""
-        return {"controller": self.name, "window": self.window, "limit": self.limit(),
-                "active": len(self._active), "queued": len(self._queue), "admitted": self.num_admitted,
+        return {**super().snapshot(),
                 "kv_budget_blocks": self.budget_blocks(), "turn_growth_tokens": self._turn_growth,
                 "kv_overloaded": self._kv_overloaded, "cpu_overloaded": self._cpu_overloaded,
                 "stale": self._stale, "rule": self._rule(), "rebuild_share": self._rebuild_share,
-                "cost_model": None if self.cost is None else self.cost.as_dict(), "config": asdict(self.config)}
+                "cost_model": None if self.cost is None else self.cost.as_dict()}

@@ -387,7 +387,7 @@ class Replay:
                          prefix_hit_rate=(cached / prompt) if prompt else None,
                          tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
                          tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None, running=s.running,
-                         recomputed_tokens=s.recomputed_tokens, evicted_blocks=s.kv_blocks_removed)
+                         recomputed_tokens=s.recomputed_tokens, kv_blocks_removed=s.kv_blocks_removed)
 
     async def _arrivals(self) -> None:
         for wid in sorted(self.order, key=lambda w: self.arrivals[w]):
