@@ -70,7 +70,7 @@ def parse_engine_config(additional_config: Mapping[str, Any] | None,
         cost = CostModel.from_dict(cost, where='additional_config["mars"]["cost_model"]')
     online = raw.get("online_cost", True)
     if not isinstance(online, bool):
-        raise ValueError(f'additional_config["mars"]["online_cost"] must be true or false, got {online!r}')
+        raise ValueError(f'additional_config["mars"]["online_cost"] must be true or false, got {online!r}')  # noqa: TRY004
     return EngineConfig(policy=policy, policy_options=options, cost_model=cost, online_cost=online)
 
 
