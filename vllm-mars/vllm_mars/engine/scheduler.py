@@ -238,19 +238,11 @@ class MarsSchedulerMixin:
                            "(%s)%s; pass additional_config['mars']['cost_model'] (mars serve --cost-model)",
                            cfg.policy, policy.cost.source,
                            " until the online fit of step times has enough steps" if self._cost_fit else "")
-        self._log_cost_model()
 
     def set_cost_model(self, model: Any) -> None:
         """Pin a calibrated cost model (the driver's calibration); online fitting stops."""
         self.mars_policy.set_cost_model(model)
         self._cost_fit = None
-        self._log_cost_model()
-
-    def _log_cost_model(self) -> None:
-        if self._sched_log is not None:
-            cost = self.mars_policy.cost
-            self._sched_log.write(json.dumps({"ts": self.clock.now(), "event": "cost_model",
-                                              "policy": self.mars_config.policy, **cost.as_dict()}) + "\n")
 
     def _record_step_work(self, out: Any) -> None:
         requests = self.requests
@@ -283,7 +275,6 @@ class MarsSchedulerMixin:
                         if first:
                             logger.info("MarsScheduler: policy %s now prices rebuilds with %s",
                                         self.mars_config.policy, model.source)
-                        self._log_cost_model()
         return super().update_from_output(scheduler_output, model_runner_output)
 
     # -- injectable clock -------------------------------------------------------------------------
