@@ -457,11 +457,18 @@ class Replay:
                          cost_model=self.cost.as_dict() if self.cost else None)
         self._sample()
         workers = [asyncio.create_task(c) for c in (self._arrivals(), self._control(), self._sampler())]
+        done_wait = asyncio.create_task(self.all_done.wait())
         try:
-            await self.all_done.wait()
+            # A worker that raises ends the run with its error (waiting on all_done alone would hang).
+            pending: set[asyncio.Task] = {done_wait, *workers}
+            while not self.all_done.is_set():
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in finished:
+                    if t is not done_wait and t.exception() is not None:
+                        raise t.exception()
             await asyncio.gather(*workers)
         finally:
-            for w in workers:
+            for w in (*workers, done_wait):
                 w.cancel()
             for t in list(self.tasks):
                 t.cancel()

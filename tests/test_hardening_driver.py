@@ -1,0 +1,104 @@
+"""Issue 11, driver side (defect 10): a timed-out call is aborted in the engine, in-process telemetry
+goes stale when the engine is not seen alive, and ``Replay.run`` ends with a worker's error instead of
+hanging. Real in-process vLLM engine (tiny model), one per module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from vllm_mars.driver.backends import InProcessBackend
+from vllm_mars.driver.runner import DEFAULT_WORKLOAD, Replay, ReplayConfig, RunClock
+from vllm_mars.engine.rig import assert_no_leaks
+from vllm_mars.workload.materialize import load_plans
+
+
+@pytest.fixture(scope="module")
+def backend_loop(tiny_model, tmp_path_factory):
+    """A started in-process backend (mars policy, MARS_SCHED_LOG on) and the event loop it lives on."""
+    import os
+
+    log = tmp_path_factory.mktemp("sched") / "sched.jsonl"
+    os.environ["MARS_SCHED_LOG"] = str(log)
+    loop = asyncio.new_event_loop()
+    clock = RunClock()
+    b = InProcessBackend(tiny_model, clock, policy="mars", num_blocks=64, block_size=32, max_model_len=2000,
+                         max_num_seqs=8, max_num_batched_tokens=512)
+    try:
+        loop.run_until_complete(b.start())
+    finally:
+        del os.environ["MARS_SCHED_LOG"]
+    yield b, loop, log
+    loop.run_until_complete(b.close())
+    loop.close()
+
+
+def _ended(log, rid: str) -> dict | None:
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] == "end" and rec["request_id"].startswith(rid):
+            return rec
+    return None
+
+
+def test_a_timed_out_call_is_aborted_in_the_engine(backend_loop):
+    b, loop, log = backend_loop
+
+    async def go():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(b.generate("slow-1", list(range(10, 60)), 1900, {}), 0.3)
+        for _ in range(100):
+            if not b.scheduler.requests:
+                break
+            await asyncio.sleep(0.02)
+
+    loop.run_until_complete(go())
+    end = _ended(log, "slow-1")
+    assert end is not None and end["aborted"] is True and end["output_tokens"] < 1900, end
+    assert_no_leaks(b.scheduler)
+
+
+def test_replay_run_ends_with_the_error_of_a_failed_worker(backend_loop, tmp_path):
+    """``_arrivals`` raising used to leave ``run`` waiting for roots that never come."""
+    b, loop, _ = backend_loop
+    cfg = ReplayConfig(workload=str(DEFAULT_WORKLOAD), policy="fcfs", progress=False, calibrate=False, rps=0.5)
+    plans = load_plans(cfg.workload)[:2]
+
+    async def go():
+        replay = Replay(cfg, tmp_path, b, plans, [0.0, 1.0], RunClock(), None)
+
+        def offer(root):
+            raise RuntimeError("offer failed")
+
+        replay.ctrl.offer = offer  # fault injection: the arrival loop's first offer raises
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="offer failed"):
+            await asyncio.wait_for(replay.run(), 10)
+        replay.events.close()
+        return time.monotonic() - t
+
+    assert loop.run_until_complete(go()) < 5
+    assert_no_leaks(b.scheduler)
+
+
+def test_inprocess_telemetry_is_fresh_while_alive_and_stale_once_the_stepper_dies(backend_loop, monkeypatch):
+    b, loop, _ = backend_loop
+
+    async def go():
+        s1 = b.sample()
+        await asyncio.sleep(0.3)
+        s2 = b.sample()
+        assert s2.ts > s1.ts and b.clock() - s2.ts < 0.2, (s1.ts, s2.ts, b.clock())  # idle but alive
+        # Kill the stepper thread through the engine: its next step raises.
+        monkeypatch.setattr(b.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("engine died")))
+        with pytest.raises(RuntimeError, match="engine died"):
+            await asyncio.wait_for(b.generate("dies-1", list(range(10, 40)), 4, {}), 10)
+        b._thread.join(5)
+        assert not b._thread.is_alive()
+        s3 = b.sample()
+        await asyncio.sleep(0.3)
+        assert b.sample().ts == s3.ts and b.clock() - s3.ts >= 0.3  # stale, as it should be
+
+    loop.run_until_complete(go())
