@@ -185,8 +185,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
+    from vllm_mars.config import check_engine_options
     from vllm_mars.engine.local import server_args
 
+    check_engine_options(args.policy, _kv(args.policy_option, "--policy-option"))  # before vLLM starts
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")

@@ -33,7 +33,9 @@ def _floats(s: str, flag: str) -> list[float]:
 
 
 def _common(p: argparse.ArgumentParser, compare: bool) -> None:
-    from vllm_mars.driver.runner import DEFAULT_WORKLOAD
+    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, ReplayConfig
+
+    d = ReplayConfig()  # the one place the driver's engine and tool defaults live
 
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
                    help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
@@ -46,13 +48,16 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
                                                   "the served model name (default: the server's first)")
     from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
 
-    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS if compare else 96,
+    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS if compare else d.num_blocks,
                    help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
                         "for GPUs; default %(default)s)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens, a multiple of 32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=2048, help="context limit (lowered to what the KV holds)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="KV block size in tokens, a multiple of 32 on CPU (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context limit, lowered to what the KV holds (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="engine batch limit (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per step (default %(default)s)")
     p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
                    help="scheduler policy option (repeatable; see `mars policies`)")
     p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
@@ -63,7 +68,8 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
                    help="tool cores, e.g. 0-3 (env CPU_TOOL); real tools pin one call per core")
     p.add_argument("--cpu-gpu", default=os.environ.get("CPU_GPU"),
                    help="cores for the driver and engine, e.g. 4-7 (env CPU_GPU)")
-    p.add_argument("--tool-timeout", type=float, default=300.0, help="real tool timeout in seconds (default 300)")
+    p.add_argument("--tool-timeout", type=float, default=d.tool_timeout_s,
+                   help="real tool timeout in seconds (default %(default)s)")
     p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
                    help="real-tool write sandbox (default auto: bwrap, else Landlock)")
     p.add_argument("--no-calibrate", action="store_true",

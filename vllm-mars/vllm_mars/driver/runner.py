@@ -98,6 +98,10 @@ class ReplayConfig:
         return self.max_model_len
 
     def validate(self) -> None:
+        """Every option, before anything starts (one-line ValueErrors naming the option)."""
+        from vllm_mars.config import REPLAY_RANGES, check_fields
+
+        check_fields(self, REPLAY_RANGES)
         if self.arrival not in ARRIVAL_PROCESSES:
             raise ValueError(f"arrival {self.arrival!r} unknown; allowed: {', '.join(ARRIVAL_PROCESSES)}")
         if self.arrival != "trace" and not self.rps > 0:
@@ -112,6 +116,15 @@ class ReplayConfig:
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        from vllm_mars.config import check_engine_options
+        from vllm_mars.driver.tools import SANDBOX_MODES
+
+        if self.sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox {self.sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
+        p = check_policy(self.policy)
+        if self.backend == "inprocess":
+            check_engine_options(p.scheduler_policy, self.policy_options)
+        make_controller(p.controller, self.admission_options)
 
 
 class RunClock:
@@ -493,7 +506,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         plans = select_plans(load_live_plans(cfg.workload, tokenizer), cfg.num_workflows)
         live = (tokenizer, LiveOptions())
     else:
-        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
+        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed, max_model_len=cfg.effective_max_model_len()),
+                             cfg.num_workflows)
     check_context(plans, cfg.effective_max_model_len())
     arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
                              trace=[p.arrival_s for p in plans])
