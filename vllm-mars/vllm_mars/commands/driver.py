@@ -71,7 +71,10 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--tool-timeout", type=float, default=d.tool_timeout_s,
                    help="real tool timeout in seconds (default %(default)s)")
     p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
-                   help="real-tool write sandbox (default auto: bwrap, else Landlock)")
+                   help="real-tool sandbox: writes to the workspace only, reads to it and system dirs, no "
+                        "network (default auto: bwrap, else Landlock)")
+    p.add_argument("--tool-net-allow", action="append", type=int, default=[], metavar="PORT",
+                   help="TCP port real tools may connect to (repeatable; Landlock sandbox; default: none)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the cost-model calibration (no T_ideal, so no goodput)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -127,6 +130,7 @@ def _config(args: argparse.Namespace, **kw):
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
+        tool_net_allow=args.tool_net_allow,
         calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
         **kw)
 

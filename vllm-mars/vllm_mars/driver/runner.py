@@ -80,6 +80,8 @@ class ReplayConfig:
     tool_timeout_s: float = 300.0
     #: auto, bwrap, landlock or none
     sandbox: str = "auto"
+    #: TCP ports real tools may connect to (Landlock); none by default: no network
+    tool_net_allow: list[int] = field(default_factory=list)
     #: kv_sample period (s)
     sample_interval_s: float = 0.1
     #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
@@ -259,7 +261,7 @@ class Replay:
         self.ctrl = make_controller(self.policy.controller, cfg.admission_options)
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
-                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
         self.events = EventLog(out / "events.jsonl", clock)
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
@@ -466,6 +468,7 @@ class Replay:
                          backend=self.cfg.backend, workload=self.cfg.workload, rps=self.cfg.rps,
                          arrival=self.cfg.arrival, workflows=len(self.order), tools=self.cfg.tools,
                          sandbox=getattr(self.tools, "sandbox", None),
+                         sandbox_protections=getattr(self.tools, "protections", None),
                          t_ideal_source=self.cost.source if self.cost else None,
                          cost_model=self.cost.as_dict() if self.cost else None)
         self._sample()
