@@ -146,3 +146,13 @@ def test_bool_options_can_be_set_and_are_type_checked():
         config_from_dict(Opts, {"enabled": 1})
     with pytest.raises(ValueError, match="Opts.share must be a finite number"):
         config_from_dict(Opts, {"share": math.nan})
+
+
+def test_token_id_prompts_are_estimated_by_their_length():
+    """Defect 10: ``"prompt": [ints]`` was estimated as 0 tokens (admission saw an empty call)."""
+    from vllm_mars.admission.identity import estimate_prompt_tokens
+
+    assert estimate_prompt_tokens({"prompt": list(range(3, 103))}) == 100
+    assert estimate_prompt_tokens({"prompt": [[5, 6, 7], [8, 9]]}) == 5
+    assert estimate_prompt_tokens({"prompt": "abcd" * 10}) == 10
+    assert estimate_prompt_tokens({"prompt": [True, None, "ab"]}) == 1
