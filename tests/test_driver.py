@@ -312,6 +312,7 @@ def test_mas_task_v1_runs_as_live_agents_and_reports_parse_failures(tmp_path, ti
 def test_real_tool_cannot_read_outside_or_connect_unless_allowed(tmp_path, sandbox):
     """Issue 11 defect 12: reads are confined to the workspace plus read-only system dirs, TCP connects
     are denied (the sidecar and vLLM listen on 127.0.0.1) except to an opt-in allow-listed port."""
+    import contextlib
     import socket
     import threading
 
@@ -322,7 +323,12 @@ def test_real_tool_cannot_read_outside_or_connect_unless_allowed(tmp_path, sandb
     checkout = Path(__file__).resolve().parents[1]
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
-    threading.Thread(target=lambda: [srv.accept() for _ in range(4)], daemon=True).start()
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed at the end of the test
+            while True:
+                srv.accept()[0].close()
+
+    threading.Thread(target=accept, daemon=True).start()
     core = max(os.sched_getaffinity(0))
     probe = (f"cat {secret}; echo rc_secret=$?; cat {checkout}/pyproject.toml >/dev/null; echo rc_checkout=$?; "
              f"cat /etc/hostname >/dev/null; echo rc_system=$?; echo mine > own.txt; cat own.txt; "

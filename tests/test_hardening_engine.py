@@ -92,12 +92,7 @@ def test_no_client_tag_raises_out_of_add_request_or_schedule(policy):
                 continue
             s.add_request(r)
             reqs.append(r)
-        for _ in range(50):
-            if not s.has_requests():
-                break
-            step(s)
-            assert_block_invariants(s)
-            clock.advance(0.01)
+        _steps(s, clock, 50)
         assert all(r.is_finished() for r in reqs)
 
     serve()
@@ -160,13 +155,18 @@ def _loaded(policy: str, clock: VirtualClock):
     return s
 
 
-def _drain(s, clock: VirtualClock) -> None:
-    for _ in range(500):
+def _steps(s, clock: VirtualClock, most: int) -> None:
+    """Step until idle (at most ``most`` steps), checking block invariants, 10 ms a step."""
+    for _ in range(most):
         if not s.has_requests():
             break
         step(s)
         assert_block_invariants(s)
         clock.advance(0.01)
+
+
+def _drain(s, clock: VirtualClock) -> None:
+    _steps(s, clock, 500)
     clock.advance(10_000)
     s.schedule()
     s.release_retention()

@@ -19,6 +19,7 @@ Before exec it prints one line ``MARS_SANDBOX {json}`` to stderr naming the prot
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -135,37 +136,33 @@ def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, readable: list
     return [*argv, "--", *cmd]
 
 
+class _Args(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def _parse(opts: list[str]) -> argparse.Namespace:
+    p = _Args(prog="_sandbox_exec.py", add_help=False)
+    p.add_argument("--cpus", default="")
+    p.add_argument("--workspace", required=True)
+    p.add_argument("--mode", default="none")
+    p.add_argument("--read", action="append", default=[])
+    p.add_argument("--net-allow", action="append", type=int, default=[])
+    p.add_argument("--net", action="store_true")
+    return p.parse_args(opts)
+
+
 def main(argv: list[str]) -> int:
     if "--" not in argv:
         print("usage: _sandbox_exec.py --cpus LIST --workspace DIR --mode MODE [--read DIR]... "
               "[--net | --net-allow PORT]... -- CMD...", file=sys.stderr)
         return 125
     sep = argv.index("--")
-    opts, cmd = argv[:sep], argv[sep + 1:]
-    cpus, workspace, mode, net = "", "", "none", False
-    reads: list[str] = list(SYSTEM_READ_DIRS)
-    ports: list[int] = []
+    cmd = argv[sep + 1:]
     try:
-        i = 0
-        while i < len(opts):
-            if opts[i] == "--net":
-                net = True
-                i += 1
-                continue
-            key, value = opts[i], opts[i + 1]
-            if key == "--cpus":
-                cpus = value
-            elif key == "--workspace":
-                workspace = value
-            elif key == "--mode":
-                mode = value
-            elif key == "--read":
-                reads.append(value)
-            elif key == "--net-allow":
-                ports.append(int(value))
-            else:
-                raise ValueError(f"unknown option {key}")
-            i += 2
+        a = _parse(argv[:sep])
+        cpus, workspace, mode, net, ports = a.cpus, a.workspace, a.mode, a.net, a.net_allow
+        reads = [*SYSTEM_READ_DIRS, *a.read]
         if cpus:
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
         if mode == "bwrap":
@@ -182,7 +179,7 @@ def main(argv: list[str]) -> int:
         os.chdir(workspace)
         print(MARKER + json.dumps(info), file=sys.stderr, flush=True)
         os.execvp(cmd[0], cmd)
-    except (OSError, ValueError, IndexError) as e:
+    except (OSError, ValueError) as e:
         print(f"sandbox setup failed: {e}", file=sys.stderr)
         return 125
     return 125  # not reached
