@@ -63,7 +63,8 @@ def test_a_timed_out_call_is_aborted_in_the_engine(backend_loop):
 def test_replay_run_ends_with_the_error_of_a_failed_worker(backend_loop, tmp_path):
     """``_arrivals`` raising used to leave ``run`` waiting for roots that never come."""
     b, loop, _ = backend_loop
-    cfg = ReplayConfig(workload=str(DEFAULT_WORKLOAD), policy="fcfs", progress=False, calibrate=False, rps=0.5)
+    cfg = ReplayConfig(workload=str(DEFAULT_WORKLOAD), policy="fcfs", progress=False, calibrate=False, rps=0.5,
+                       tools="real", sandbox="landlock", tool_net_allow=[8000])
     plans = load_plans(cfg.workload)[:2]
 
     async def go():
@@ -81,6 +82,14 @@ def test_replay_run_ends_with_the_error_of_a_failed_worker(backend_loop, tmp_pat
 
     assert loop.run_until_complete(go()) < 5
     assert_no_leaks(b.scheduler)
+    # Defect 12: the run's events say which tool protections were in force.
+    start = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
+    prot = start["sandbox_protections"]
+    assert start["event"] == "run_start" and prot["mode"] == "landlock" == start["sandbox"]
+    from vllm_mars.driver._sandbox_exec import landlock_abi
+
+    tcp = "denied except connect to ports [8000]" if landlock_abi() >= 4 else "allowed (Landlock ABI < 4 cannot deny it)"
+    assert prot["tcp"] == tcp and prot["writes"], prot
 
 
 def test_inprocess_telemetry_is_fresh_while_alive_and_stale_once_the_stepper_dies(backend_loop, monkeypatch):
