@@ -94,15 +94,12 @@ class InProcessBackend:
 
     name = "inprocess"
 
-    def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
-                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
-                 block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, **engine_extra: Any) -> None:
+    def __init__(self, model: str, clock: Callable[[], float], **engine_args: Any) -> None:
+        """``engine_args``: ``vllm_mars.engine.local.engine_kwargs`` keywords (policy, num_blocks, ...);
+        what is not given takes that function's default (the one place engine defaults live)."""
         self.model = model
         self.clock = clock
-        self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
-                           block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
+        self.kwargs = engine_args
         self.vocab_size: int | None = None
         self.engine = None
         self.scheduler = None
