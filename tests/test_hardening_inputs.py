@@ -156,3 +156,16 @@ def test_token_id_prompts_are_estimated_by_their_length():
     assert estimate_prompt_tokens({"prompt": [[5, 6, 7], [8, 9]]}) == 5
     assert estimate_prompt_tokens({"prompt": "abcd" * 10}) == 10
     assert estimate_prompt_tokens({"prompt": [True, None, "ab"]}) == 1
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["gen-workload", "--scale", "nan"], "IlrConfig.scale must be a finite number"),
+    (["gen-workload", "--num-workflows", "-3"], "num_workflows"),
+    (["convert", "weka", "{d}", "--scale", "inf"], "scale"),
+    (["convert", "weka", "{d}", "--max-tool-s", "nan"], "max_tool_s"),
+    (["convert", "weka", "{d}", "--limit", "-1"], "--limit"),
+])
+def test_workload_command_options_are_validated(tmp_path, capsys, argv, needle):
+    (tmp_path / "trace_1.json").write_text(json.dumps({"id": "x", "requests": [{"t": 0, "in": 100, "out": 5}]}))
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    _one_line_error(*_cli(capsys, *argv, "-o", str(tmp_path / "o.jsonl")), needle)
