@@ -133,7 +133,7 @@ REPLAY_RANGES: dict[str, dict[str, float]] = {
     "rps": {"above": 0, "maximum": 1e6},
     "num_workflows": {"minimum": 1, "maximum": 1e7},
     "seed": {"minimum": 0},
-    "num_blocks": {"minimum": 2},
+    "num_blocks": {"minimum": 0},  # 0: vLLM's own sizing
     "block_size": {"minimum": 1, "maximum": 4096},
     "max_model_len": {"minimum": 1},
     "max_num_seqs": {"minimum": 1},

@@ -143,13 +143,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a policy config field for additional_config['mars']; repeatable")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="max context length (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences (default 64)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
+    from vllm_mars.engine.local import SERVER_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
+
+    p.add_argument("--max-model-len", type=int, default=SERVER_MAX_MODEL_LEN,
+                   help="max context length (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
+                   help="max running sequences (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="engine platform: cpu uses MarsScheduler, gpu AsyncMarsScheduler (default auto)")
+                   help="engine platform for the engine defaults (cpu: bfloat16, 32-token blocks, 256 MiB KV; "
+                        "gpu: vLLM's own); the scheduler follows vLLM's async-scheduling choice (default auto)")
+    # -- engine arguments (issue 13) --
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                   help="a vLLM engine argument (repeatable; an EngineArgs field, value JSON or text), validated "
+                        "before vLLM starts, e.g. --engine-arg tensor_parallel_size=2 --engine-arg kv_offloading_size=4")
     p.add_argument("--vllm-args", default="", metavar="'ARGS'",
-                   help="extra arguments for the vLLM server, one shell-quoted string")
+                   help="extra arguments for the vLLM server, one shell-quoted string (not validated)")
     p.add_argument("--engine-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for the vLLM server to become healthy (default 900)")
     p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
@@ -193,10 +203,13 @@ def _serve(args: argparse.Namespace) -> int:
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
+    from vllm_mars.engine.local import parse_engine_arg_items
+
     cpu = None if args.device == "auto" else args.device == "cpu"
     kw: dict[str, Any] = {"policy": args.policy, "policy_options": _kv(args.policy_option, "--policy-option"),
                           "block_size": args.block_size, "max_model_len": args.max_model_len,
-                          "max_num_seqs": args.max_num_seqs, "cpu": cpu}
+                          "max_num_seqs": args.max_num_seqs, "cpu": cpu,
+                          "engine_args": parse_engine_arg_items(args.engine_arg)}
     if args.num_blocks is not None:
         kw["num_blocks"] = args.num_blocks
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -46,18 +46,24 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
                                                   "the served model name (default: the server's first)")
-    from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
+    from vllm_mars.engine import local
 
-    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS if compare else d.num_blocks,
-                   help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
-                        "for GPUs; default %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size,
-                   help="KV block size in tokens, a multiple of 32 on CPU (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context limit, lowered to what the KV holds (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="engine batch limit (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+    cpu_blocks = local.COMPARE_CPU_NUM_BLOCKS if compare else local.DRIVER_CPU_NUM_BLOCKS
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help=f"KV blocks of the in-process engine (default: {cpu_blocks} on the CPU build, small = KV "
+                        "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
+    p.add_argument("--max-model-len", type=int, default=local.DRIVER_MAX_MODEL_LEN,
+                   help="context limit (lowered to what the KV holds; default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=local.DRIVER_MAX_NUM_SEQS,
+                   help="engine batch limit (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=local.DRIVER_MAX_NUM_BATCHED_TOKENS,
                    help="token budget per step (default %(default)s)")
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                   help="a vLLM engine argument for the in-process engine (repeatable; an EngineArgs field, "
+                        "value JSON or text), e.g. --engine-arg kv_offloading_size=4 --engine-arg "
+                        "tensor_parallel_size=2")
     p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
                    help="scheduler policy option (repeatable; see `mars policies`)")
     p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
@@ -120,12 +126,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
-def _config(args: argparse.Namespace, **kw):
+def _config(args: argparse.Namespace, num_blocks: int | None = None, **kw):
     from vllm_mars.driver.runner import ReplayConfig
+    from vllm_mars.engine.local import parse_engine_arg_items
 
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, num_blocks=args.num_blocks or None, block_size=args.block_size, max_model_len=args.max_model_len,
+        model=args.model, num_blocks=args.num_blocks if num_blocks is None else num_blocks,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        engine_args=parse_engine_arg_items(args.engine_arg),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
@@ -133,6 +142,17 @@ def _config(args: argparse.Namespace, **kw):
         tool_net_allow=args.tool_net_allow,
         calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
         **kw)
+
+
+def _check_engine(cfg, policies: list[str]) -> None:
+    """Refuse, before anything starts, a policy the in-process engine cannot serve as configured."""
+    if cfg.backend != "inprocess":
+        return
+    from vllm_mars.driver.control import check_policy
+    from vllm_mars.engine.local import check_policy_engine, on_cpu
+
+    for name in policies:
+        check_policy_engine(check_policy(name).scheduler_policy, on_cpu(), cfg.engine_args)
 
 
 def _check_workload(path: str) -> None:
@@ -156,6 +176,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     _check_workload(args.workload)
     cfg = _config(args, policy=args.policy, rps=args.rps, backend=args.backend, url=args.url)
+    _check_engine(cfg, [args.policy])
     out, _ = run_replay(cfg)
     summary = json.loads((out / "summary.json").read_text())
     print(summary_table([(args.policy, summary)]))
@@ -169,8 +190,11 @@ def _compare(args: argparse.Namespace) -> int:
     from vllm_mars.metrics.compare import format_table
 
     _check_workload(args.workload)
+    from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS, on_cpu
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    cfg = _config(args)
+    cfg = _config(args, num_blocks=COMPARE_CPU_NUM_BLOCKS if args.num_blocks is None and on_cpu() else None)
+    _check_engine(cfg, policies)
     out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
     print(format_table(record))
     print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,12 +96,17 @@ class InProcessBackend:
 
     name = "inprocess"
 
-    def __init__(self, model: str, clock: Callable[[], float], **engine_args: Any) -> None:
-        """``engine_args``: ``vllm_mars.engine.local.engine_kwargs`` keywords (policy, num_blocks, ...);
-        what is not given takes that function's default (the one place engine defaults live)."""
+    def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
+                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
+                 block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
+                 max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
+                 seed: int = 0, **engine_extra: Any) -> None:
+        """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
-        self.kwargs = engine_args
+        self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
+                           block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
         self.vocab_size: int | None = None
         self.engine = None
         self.scheduler = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_mars.driver.control import check_policy
 from vllm_mars.driver.runner import ReplayConfig, run_replay
+from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 #: with the mars scheduler alone (no admission) beside them to separate the two halves of MARS.
 DEFAULT_POLICIES = ("mars", "mars-no-admission", "fcfs")
 DEFAULT_RPS = (4.0,)
-DEFAULT_NUM_BLOCKS = 48
+DEFAULT_NUM_BLOCKS = COMPARE_CPU_NUM_BLOCKS  # CPU build only: GPUs use vLLM's sizing
 
 
 def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[float],

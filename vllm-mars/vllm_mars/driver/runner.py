@@ -28,6 +28,7 @@ from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
 from vllm_mars.driver.control import check_policy, finish_root, make_controller
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
 from vllm_mars.metrics.ideal import CostModel, ideal_time
 
@@ -60,13 +61,17 @@ class ReplayConfig:
     url: str | None = None
     #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
     model: str | None = None
-    #: KV blocks of the in-process engine (small = real KV pressure)
-    num_blocks: int | None = 96
-    block_size: int = 32
-    #: context limit of the engine (<= num_blocks * block_size)
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    #: KV blocks of the in-process engine: None = engine.local's default (a small pool on the CPU
+    #: build, so the tiny model meets real KV pressure; vLLM's sizing on GPU), 0 = vLLM's sizing
+    num_blocks: int | None = None
+    #: KV block size in tokens: None = 32 on the CPU build, vLLM's choice on GPU
+    block_size: int | None = None
+    #: context limit of the engine (lowered to what num_blocks * block_size holds)
+    max_model_len: int = DRIVER_MAX_MODEL_LEN
+    max_num_seqs: int = DRIVER_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS
+    #: further vLLM engine arguments (validated EngineArgs fields), e.g. {"kv_offloading_size": 4}
+    engine_args: dict[str, Any] = field(default_factory=dict)
     #: scheduler policy options (additional_config["mars"] fields)
     policy_options: dict[str, Any] = field(default_factory=dict)
     #: admission controller options (its config fields)
@@ -93,10 +98,20 @@ class ReplayConfig:
     #: live progress bar on stderr
     progress: bool = True
 
+    def engine_num_blocks(self) -> int | None:
+        """The in-process engine's KV blocks on this platform (None: vLLM sizes the pool)."""
+        from vllm_mars.engine.local import DRIVER_CPU_NUM_BLOCKS, on_cpu, resolve_num_blocks
+
+        return resolve_num_blocks(self.num_blocks, DRIVER_CPU_NUM_BLOCKS, on_cpu())
+
     def effective_max_model_len(self) -> int:
         """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
-        if self.backend == "inprocess" and self.num_blocks:
-            return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        if self.backend == "inprocess":
+            from vllm_mars.engine.local import kv_capacity_tokens, on_cpu
+
+            cap = kv_capacity_tokens(self.engine_num_blocks(), self.block_size, on_cpu())
+            if cap is not None:
+                return min(self.max_model_len, cap)
         return self.max_model_len
 
     def validate(self) -> None:
@@ -116,6 +131,9 @@ class ReplayConfig:
             raise ValueError(f"num_workflows must be >= 1, got {self.num_workflows}")
         if self.tools not in ("simulated", "real"):
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
+        if self.engine_args and self.backend != "inprocess":
+            raise ValueError("engine arguments configure the in-process engine; with --backend http pass them to "
+                             "the server (mars serve --engine-arg ...)")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
         from vllm_mars.config import check_engine_options
@@ -212,9 +230,10 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
 
         model = str(build_tiny_model())
     return backends.InProcessBackend(
-        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options, num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(), max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed)
+        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options,
+        num_blocks=cfg.engine_num_blocks(), block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(),
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed,
+        engine_args=cfg.engine_args)
 
 
 class _Progress:
@@ -498,7 +517,6 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
     clock = RunClock()
     policy = check_policy(cfg.policy)
     from vllm_mars.workload.materialize import load_plans
-
     from vllm_mars.workload.schema import sniff_schema
 
     live = None

@@ -14,8 +14,11 @@ output of a step, and checks that nothing leaked.
 from __future__ import annotations
 
 import functools
+import queue
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,11 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -51,7 +56,11 @@ def _hasher(block_size: int):
 def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
                      block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
-                     long_prefill_token_threshold: int = 0) -> VllmConfig:
+                     long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
+                     async_scheduling: bool = False) -> VllmConfig:
+    """``num_spec_tokens > 0`` adds an n-gram speculative config (no draft model); vLLM's Scheduler
+    reads it as ``vllm_config.num_speculative_tokens``. ``async_scheduling`` is set after the
+    platform hook (which turns it off on CPU), as vLLM would have decided it on GPU."""
     model_config = ModelConfig(model=config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -61,25 +70,40 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
         policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     mars = {"policy": policy, **dict(policy_options or {})}
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                      cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
-                      additional_config={"mars": mars})
+    spec = None
+    if num_spec_tokens:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
+                                 prompt_lookup_min=1, target_model_config=model_config,
+                                 target_parallel_config=ParallelConfig())
+    cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                     cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
+                     speculative_config=spec, additional_config={"mars": mars})
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    return cfg
 
 
 def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
                    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                    policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
-                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False) -> Scheduler:
+                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
+                   num_spec_tokens: int = 0, async_scheduling: bool | None = None) -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
+    ``async_scheduling`` is vLLM's engine decision (default: whether ``scheduler_cls`` is an
+    AsyncScheduler); MarsScheduler builds the variant that matches it.
     """
+    if async_scheduling is None:
+        async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     vllm_config = make_vllm_config(
         policy=policy, policy_options=policy_options, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        long_prefill_token_threshold=long_prefill_token_threshold)
+        long_prefill_token_threshold=long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
+        async_scheduling=async_scheduling)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
                                                       head_size=64, dtype=torch.bfloat16))])
@@ -98,7 +122,7 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                  workflow: str | None = None, root: str | None = None, parent: str | None = None,
                  turn: int | None = None, last_step: bool | None = None, tool: str | None = None,
                  extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
-                 seed: int | None = None) -> Request:
+                 seed: int | None = None, stop_token_ids: Sequence[int] | None = None) -> Request:
     """A vLLM Request with ``ignore_eos`` and workflow metadata in ``extra_args``.
 
     Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
@@ -112,7 +136,8 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                        ("mars_turn", turn), ("mars_last_step", last_step), ("mars_tool", tool)):
         if value is not None:
             xargs[key] = value
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs or None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs or None,
+                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
     kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
                    pooling_params=None, priority=priority, block_hasher=_hasher(block_size), **kwargs)
@@ -142,6 +167,78 @@ def run_to_completion(s: Scheduler, max_steps: int = 100_000) -> int:
         if n >= max_steps:
             raise RuntimeError(f"not finished after {max_steps} steps")
     return n
+
+
+class _FakeExecutor:
+    """The model executor calls EngineCore makes, answered at once with ``output_fn(s, so)``.
+
+    The output is computed when the step is launched (``execute_model``), as a GPU would, so a
+    later ``schedule()`` cannot change it; with tokens scheduled it is returned by ``sample_tokens``
+    (vLLM's async path), otherwise by ``execute_model``.
+    """
+
+    def __init__(self, s: Scheduler, output_fn: Callable[[Scheduler, Any], ModelRunnerOutput]) -> None:
+        self.s = s
+        self.output_fn = output_fn
+        self._pending: ModelRunnerOutput | None = None
+
+    @staticmethod
+    def _done(value: Any, non_block: bool) -> Any:
+        if not non_block:
+            return value
+        f: Future = Future()
+        f.set_result(value)
+        return f
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self._done(EMPTY_MODEL_RUNNER_OUTPUT, non_block)
+        self._pending = self.output_fn(self.s, scheduler_output)
+        return self._done(None, non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        out, self._pending = self._pending, None
+        return self._done(out, non_block)
+
+
+class RigEngineCore(EngineCore):
+    """vLLM's own ``EngineCore.step`` / ``step_with_batch_queue`` over a rig scheduler, no model.
+
+    ``EngineCore.__init__`` (executor, KV profiling) is deliberately skipped: only the members
+    those two methods read are set. ``depth`` is the number of steps in flight while the next one
+    is scheduled (``batch_queue_size = depth + 1``; vLLM's async scheduling runs depth 1).
+    Aborts put on ``aborts_queue`` land right before the next output is processed, as in vLLM.
+    """
+
+    def __init__(self, s: Scheduler, depth: int = 1,
+                 output_fn: Callable[[Scheduler, Any], ModelRunnerOutput] | None = None) -> None:
+        self.scheduler = s
+        self.vllm_config = s.vllm_config
+        self.log_stats = False
+        self.batch_queue_size = depth + 1
+        self.batch_queue = deque(maxlen=self.batch_queue_size)
+        self.model_executor = _FakeExecutor(s, output_fn or fake_model_output)
+        self.is_mm_encoder_only = False
+        self.is_pooling_model = False
+        self.check_for_draft_tokens = False
+        self.aborts_queue = queue.Queue()
+        self._weight_version = "default"
+
+    def in_flight_tokens(self) -> dict[str, int]:
+        """Tokens per request of the steps launched and not yet processed."""
+        out: dict[str, int] = {}
+        for _future, so, _exec in self.batch_queue:
+            for rid, n in so.num_scheduled_tokens.items():
+                out[rid] = out.get(rid, 0) + n
+        return out
+
+    def run_step(self) -> list[Any]:
+        """One engine-loop iteration (``step_with_batch_queue``); the EngineCoreOutput items."""
+        outputs, _ = self.step_with_batch_queue()
+        return [o for eco in (outputs or {}).values() for o in eco.outputs]
+
+    def busy(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
 
 def kv_block_accounting(s: Scheduler) -> dict[str, int]:

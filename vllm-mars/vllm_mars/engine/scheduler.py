@@ -1,9 +1,10 @@
 """MarsScheduler: vLLM's own Scheduler with a pluggable Policy applied at vLLM's seams.
 
 Select it with ``scheduler_cls="vllm_mars.engine.scheduler.MarsScheduler"`` (``--scheduler-cls``)
-and configure it with ``additional_config={"mars": {"policy": ...}}``. On GPU, where vLLM runs
-async scheduling, use ``AsyncMarsScheduler`` (a plain Scheduler subclass silently loses the
-async overlap there). ``schedule()`` itself is never copied; the policy acts through:
+and configure it with ``additional_config={"mars": {"policy": ...}}``. Where vLLM runs async
+scheduling (GPU by default) it builds ``AsyncMarsScheduler`` instead (a plain Scheduler subclass
+would silently lose the async overlap there). ``schedule()`` itself is never copied; the policy
+acts through:
 
 * order: ``self.running`` is sorted by the policy's ``running_key`` before each step and each
   request's ``priority`` set to its victim rank, with vLLM in PRIORITY mode, so vLLM's own
@@ -178,6 +179,10 @@ class MarsSchedulerMixin:
         self.clock = MonotonicClock()
         policy = make_policy(cfg.policy, cfg.policy_options, self.clock)
         policy.check_platform(str(current_platform.device_type))
+        if policy.needs_kv_connector and self.connector is None:
+            raise ValueError(
+                f"policy {cfg.policy!r} needs a KV offloading connector and none is configured: start vLLM "
+                "with --kv-offloading-size <GiB> (mars: --engine-arg kv_offloading_size=<GiB>)")
         self.mars_policy = policy
         self._calls: dict[str, CallView] = {}
         self._seq = 0
@@ -336,14 +341,22 @@ class MarsSchedulerMixin:
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:
-        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        """The policy's chunk cap, then vLLM's own prefill-lookahead guard on the capped chunk.
+
+        Only prefill chunks are capped: a step with at most one known token left (a decode step,
+        with or without draft tokens) passes untouched, so speculative decoding keeps its
+        ``1 + num_spec_tokens`` rows. The cap comes first so that vLLM's guard (never end a chunk
+        within ``num_prefill_lookahead`` of the prefill end) sees the chunk that will run.
+        """
         policy = self.mars_policy
-        if policy.caps_chunks and n > 1:
-            n = max(0, min(n, policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, n)))
-        return n
+        if policy.caps_chunks and request.num_tokens - num_computed_tokens > 1 and num_new_tokens > 1:
+            cap = policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, num_new_tokens)
+            num_new_tokens = max(0, min(num_new_tokens, cap))
+        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
-        recomputed = request.num_computed_tokens
+        # Tokens of steps still in flight (async scheduling) were never computed: not recomputed work.
+        recomputed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
         super()._preempt_request(request, timestamp, drop_stale_output)
         self.mars_num_preemptions += 1
         self.mars_recomputed_tokens += recomputed
@@ -476,20 +489,47 @@ class MarsSchedulerMixin:
         }
 
 
+def _chosen_class(named: type, async_scheduling: bool) -> type:
+    """The class vLLM should run for ``async_scheduling``: ours pick each other, subclasses stay."""
+    if named in (MarsScheduler, AsyncMarsScheduler):
+        return AsyncMarsScheduler if async_scheduling else MarsScheduler
+    return named
+
+
 class MarsScheduler(MarsSchedulerMixin, Scheduler):
-    """vLLM's synchronous Scheduler with a MARS policy (the CPU platform always uses this path)."""
+    """vLLM's Scheduler with a MARS policy; builds an :class:`AsyncMarsScheduler` when async is on.
+
+    vLLM decides ``scheduler_config.async_scheduling`` (VllmConfig's post-init, then the platform
+    hook: on by default on CUDA, always off on CPU) before the engine core constructs the
+    ``scheduler_cls``. Construction reads that decision, the way vLLM itself picks
+    ``AsyncScheduler`` when no class is named, so either class name gives the variant that
+    matches the engine: a synchronous scheduler under an async engine loses the overlap, and an
+    async one under a synchronous engine carries placeholders nobody drains.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MarsScheduler:  # noqa: PYI034 - may build the other class
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        target = _chosen_class(cls, bool(vllm_config.scheduler_config.async_scheduling))
+        obj = super().__new__(target)
+        if not isinstance(obj, cls):
+            # AsyncMarsScheduler named for a synchronous engine: Python skips __init__ here.
+            obj.__init__(*args, **kwargs)
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mars_init()
+        async_on = bool(self.scheduler_config.async_scheduling)
+        logger.info("%s built (async_scheduling=%s)", type(self).__name__, async_on)
+        if isinstance(self, AsyncScheduler) != async_on:
+            # Only a user subclass can get here (ours pick the matching variant in __new__).
+            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
+                           "variant (degraded performance or stale placeholders otherwise)",
+                           type(self).__name__, async_on)
 
 
-class AsyncMarsScheduler(MarsSchedulerMixin, AsyncScheduler):
-    """vLLM's AsyncScheduler with a MARS policy: use this on GPU, where async scheduling is on."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._mars_init()
+class AsyncMarsScheduler(MarsScheduler, AsyncScheduler):
+    """vLLM's AsyncScheduler with a MARS policy (what :class:`MarsScheduler` builds under async)."""
 
 
 # Policies read the live running state without importing vllm.

@@ -168,6 +168,9 @@ class Policy:
     orders: ClassVar[bool] = False
     gates: ClassVar[bool] = False
     caps_chunks: ClassVar[bool] = False
+    #: True when the policy's decisions need vLLM's KV offloading connector (the engine refuses
+    #: to start without one, rather than silently dropping what the policy meant to swap).
+    needs_kv_connector: ClassVar[bool] = False
     retains: ClassVar[bool] = False
     tracks_service: ClassVar[bool] = False
     #: True when victim order is not simply the reverse of running order.
