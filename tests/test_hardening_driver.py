@@ -111,3 +111,45 @@ def test_inprocess_telemetry_is_fresh_while_alive_and_stale_once_the_stepper_die
         assert b.sample().ts == s3.ts and b.clock() - s3.ts >= 0.3  # stale, as it should be
 
     loop.run_until_complete(go())
+
+
+def test_real_engine_pause_sleep_and_wake_release_retention(tiny_model):
+    """Defect 11 on vLLM's own EngineCore: pause(clear_cache) and sleep(level 1) reset the prefix cache
+    with running requests, which failed while the mars policy held retained KV."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm_mars.engine.local import engine_kwargs
+
+    e = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(
+        tiny_model, policy="mars", num_blocks=64, block_size=32, max_model_len=1024, max_num_seqs=4,
+        max_num_batched_tokens=256, disable_log_stats=True)))
+    core = e.engine_core.engine_core
+    s = core.scheduler
+    try:
+        tagged = SamplingParams(max_tokens=4, ignore_eos=True,
+                                extra_args={"mars_workflow": "w", "mars_turn": 0, "mars_last_step": False})
+        e.add_request("w-0", {"prompt_token_ids": list(range(10, 120))}, tagged)
+        while e.has_unfinished_requests():
+            e.step()
+        assert s.retention.num_blocks > 0
+        e.add_request("b", {"prompt_token_ids": list(range(10, 200))}, SamplingParams(max_tokens=40, ignore_eos=True))
+        e.step()
+        assert s.running
+        core.pause_scheduler(mode="keep", clear_cache=True)  # preempts "b", resets the prefix cache
+        assert s.retention.num_blocks == 0 and not s.running and len(s.waiting) == 1
+        core.resume_scheduler()
+        while e.has_unfinished_requests():
+            e.step()
+        e.add_request("w-1", {"prompt_token_ids": list(range(10, 130))}, tagged)
+        while e.has_unfinished_requests():
+            e.step()
+        core.sleep(level=1)  # pause(abort, clear_cache) + offload
+        assert s.retention.num_blocks == 0
+        assert core.wake_up() is True
+        e.add_request("c", {"prompt_token_ids": list(range(10, 60))}, SamplingParams(max_tokens=3, ignore_eos=True))
+        while e.has_unfinished_requests():
+            e.step()
+        assert_no_leaks(s)
+    finally:
+        core.shutdown()
