@@ -169,3 +169,30 @@ def test_workload_command_options_are_validated(tmp_path, capsys, argv, needle):
     (tmp_path / "trace_1.json").write_text(json.dumps({"id": "x", "requests": [{"t": 0, "in": 100, "out": 5}]}))
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
     _one_line_error(*_cli(capsys, *argv, "-o", str(tmp_path / "o.jsonl")), needle)
+
+
+@pytest.mark.parametrize(("cell", "needle"), [("inf", "expected a finite number"), ("nan", "expected a finite number"),
+                                              ("1e400", "expected a finite number"), ("abc", "expected a number")])
+def test_tracelab_non_finite_cells_are_field_errors(tmp_path, capsys, cell, needle):
+    src = tmp_path / "t.csv"
+    src.write_text("session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms\n"
+                   "s1,0,0,10,20,5,100\n"
+                   f"s1,1,1,10,{cell},5,0\n")
+    _one_line_error(*_cli(capsys, "convert", "tracelab", str(src), "-o", str(tmp_path / "o.jsonl")),
+                    f"{src}:3: input_len", needle)
+
+
+def test_tracelab_invalid_utf8_and_model_output_nesting():
+    from vllm_mars.workload import mas_task
+    from vllm_mars.workload.schema import WorkloadError
+    from vllm_mars.workload.tracelab import convert_csv
+
+    failure = mas_task.parse_action("x " + "{" * 50_000 + '"a": 1' + "}" * 50_000)
+    assert isinstance(failure, mas_task.ParseFailure)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".csv") as f:
+        f.write(b"session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms\n\xff\xfe,0\n")
+        f.flush()
+        with pytest.raises(WorkloadError, match="invalid UTF-8"):
+            convert_csv(f.name)
