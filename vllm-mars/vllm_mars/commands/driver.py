@@ -46,6 +46,9 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
                                                   "the served model name (default: the server's first)")
+    p.add_argument("--profile", default=None,
+                   help="step-time profile for --backend sim (shipped name, e.g. h200-qwen3-coder-30b-a3b, or a "
+                        "profile file); it sets the KV pool and the engine limits below")
     from vllm_mars.engine import local
 
     cpu_blocks = local.COMPARE_CPU_NUM_BLOCKS if compare else local.DRIVER_CPU_NUM_BLOCKS
@@ -54,12 +57,12 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
                         "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
-    p.add_argument("--max-model-len", type=int, default=local.DRIVER_MAX_MODEL_LEN,
-                   help="context limit (lowered to what the KV holds; default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=local.DRIVER_MAX_NUM_SEQS,
-                   help="engine batch limit (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=local.DRIVER_MAX_NUM_BATCHED_TOKENS,
-                   help="token budget per step (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"context limit (lowered to what the KV holds; default {local.DRIVER_MAX_MODEL_LEN})")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"engine batch limit (default {local.DRIVER_MAX_NUM_SEQS})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget per step (default {local.DRIVER_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                    help="a vLLM engine argument for the in-process engine (repeatable; an EngineArgs field, "
                         "value JSON or text), e.g. --engine-arg kv_offloading_size=4 --engine-arg "
@@ -84,6 +87,9 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the cost-model calibration (no T_ideal, so no goodput)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--record-steps", action="store_true",
+                   help="in-process engine: time every engine step and write steps.jsonl in the run dir "
+                        "(fit a sim profile to it with `mars profile --from-steps`)")
     p.add_argument("--out", default=None, help="output dir (default: runs/<timestamp>_...)")
 
 
@@ -98,11 +104,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "mars-no-admission (env SCHEDULING_POLICY; default fcfs)")
     p.add_argument("--rps", type=float, default=float(os.environ.get("RPS", "1.0")),
                    help="root arrivals per second (env RPS; default 1.0)")
-    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+    p.add_argument("--backend", choices=("inprocess", "http", "sim"), default="inprocess",
                    help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "
                         "scheduler policy applies; --policy then selects only the driver-side admission "
                         "controller: against `mars serve` or the sidecar, which admit on their own, use a "
-                        "policy without admission such as fcfs)")
+                        "policy without admission such as fcfs); sim: the virtual-time engine (vLLM's scheduler "
+                        "with the step times of --profile, no model; hours of agent time in seconds)")
     p.add_argument("--url", default=None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
     p.set_defaults(func=_replay)
 
@@ -117,6 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policies (default %(default)s)")
+    p.add_argument("--backend", choices=("inprocess", "sim"), default="inprocess",
+                   help="inprocess: vLLM in this process (default); sim: the virtual-time engine with --profile")
     p.add_argument("--rps", default=",".join(f"{r:g}" for r in DEFAULT_RPS),
                    help="comma-separated arrival rates (default %(default)s)")
     p.set_defaults(func=_compare)
@@ -126,16 +135,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
+_SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _engine_shape(args: argparse.Namespace, backend: str, num_blocks: int | None) -> dict:
+    """The engine-shape flags: the in-process engine's defaults, or none for the sim (its profile sets
+    them, and the flags may not override it)."""
+    given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+    if backend == "sim":
+        if not args.profile:
+            raise ValueError("--backend sim needs --profile (a step-time profile name or file)")
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {args.profile}")
+        return {}
+    if args.profile:
+        raise ValueError("--profile applies to --backend sim only")
+    from vllm_mars.engine import local
+
+    return {"num_blocks": args.num_blocks if num_blocks is None else num_blocks, "block_size": args.block_size,
+            "max_model_len": given.get("max_model_len", local.DRIVER_MAX_MODEL_LEN),
+            "max_num_seqs": given.get("max_num_seqs", local.DRIVER_MAX_NUM_SEQS),
+            "max_num_batched_tokens": given.get("max_num_batched_tokens", local.DRIVER_MAX_NUM_BATCHED_TOKENS)}
+
+
 def _config(args: argparse.Namespace, num_blocks: int | None = None, **kw):
     from vllm_mars.driver.runner import ReplayConfig
     from vllm_mars.engine.local import parse_engine_arg_items
 
+    backend = kw.get("backend", getattr(args, "backend", "inprocess"))
+    kw.setdefault("backend", backend)
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, num_blocks=args.num_blocks if num_blocks is None else num_blocks,
-        block_size=args.block_size, max_model_len=args.max_model_len,
-        engine_args=parse_engine_arg_items(args.engine_arg),
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=args.model, profile=args.profile, **_engine_shape(args, backend, num_blocks),
+        engine_args=parse_engine_arg_items(args.engine_arg), record_steps=args.record_steps,
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,

@@ -20,12 +20,14 @@ import json
 import logging
 import os
 import queue
-import re
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from vllm_mars.admission.base import Telemetry
+from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
@@ -41,25 +43,22 @@ class CallResult:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class EngineSample:
-    """One reading of engine state; ``None`` fields are unknown to this backend."""
+def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
+    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
+    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
+    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
 
-    ts: float
-    free_blocks: int | None = None
-    num_blocks: int | None = None
-    block_size: int | None = None
-    kv_usage: float | None = None
-    retained_blocks: int | None = None
-    preemptions: int | None = None
-    recomputed_tokens: int | None = None
-    #: cached KV blocks evicted for reuse so far (vLLM KV cache events)
-    kv_blocks_removed: int | None = None
-    running: int | None = None
-    waiting: int | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
+    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
+    telemetry, read straight from the scheduler."""
+    st = s.mars_stats()
+    free, total = st["free_blocks"], st["num_blocks"]
+    return EngineSample(
+        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
+        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
+        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
+        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
 
 
 class Backend(Protocol):
@@ -79,7 +78,7 @@ class Backend(Protocol):
         out); a no-op for a request that already finished. ``generate`` calls it when cancelled."""
         ...
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         """The latest engine state (cheap; called by the telemetry loop). ``ts`` is when it was read
         from the engine, so a reader can tell a stale sample (a stuck or dead engine) from a fresh one."""
         ...
@@ -100,10 +99,14 @@ class InProcessBackend:
                  policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
                  block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
                  max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
-                 seed: int = 0, **engine_extra: Any) -> None:
+                 seed: int = 0, record_steps: bool = False, **engine_extra: Any) -> None:
         """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
+        #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
+        #: stepper loop), for `mars profile --from-steps`
+        self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
+        self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
@@ -135,6 +138,10 @@ class InProcessBackend:
             raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
+        if self.step_times is not None:
+            from vllm_mars.engine.steps import StepRecorder
+
+            self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._snapshot()
         self._loop = asyncio.get_running_loop()
@@ -147,6 +154,11 @@ class InProcessBackend:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
+        # record_steps: each step's batch and its whole cycle in this loop (the step, the snapshot and
+        # the output hand-off, and the next arrivals' add_request), ending where the next step starts
+        # or where the loop goes idle
+        pending: tuple[list, list, float] | None = None
+        t_end = 0.0
         try:
             while not self._stop:
                 while True:
@@ -162,31 +174,36 @@ class InProcessBackend:
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
+                    if pending is not None:
+                        self.step_times.append((pending[0], pending[1], t_end - pending[2]))
+                        pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
                     self._snapshot()  # idle but alive: the sample stays fresh
                     continue
+                t0 = time.perf_counter()
+                if pending is not None:
+                    self.step_times.append((pending[0], pending[1], t0 - pending[2]))
+                    pending = None
                 outs = engine.step()
+                if self._recorder is not None:
+                    batches = self._recorder.take()
+                    if len(batches) == 1 and (batches[0][0] or batches[0][1]):
+                        pending = (*batches[0], t0)
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
+                t_end = time.perf_counter()
+            if pending is not None:
+                self.step_times.append((pending[0], pending[1], t_end - pending[2]))
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
     def _snapshot(self, now: float | None = None) -> None:
-        s = self.scheduler
-        st = s.mars_stats()
-        free, total = st["free_blocks"], st["num_blocks"]
-        self._stats = st
-        self._sample = EngineSample(
-            ts=self.clock() if now is None else now, free_blocks=free, num_blocks=total,
-            block_size=st["block_size"], kv_usage=(1.0 - free / total) if total else None,
-            retained_blocks=st["retained_blocks"], preemptions=st["preemptions"],
-            recomputed_tokens=st["recomputed_tokens"], kv_blocks_removed=st.get("kv_blocks_removed"),
-            running=len(s.running), waiting=len(s.waiting))
+        self._sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:
@@ -233,7 +250,7 @@ class InProcessBackend:
         self._cmds.put(("abort", request_id))
         self._wake.set()
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         # Taken by the stepper thread after every step and every idle wait (50 ms): its ts is when
         # the engine was last seen alive, so a dead or stuck stepper shows up as stale telemetry.
         return self._sample
@@ -260,36 +277,16 @@ class InProcessBackend:
             self.scheduler = None
 
 
-_METRIC_RE = re.compile(r'^(vllm:[a-zA-Z_]+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of each ``vllm:*`` sample over its labels; ``num_gpu_blocks``/``block_size`` from cache_config_info."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if name == "vllm:cache_config_info" and labels:
-            for key in ("num_gpu_blocks", "block_size"):
-                lm = re.search(rf'{key}="(\d+)"', labels)
-                if lm:
-                    out[key] = float(lm.group(1))
-            continue
-        out[name] = out.get(name, 0.0) + v
-    return out
+#: counters the HTTP backend reports as deltas since its start
+_COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
 
 class HTTPBackend:
     """An OpenAI-compatible vLLM server: ``/v1/completions`` with token-id prompts and ``vllm_xargs``.
 
     Telemetry comes from the server's ``/metrics`` (KV usage, running/waiting, preemptions), polled
-    every ``poll_s``; free blocks are derived from usage and ``cache_config_info``'s ``num_gpu_blocks``.
+    every ``poll_s``, read by the sidecar's parser (:func:`telemetry_from_metrics`): the same total
+    blocks (vLLM's null block excluded) and the same usage over data-parallel engines.
     """
 
     name = "http"
@@ -307,9 +304,10 @@ class HTTPBackend:
         self._client = None
         self._poller: asyncio.Task | None = None
         self._streams: dict[str, asyncio.Task] = {}
-        self._sample = EngineSample(0.0)
+        self._sample = Telemetry(0.0)
         self._metrics: dict[str, float] = {}
         self._metrics0: dict[str, float] | None = None
+        self._hit_counters: tuple[float, float] | None = None
 
     async def start(self) -> None:
         import httpx
@@ -346,17 +344,19 @@ class HTTPBackend:
             logger.debug("metrics poll failed: %s", e)
             return
         m = parse_prometheus(r.text)
-        self._metrics = m
-        base = self._metrics0 or {}
-        usage = m.get("vllm:kv_cache_usage_perc")
-        total = int(m["num_gpu_blocks"]) if "num_gpu_blocks" in m else None
-        free = round(total * (1.0 - usage)) if total is not None and usage is not None else None
-        pre = m.get("vllm:num_preemptions")
-        self._sample = EngineSample(
-            ts=self.clock(), free_blocks=free, num_blocks=total,
-            block_size=int(m["block_size"]) if "block_size" in m else None, kv_usage=usage,
-            preemptions=int(pre - base.get("vllm:num_preemptions", 0.0)) if pre is not None else None,
-            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)))
+        try:
+            tel, self._hit_counters = telemetry_from_metrics(m, self.clock(), self._hit_counters)
+        except MetricsError as e:
+            logger.debug("metrics poll: %s", e)
+            return
+        self._metrics = {name: v for name in _COUNTERS
+                         if (v := metric_sum(m, name + "_total", name)) is not None}
+        if self._metrics0 is None:  # the first reading is the baseline
+            self._metrics0 = dict(self._metrics)
+        base = self._metrics0
+        if tel.preemptions is not None:
+            tel = replace(tel, preemptions=int(tel.preemptions - base.get("vllm:num_preemptions", 0.0)))
+        self._sample = tel
 
     async def _poll(self) -> None:
         while True:
@@ -419,7 +419,7 @@ class HTTPBackend:
         return CallResult(ids, int(usage.get("prompt_tokens", len(prompt_ids))), details.get("cached_tokens"),
                           first, self.clock(), finish)
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         return self._sample
 
     def engine_stats(self) -> dict[str, Any]:
