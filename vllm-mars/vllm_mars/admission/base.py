@@ -192,6 +192,37 @@ class ControllerBase:
         self._queue[root.workflow] = root
         self._seq[root.workflow] = self._next_seq
         self._next_seq += 1
+        if root.meta.get("returning"):
+            # a softly ended workflow that came back goes ahead of new roots (after earlier returners)
+            self._queue = dict(sorted(self._queue.items(), key=lambda kv: not self.returning(kv[1])))
+
+    @staticmethod
+    def returning(root: PendingRoot) -> bool:
+        """``root`` is a workflow that was ended softly and came back (``meta["returning"]``)."""
+        return bool(root.meta.get("returning"))
+
+    def update_estimate(self, workflow: str, prefill_tokens: int, now: float) -> int | None:
+        """A later call of ``workflow`` showed a larger prompt than it was offered with (its first
+        call was a short side call): a queued root is re-estimated; an admitted root's outstanding
+        promise grows to the new footprint. Returns the new footprint (None: no footprint model)."""
+        fp = getattr(self, "footprint_blocks", None)
+        q = self._queue.get(workflow)
+        if q is not None:
+            if q.prefill_tokens is None or prefill_tokens > q.prefill_tokens:
+                self._queue[workflow] = q = dataclasses.replace(q, prefill_tokens=prefill_tokens)
+            return fp(q) if fp is not None else None
+        if workflow not in self._active or fp is None:
+            return None
+        self._on_reestimate(self._active[workflow], prefill_tokens)
+        blocks = fp(PendingRoot(workflow, now, prefill_tokens))
+        promise = self._pending.get(workflow)
+        if promise is not None and blocks > promise[1]:
+            self._pending[workflow] = (promise[0], blocks)
+            self._pending_sum += blocks - promise[1]
+        return blocks
+
+    def _on_reestimate(self, active: Any, prefill_tokens: int) -> None:
+        """Hook: an admitted root's prompt estimate grew (``active`` as stored by :meth:`_admit`)."""
 
     def finish(self, workflow: str, now: float, final_tokens: int | None = None,
                turns: int | None = None) -> None:

@@ -158,6 +158,10 @@ class MarsAdmissionController(ControllerBase):
             a = self.config.growth_alpha
             self._turn_growth = (1 - a) * self._turn_growth + a * per_turn
 
+    def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
+        # growth is measured from the agent's context, not from a short side call it was offered on
+        act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
+
     @property
     def turn_growth(self) -> float:
         """Learned tokens added per turn (footprints add one turn of it)."""
@@ -365,10 +369,10 @@ class MarsAdmissionController(ControllerBase):
         if light:
             order, mode = queue, "light_fcfs"
         elif cpu_over:
-            order = sorted(queue, key=lambda r: (-foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
             mode = "cpu_overloaded_large_first"
         else:
-            order = sorted(queue, key=lambda r: (foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
             mode = "smallest_fit"
         out, remaining = [], budget
         for r in order:

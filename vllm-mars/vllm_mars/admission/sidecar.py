@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
+from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
 from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
 from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
@@ -191,6 +192,22 @@ def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None
         check_value(f"{type(obj).__name__}.{name}", types[name], getattr(obj, name), minimum=lo, maximum=hi)
 
 
+def _observed(send: Any, ident: Identity, scan: ToolCallScan | None) -> Any:
+    """``send`` that tells the client the workflow it was assigned (``x-mars-workflow`` and
+    ``x-mars-root`` response headers) and, for an agent call, scans the answer for a tool call."""
+    extra = [(b"x-mars-workflow", ident.workflow.encode("latin-1", "replace")),
+             (b"x-mars-root", ident.root.encode("latin-1", "replace"))]
+
+    async def observed(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
+        elif scan is not None and msg["type"] == "http.response.body":
+            scan.feed(msg.get("body", b""))
+        await send(msg)
+
+    return observed
+
+
 class Sidecar:
     """The ASGI application (``uvicorn.run(Sidecar(cfg))``); ``clock`` drives the root lifecycle."""
 
@@ -211,6 +228,8 @@ class Sidecar:
                                    place=lambda r: self.placement.place(r.root),
                                    on_admit=self._on_admit, on_end=self._on_end, counters=self.counters)
         self.queue_budget = QueueBudget(config.max_queued_calls, config.max_queued_bytes)
+        #: prefix continuity of generic session ids (issue 12)
+        self.continuity = Continuity()
         self.forwarder = Forwarder(config, self.placement, self.counters, self._backend_failed,
                                    self.lifecycle.finish, lambda r: self.lifecycle.get(r.root) is r,
                                    lambda: self._up_event)
@@ -318,7 +337,7 @@ class Sidecar:
         self._flush_events()
 
     def _flush_events(self) -> None:
-        evs = self.controller.take_events()
+        evs = self.controller.take_events() + self.lifecycle.take_events()
         self.recent_events.extend(evs)
         if evs and self._events_file is not None:
             for e in evs:
@@ -437,6 +456,7 @@ class Sidecar:
         if tenant:
             ident = replace(ident, workflow=tenant + ident.workflow, root=tenant + ident.root,
                             parent=None if ident.parent is None else tenant + ident.parent)
+        ident, agent, side, est = self._infer(ident, call[0])
         ident = self.lifecycle.sessions.resolve(ident)
 
         task = asyncio.current_task()
@@ -454,15 +474,21 @@ class Sidecar:
         watcher = asyncio.create_task(watch())
         r: RootState | None = None
         started = ok = False
+        scan = ToolCallScan() if agent and not side and ident.is_root and not ident.anonymous else None
         try:
-            r = await self._admit(ident, call)
+            if est is not None and (r0 := self.lifecycle.get(ident.root)) is not None:
+                self.lifecycle.prompt_seen(r0, est)  # a queued root's footprint from its agent call
+            r = await self._admit(ident, call, est)
+            if est is not None:
+                self.lifecycle.prompt_seen(r, est)
             turn = self.lifecycle.call_started(r, ident)
             started = True
             self.in_flight += 1
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
             del call
             apply_to_body(body, ident, turn)
-            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope), send)
+            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
+                                                        _observed(send, ident, scan))
         except asyncio.CancelledError:
             if not disconnected:
                 raise
@@ -471,9 +497,23 @@ class Sidecar:
             watcher.cancel()
             if started and r is not None:
                 self.in_flight -= 1
-                self.lifecycle.call_ended(r, ident, ok)
+                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call)
 
-    async def _admit(self, ident: Identity, call: list) -> RootState:
+    def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int | None]:
+        """Prefix continuity of a generic session id (may rename the workflow; events say why),
+        and what the call is: (identity, offers tools, side call, prompt estimate)."""
+        agent = offers_tools(body)
+        ident, verdict = self.continuity.check(ident, body)
+        ev = verdict.event()
+        if ev is not None:
+            self.lifecycle.emit("workflow_continuity", ev)
+        side = verdict.kind == "side_call"
+        est = None  # only agent calls re-estimate their root's footprint; _admit estimates new roots
+        if agent and not side:
+            est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(body)
+        return ident, agent, side, est
+
+    async def _admit(self, ident: Identity, call: list, est: int | None = None) -> RootState:
         """The admitted root of this call, waiting for admission if needed. ``call`` is
         ``[body, raw]``; a call that waits drops both and leaves ``[None, HeldBody]`` (its raw
         bytes, in a file when large), so a waiting call holds no parsed body."""
@@ -486,7 +526,8 @@ class Sidecar:
             if not self.any_up:
                 self.counters["rejected_503"] += 1
                 raise HTTPError(503, "no backend is up; retry later", self._retry_after())
-            est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(call[0])
+            if est is None:
+                est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(call[0])
             r = lc.arrive(ident, est)
             if r.admitted:
                 return r

@@ -84,7 +84,9 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="largest request body; larger gets 413 (default 16 MiB)")
     g.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
-                   help="a workflow without calls for S seconds ends and frees its slot (default 600)")
+                   help="the most a workflow waits without calls before it ends softly and frees its slot; "
+                        "the timeout in force is learned from the sessions' return gaps (p95 x 2, at least "
+                        "10 s) once 8 were seen (default 600)")
     g.add_argument("--failed-idle-timeout", type=float, default=5.0, metavar="S",
                    help="a workflow whose last call failed ends after S seconds without a call (default 5)")
     g.add_argument("--max-queued-calls", type=int, default=1024, metavar="N",
@@ -208,6 +210,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for the vLLM server to become healthy (default 900)")
     p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
     _add_sidecar_options(p, serve=True)
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME|none",
+                   help="vLLM tool-call parser; tool calling (tool_choice auto, which OpenCode and Codex send) "
+                        "is on by default with the parser that fits the model: qwen3_coder for Qwen3-Coder, "
+                        "hermes for Qwen2/Qwen3 and the tiny model, openai for gpt-oss (docs/frontends.md); "
+                        "'none' leaves it off")
     p.set_defaults(func=_serve)
 
 
@@ -235,6 +242,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
+
+
+def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """Tool calling on by default with the parser that fits the model (issue 12); logged."""
+    from vllm_mars.engine.tool_calling import choose_tool_parser, user_set_tool_calling, validate_parser
+
+    if args.tool_call_parser is not None:
+        validate_parser(args.tool_call_parser)
+    if user_set_tool_calling(cmd):
+        print("mars serve: tool calling as configured in --vllm-args", file=sys.stderr)
+        return []
+    choice = choose_tool_parser(args.model, args.served_model_name, args.tool_call_parser)
+    state = f"on, parser {choice.parser}" if choice.parser else "off"
+    print(f"mars serve: tool calling {state} ({choice.reason})", file=sys.stderr)
+    return choice.server_args()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -268,10 +294,14 @@ def _serve(args: argparse.Namespace) -> int:
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
            *extra]
+    cmd += _tool_calling_args(args, cmd)
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    # SIGTERM must run the cleanup below too (uvicorn re-raises the signal it caught once it has stopped;
+    # with the default action the vLLM server was left running)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _wait_healthy(f"http://127.0.0.1:{engine_port}", proc, args.engine_timeout)
         print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",

@@ -121,16 +121,25 @@ def describe(mode: str, writable: list[str], readable: list[str], net: bool, por
             "abstract_unix_sockets_and_signals": "scoped to the sandbox" if abi >= 6 else "not scoped"}
 
 
-def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, readable: list[str] | None = None) -> list[str]:
-    """Only ``readable`` (read-only), /dev, /proc, a private /tmp and the workspace exist inside."""
+def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, binds: tuple[str, ...] = (),
+               readable: list[str] | None = None) -> list[str]:
+    """``workspace`` (and ``binds``) read-write, a private /tmp, /dev and /proc, every namespace
+    unshared (the network too unless ``net``: then only the sandbox's own loopback exists). Reads:
+    only ``readable`` (bound read-only) when given, else the whole root read-only."""
     argv = ["bwrap"]
+    if readable is None:
+        argv += ["--ro-bind", "/", "/"]
     for d in readable or ():
         if os.path.islink(d):  # merged-/usr layouts: /bin -> usr/bin
             argv += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d) and d not in ("/proc", "/dev", "/tmp"):
             argv += ["--ro-bind", d, d]
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", workspace, workspace,
-             "--chdir", workspace, "--unshare-all", "--die-with-parent", "--new-session"]
+             "--chdir", workspace, "--unshare-all", "--die-with-parent"]
+    if readable is not None:
+        argv.append("--new-session")
+    for b in binds:
+        argv += ["--bind", b, b]
     if net:
         argv.append("--share-net")
     return [*argv, "--", *cmd]
@@ -168,7 +177,7 @@ def main(argv: list[str]) -> int:
         if mode == "bwrap":
             if ports and not net:
                 raise ValueError("bubblewrap cannot allow single ports: use --sandbox landlock for an allow-list")
-            cmd = bwrap_argv(workspace, cmd, net, reads)
+            cmd = bwrap_argv(workspace, cmd, net, readable=reads)
             info = describe(mode, [workspace], reads, net, ports)
         elif mode == "landlock":
             info = apply_landlock([workspace, "/dev"], reads, None if net else ports)
