@@ -12,6 +12,7 @@ import sys
 #: its parsers and sets ``func`` (called with the parsed args, returns an exit code).
 COMMAND_MODULES = [
     "vllm_mars.commands.basic",
+    "vllm_mars.commands.agents",
     "vllm_mars.commands.driver",
     "vllm_mars.commands.workload",
     "vllm_mars.commands.admission",

@@ -62,9 +62,13 @@ def apply_landlock(writable: list[str]) -> None:
     os.close(fd)
 
 
-def bwrap_argv(workspace: str, cmd: list[str], net: bool = False) -> list[str]:
+def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, binds: tuple[str, ...] = ()) -> list[str]:
+    """Read-only root, private /tmp, ``workspace`` (and ``binds``) read-write, namespaces unshared
+    (the network too unless ``net``: then only the sandbox's own loopback exists)."""
     argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--bind", workspace, workspace, "--chdir", workspace, "--unshare-all", "--die-with-parent"]
+    for b in binds:
+        argv += ["--bind", b, b]
     if net:
         argv.append("--share-net")
     return argv + ["--", *cmd]

@@ -20,13 +20,14 @@ import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from vllm_mars.admission.base import Telemetry
+from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
@@ -42,25 +43,10 @@ class CallResult:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class EngineSample:
-    """One reading of engine state; ``None`` fields are unknown to this backend."""
-
-    ts: float
-    free_blocks: int | None = None
-    num_blocks: int | None = None
-    block_size: int | None = None
-    kv_usage: float | None = None
-    retained_blocks: int | None = None
-    preemptions: int | None = None
-    recomputed_tokens: int | None = None
-    #: cached KV blocks evicted for reuse so far (vLLM KV cache events)
-    kv_blocks_removed: int | None = None
-    running: int | None = None
-    waiting: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
+    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
+    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
+    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
 
 
 def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
@@ -87,7 +73,7 @@ class Backend(Protocol):
         """Replays pass ``ignore_eos`` (exact output lengths); live agents let the model stop."""
         ...
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         """The latest engine state (cheap; called by the telemetry loop)."""
         ...
 
@@ -244,7 +230,7 @@ class InProcessBackend:
         self._wake.set()
         return await fut
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         # Scheduler state only changes inside a step, and the snapshot is taken after every step:
         # it is current now (a step in flight shows up when it ends).
         return replace(self._sample, ts=self.clock())
@@ -271,36 +257,16 @@ class InProcessBackend:
             self.scheduler = None
 
 
-_METRIC_RE = re.compile(r'^(vllm:[a-zA-Z_]+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of each ``vllm:*`` sample over its labels; ``num_gpu_blocks``/``block_size`` from cache_config_info."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if name == "vllm:cache_config_info" and labels:
-            for key in ("num_gpu_blocks", "block_size"):
-                lm = re.search(rf'{key}="(\d+)"', labels)
-                if lm:
-                    out[key] = float(lm.group(1))
-            continue
-        out[name] = out.get(name, 0.0) + v
-    return out
+#: counters the HTTP backend reports as deltas since its start
+_COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
 
 class HTTPBackend:
     """An OpenAI-compatible vLLM server: ``/v1/completions`` with token-id prompts and ``vllm_xargs``.
 
     Telemetry comes from the server's ``/metrics`` (KV usage, running/waiting, preemptions), polled
-    every ``poll_s``; free blocks are derived from usage and ``cache_config_info``'s ``num_gpu_blocks``.
+    every ``poll_s``, read by the sidecar's parser (:func:`telemetry_from_metrics`): the same total
+    blocks (vLLM's null block excluded) and the same usage over data-parallel engines.
     """
 
     name = "http"
@@ -317,9 +283,10 @@ class HTTPBackend:
         self.vocab_size = vocab_size
         self._client = None
         self._poller: asyncio.Task | None = None
-        self._sample = EngineSample(0.0)
+        self._sample = Telemetry(0.0)
         self._metrics: dict[str, float] = {}
         self._metrics0: dict[str, float] | None = None
+        self._hit_counters: tuple[float, float] | None = None
 
     async def start(self) -> None:
         import httpx
@@ -354,17 +321,19 @@ class HTTPBackend:
             logger.debug("metrics poll failed: %s", e)
             return
         m = parse_prometheus(r.text)
-        self._metrics = m
-        base = self._metrics0 or {}
-        usage = m.get("vllm:kv_cache_usage_perc")
-        total = int(m["num_gpu_blocks"]) if "num_gpu_blocks" in m else None
-        free = round(total * (1.0 - usage)) if total is not None and usage is not None else None
-        pre = m.get("vllm:num_preemptions")
-        self._sample = EngineSample(
-            ts=self.clock(), free_blocks=free, num_blocks=total,
-            block_size=int(m["block_size"]) if "block_size" in m else None, kv_usage=usage,
-            preemptions=int(pre - base.get("vllm:num_preemptions", 0.0)) if pre is not None else None,
-            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)))
+        try:
+            tel, self._hit_counters = telemetry_from_metrics(m, self.clock(), self._hit_counters)
+        except MetricsError as e:
+            logger.debug("metrics poll: %s", e)
+            return
+        self._metrics = {name: v for name in _COUNTERS
+                         if (v := metric_sum(m, name + "_total", name)) is not None}
+        if self._metrics0 is None:  # the first reading is the baseline
+            self._metrics0 = dict(self._metrics)
+        base = self._metrics0
+        if tel.preemptions is not None:
+            tel = replace(tel, preemptions=int(tel.preemptions - base.get("vllm:num_preemptions", 0.0)))
+        self._sample = tel
 
     async def _poll(self) -> None:
         while True:
@@ -407,7 +376,7 @@ class HTTPBackend:
         return CallResult(ids, int(usage.get("prompt_tokens", len(prompt_ids))), details.get("cached_tokens"),
                           first, self.clock(), finish)
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         return self._sample
 
     def engine_stats(self) -> dict[str, Any]:

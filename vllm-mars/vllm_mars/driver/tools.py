@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_mars.admission.base import ToolStats
+
 logger = logging.getLogger(__name__)
 
 SANDBOX_MODES = ("auto", "bwrap", "landlock", "none")
@@ -50,13 +52,6 @@ class ToolResult:
     @property
     def duration_s(self) -> float:
         return self.end_ts - self.start_ts
-
-
-@dataclass(frozen=True)
-class ToolStats:
-    in_flight: int           # queued + running
-    workers: int | None      # None: unlimited (simulated tools do not queue)
-    ema_queue_wait_s: float | None
 
 
 def parse_cpu_list(spec: str | None) -> list[int]:

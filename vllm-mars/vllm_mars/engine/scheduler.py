@@ -34,7 +34,7 @@ from vllm_mars.config import parse_engine_config
 from vllm_mars.engine.compat import check_vllm_version
 from vllm_mars.engine.retention import RetentionStore
 from vllm_mars.policies import CallView, make_policy
-from vllm_mars.workflow import WorkflowInfo, workflow_from_extra_args
+from vllm_mars.workflow import WorkflowInfo, short_id, workflow_from_extra_args
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,20 @@ ENV_SCHED_LOG = "MARS_SCHED_LOG"
 
 _RUNNING = RequestStatus.RUNNING
 _ABORTED = RequestStatus.FINISHED_ABORTED
+#: Bound of the set of workflows already warned about a malformed tag (cleared when full).
+_MAX_WARNED = 10_000
+
+
+def _untagged(request_id: str) -> WorkflowInfo:
+    """The workflow of a call served without (or despite) its tags: itself alone."""
+    return WorkflowInfo(request_id, request_id, last_step=True, tagged=False)
+
+
+def _safe_str(v: Any) -> str:
+    try:
+        return short_id(str(v))
+    except ValueError:
+        return f"<{type(v).__name__}>"
 
 
 class PolicyQueue(RequestQueue):
@@ -51,6 +65,8 @@ class PolicyQueue(RequestQueue):
 
     Kept in reverse order so the head pops from the end of the list. With a gate, the queue
     reports itself empty while the policy holds its head, which is how vLLM's waiting loop stops.
+    Otherwise it behaves like vLLM's own queues: ``len``, iteration and indexing (``q[0]`` is the
+    head, ``q[-1]`` the tail, slices too) all follow scheduling order, ``in`` finds a request.
     """
 
     def __init__(self, owner: MarsSchedulerMixin, gated: bool = False) -> None:
@@ -110,7 +126,16 @@ class PolicyQueue(RequestQueue):
         return len(self._items)
 
     def __iter__(self) -> Iterator[Request]:
-        return reversed(self._sorted())
+        return iter(self._sorted()[::-1])
+
+    def __getitem__(self, index: int | slice) -> Request | list[Request]:
+        return self._sorted()[::-1][index]
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._items
+
+    def __repr__(self) -> str:
+        return f"PolicyQueue({[r.request_id for r in self]!r}, gated={self._gated})"
 
 
 class _CountingPublisher:
@@ -188,7 +213,8 @@ class MarsSchedulerMixin:
             self._kv_events = self.kv_event_publisher = _CountingPublisher(self.kv_event_publisher)
         policy.bind(self)
         path = os.environ.get(ENV_SCHED_LOG)
-        self._sched_log = open(path, "a", buffering=1) if path else None
+        self._sched_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in shutdown()
+        self._warned: set[str] = set()
         logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
 
     # -- injectable clock -------------------------------------------------------------------------
@@ -226,6 +252,8 @@ class MarsSchedulerMixin:
 
     # -- seams ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Admit a request to the policy. Nothing a client sends raises out of here: a malformed
+        tag (or a policy that rejects the tagged call) makes it an untagged one-call workflow."""
         rid = request.request_id
         if rid not in self.requests:
             now = self.clock.now()
@@ -234,24 +262,43 @@ class MarsSchedulerMixin:
             wf = self._workflow_of(request)
             call = CallView(request, wf, now, self._seq)
             self._seq += 1
+            try:
+                self.mars_policy.on_arrival(call)
+            except Exception as e:  # a client value the policy cannot take
+                if not wf.tagged:
+                    raise
+                self._warn_bad_tag(request, wf.workflow, f"policy rejected the tags ({e!r})")
+                wf = _untagged(rid)
+                call = CallView(request, wf, now, call.seq)
+                self.mars_policy.on_arrival(call)
             self._calls[rid] = call
             if wf.workflow in self.retention:
                 self._returning[rid] = wf.workflow
-            self.mars_policy.on_arrival(call)
             if self._sched_log is not None:
                 self._log_event("arrive", call, prompt_tokens=request.num_prompt_tokens,
                                 extra_args=request.sampling_params.extra_args if request.sampling_params else None)
         super().add_request(request)
 
-    @staticmethod
-    def _workflow_of(request: Request) -> WorkflowInfo:
+    def _workflow_of(self, request: Request) -> WorkflowInfo:
         sp = request.sampling_params
+        extra = sp.extra_args if sp is not None else None
         try:
-            return workflow_from_extra_args(sp.extra_args if sp is not None else None, request.request_id)
-        except ValueError as e:
-            # A bad tag must not take the engine down: serve the call as a one-call workflow.
-            logger.warning("request %s: %s; serving it as a one-call workflow", request.request_id, e)
-            return WorkflowInfo(request.request_id, request.request_id, last_step=True, tagged=False)
+            return workflow_from_extra_args(extra, request.request_id)
+        except Exception as e:  # noqa: BLE001 - any bad tag: serve the call untagged
+            claimed = extra.get("mars_workflow") if isinstance(extra, dict) else None
+            self._warn_bad_tag(request, claimed if isinstance(claimed, str) else None, str(e))
+            return _untagged(request.request_id)
+
+    def _warn_bad_tag(self, request: Request, workflow: str | None, why: str) -> None:
+        """Log a malformed tag once per claimed workflow (once per request when none is claimed)."""
+        key = workflow if workflow is not None else request.request_id
+        if key in self._warned:
+            return
+        if len(self._warned) >= _MAX_WARNED:
+            self._warned.clear()
+        self._warned.add(key)
+        logger.warning("request %s (workflow %s): %s; serving it as an untagged one-call workflow",
+                       short_id(request.request_id), short_id(workflow), why)
 
     def schedule(self, throttle_prefills: bool = False):
         policy = self.mars_policy
@@ -345,12 +392,28 @@ class MarsSchedulerMixin:
         super()._free_blocks(request)
 
     def _log_event(self, event: str, call: CallView, **fields: Any) -> None:
+        """One JSON line per arrival/end; ids are capped (:func:`short_id`) and a value that cannot be
+        written (e.g. an int beyond Python's str limit in extra_args) never fails the call."""
         wf = call.workflow
         rec = {"ts": self.clock.now(), "event": event, "policy": self.mars_config.policy,
-               "request_id": call.request_id,
-               "workflow": wf.workflow, "root": wf.root, "parent": wf.parent, "turn": wf.turn,
-               "last_step": wf.last_step, "tool": wf.tool, "tagged": wf.tagged, **fields}
-        self._sched_log.write(json.dumps(rec, default=str) + "\n")
+               "request_id": short_id(call.request_id),
+               "workflow": short_id(wf.workflow), "root": short_id(wf.root), "parent": short_id(wf.parent),
+               "turn": wf.turn, "last_step": wf.last_step, "tool": short_id(wf.tool), "tagged": wf.tagged,
+               **fields}
+        if isinstance(rec.get("extra_args"), dict):
+            rec["extra_args"] = {short_id(str(k)): short_id(v) for k, v in rec["extra_args"].items()}
+        try:
+            line = json.dumps(rec, default=str)
+        except (TypeError, ValueError):
+            rec["extra_args"] = "<not serialisable>"
+            line = json.dumps(rec, default=_safe_str)
+        self._sched_log.write(line + "\n")
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        log, self._sched_log = getattr(self, "_sched_log", None), None
+        if log is not None:
+            log.close()
 
     def _maybe_retain(self, request: Request, call: CallView) -> None:
         blocks = [b for group in self.kv_cache_manager.get_blocks(request.request_id).blocks
@@ -421,6 +484,14 @@ class MarsSchedulerMixin:
 
         pool._emit_block_removed_events = counting_emit
         self._kv_events = counter
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's reset, after dropping retained KV: a retained block is referenced, so vLLM's
+        reset (and every pause/sleep that clears caches) would fail while any is held."""
+        if self.retention:
+            self.release_retention()
+        self._returning.clear()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
 
     def release_retention(self, now: float | None = None) -> int:
         """Drop every retained entry (shutdown, tests). Returns the blocks released."""
