@@ -59,6 +59,15 @@ if [[ "${1:-}" == --check-gpu-only ]]; then
 fi
 TARGET=$(check_platform)
 
+# bubblewrap: the real-tool sandbox's strongest mode (tests cover it when present). Best effort,
+# only as root with apt; without it the tool plane uses Landlock.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+  log "installing bubblewrap (real-tool sandbox)"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } \
+    || log "bubblewrap not installed; real tools will use Landlock"
+fi
+
 STAMP="$VENV/.mars-setup-stamp"
 WANT="$TARGET $(sha256sum pyproject.toml | cut -c1-16) $("$PY" -c 'import sys; print(sys.version.split()[0])')"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c 'import vllm_mars' 2>/dev/null; then

@@ -28,7 +28,13 @@ from vllm_mars.engine.rig import (
     step,
 )
 from vllm_mars.policies import available_policies
-from vllm_mars.workflow import MAX_TAG_INT, WORKFLOW_KEYS, WorkflowInfo, workflow_from_extra_args
+from vllm_mars.workflow import (
+    MAX_ID_CHARS,
+    MAX_TAG_INT,
+    WORKFLOW_KEYS,
+    WorkflowInfo,
+    workflow_from_extra_args,
+)
 
 # infercept_swap refuses the CPU platform the rig runs on (by design).
 POLICIES = [p for p in available_policies() if p != "infercept_swap"]
@@ -59,6 +65,7 @@ def test_tag_parser_raises_only_value_error_and_bounds_what_it_accepts(xargs):
     assert info.prefill_tokens is None or 0 <= info.prefill_tokens <= MAX_TAG_INT
     float(info.turn)  # policies do float arithmetic on tags: never an OverflowError
     assert isinstance(info.last_step, bool)
+    assert all(v is None or 0 < len(v) <= MAX_ID_CHARS for v in (info.workflow, info.root, info.parent, info.tool))
 
 
 @pytest.mark.parametrize("value", [1e400, -1e400, math.inf, math.nan, 2**1024, "1e400", 1.5, -1, [1], {"a": 1}])
@@ -92,12 +99,7 @@ def test_no_client_tag_raises_out_of_add_request_or_schedule(policy):
                 continue
             s.add_request(r)
             reqs.append(r)
-        for _ in range(50):
-            if not s.has_requests():
-                break
-            step(s)
-            assert_block_invariants(s)
-            clock.advance(0.01)
+        _steps(s, clock, 50)
         assert all(r.is_finished() for r in reqs)
 
     serve()
@@ -127,8 +129,8 @@ def test_sched_log_caps_ids_writes_hostile_values_and_closes(tmp_path, monkeypat
     path = tmp_path / "sched.jsonl"
     monkeypatch.setenv("MARS_SCHED_LOG", str(path))
     s = make_scheduler("fcfs", num_blocks=64, block_size=16)
-    big = "w" * 10_000_000
-    s.add_request(make_request("a", prompt_len=20, max_tokens=1, workflow=big, turn=0))
+    big = "w" * 10_000_000  # beyond MAX_ID_CHARS: served untagged, and never written whole
+    s.add_request(make_request("a" * 5_000_000, prompt_len=20, max_tokens=1, workflow=big, turn=0))
     s.add_request(make_request("b", prompt_len=20, max_tokens=1,
                                extra_args={"mars_workflow": "\ud800", "mars_turn": 1e400, "x": [math.nan]}))
     while s.has_requests():
@@ -140,7 +142,8 @@ def test_sched_log_caps_ids_writes_hostile_values_and_closes(tmp_path, monkeypat
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and max(map(len, lines)) < 2000, [len(x) for x in lines]
     first, second = json.loads(lines[0]), json.loads(lines[1])
-    assert first["workflow"].endswith("(10000000 chars)")
+    assert first["request_id"].endswith("(5000000 chars)") and first["tagged"] is False
+    assert first["extra_args"]["mars_workflow"].endswith("(10000000 chars)")
     assert second["tagged"] is False and second["extra_args"]["mars_workflow"] == "\ud800"
 
 
@@ -160,13 +163,18 @@ def _loaded(policy: str, clock: VirtualClock):
     return s
 
 
-def _drain(s, clock: VirtualClock) -> None:
-    for _ in range(500):
+def _steps(s, clock: VirtualClock, most: int) -> None:
+    """Step until idle (at most ``most`` steps), checking block invariants, 10 ms a step."""
+    for _ in range(most):
         if not s.has_requests():
             break
         step(s)
         assert_block_invariants(s)
         clock.advance(0.01)
+
+
+def _drain(s, clock: VirtualClock) -> None:
+    _steps(s, clock, 500)
     clock.advance(10_000)
     s.schedule()
     s.release_retention()

@@ -75,3 +75,30 @@ def test_hostile_vllm_xargs_never_crash_the_engine(openai_server):
                    json={"model": "tiny", "prompt": "def bar(y): return y", "max_tokens": 3, "ignore_eos": True,
                          "vllm_xargs": {"mars_workflow": "after", "mars_turn": 0}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_http_backend_abort_stops_the_call_in_the_server(openai_server):
+    """Backend.abort over HTTP: the stream is closed, vLLM aborts the request (it keeps no KV)."""
+    import asyncio
+
+    from vllm_mars.driver.backends import HTTPBackend
+
+    async def go():
+        b = HTTPBackend(openai_server.url, time.monotonic, poll_s=5.0)
+        await b.start()
+        try:
+            task = asyncio.create_task(b.generate("abort-http-1", list(range(10, 60)), 1900, {}))
+            await asyncio.sleep(0.5)
+            await b.abort("abort-http-1")
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                raise AssertionError("the aborted call returned")
+        finally:
+            await b.close()
+
+    asyncio.run(go())
+    end = next(e for e in _sched_events(openai_server, "abort-http-1") if e["event"] == "end")
+    assert end["aborted"] is True and end["output_tokens"] < 1900, end

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"mars {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -132,6 +132,37 @@ def check_options(cls: type, options: Mapping[str, Any] | None, *, owner: str = 
         raise ValueError(f"{cls.__name__}: {e}") from None
 
 
+def check_engine_options(policy: str, policy_options: Mapping[str, Any] | None = None) -> None:
+    """Validate a scheduler policy name and its options the way the engine will at start, so a
+    launcher (``mars serve``, ``mars replay``) can fail in one line before starting vLLM."""
+    from vllm_mars.policies import make_policy
+
+    make_policy(policy, policy_options)
+
+
+#: Ranges of ReplayConfig's numeric fields (``check_value`` keywords); ``None`` values skip the check.
+REPLAY_RANGES: dict[str, dict[str, float]] = {
+    "rps": {"above": 0, "maximum": 1e6},
+    "num_workflows": {"minimum": 1, "maximum": 1e7},
+    "seed": {"minimum": 0},
+    "num_blocks": {"minimum": 0},  # 0: vLLM's own sizing
+    "block_size": {"minimum": 1, "maximum": 4096},
+    "max_model_len": {"minimum": 1},
+    "max_num_seqs": {"minimum": 1},
+    "max_num_batched_tokens": {"minimum": 1},
+    "tool_timeout_s": {"above": 0, "maximum": 86_400},
+    "sample_interval_s": {"minimum": 0.01, "maximum": 3600},
+    "call_timeout_s": {"above": 0, "maximum": 86_400},
+}
+
+
+def check_fields(obj: Any, ranges: Mapping[str, Mapping[str, float]], prefix: str = "") -> None:
+    """``check_value`` on every field of dataclass instance ``obj`` (types from its annotations,
+    ranges from ``ranges``); the error names ``prefix + field``."""
+    for f in dataclasses.fields(obj):
+        check_value(prefix + f.name, f.type, getattr(obj, f.name), **ranges.get(f.name, {}))
+
+
 def dataclass_doc(cls: type) -> list[tuple[str, Any]]:
     """(field, default) pairs of a config dataclass, for ``mars policies`` listings."""
     out = []

@@ -45,7 +45,10 @@ class WorkflowInfo:
 #: Largest integer tag accepted (``mars_turn``, ``mars_prefill_tokens``): exact as a float, so
 #: policies may do float arithmetic on it without OverflowError.
 MAX_TAG_INT = 2**53
-#: Longest id kept verbatim in logs and events (:func:`short_id`); ids themselves are not cut.
+#: Longest id a tag may carry (``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_tool``):
+#: policies keep per-workflow and per-tool state keyed by them, so their size is bounded.
+MAX_ID_CHARS = 1024
+#: Longest id kept verbatim in logs and events (:func:`short_id`).
 LOG_ID_CHARS = 200
 
 
@@ -100,11 +103,12 @@ def _as_int(key: str, v: Any, minimum: int) -> int:
 def _as_id(key: str, v: Any) -> str | None:
     if v is None:
         return None
-    if isinstance(v, str) and v:
+    if isinstance(v, str) and 0 < len(v) <= MAX_ID_CHARS:
         return v
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_TAG_INT:
         return str(v)
-    raise ValueError(f"extra_args[{key!r}] must be a non-empty string, got {_show(v)}")
+    raise ValueError(f"extra_args[{key!r}] must be a non-empty string of at most {MAX_ID_CHARS} characters, "
+                     f"got {_show(v)}")
 
 
 def workflow_from_extra_args(extra_args: Mapping[str, Any] | None, request_id: str) -> WorkflowInfo:

@@ -269,9 +269,11 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
+    from vllm_mars.config import check_engine_options
     from vllm_mars.engine.local import server_args
     from vllm_mars.policies import make_policy
 
+    check_engine_options(args.policy, _kv(args.policy_option, "--policy-option"))  # before vLLM starts
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")

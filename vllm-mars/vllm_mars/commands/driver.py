@@ -33,7 +33,9 @@ def _floats(s: str, flag: str) -> list[float]:
 
 
 def _common(p: argparse.ArgumentParser, compare: bool) -> None:
-    from vllm_mars.driver.runner import DEFAULT_WORKLOAD
+    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, ReplayConfig
+
+    d = ReplayConfig()  # the one place the driver's engine and tool defaults live
 
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
                    help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
@@ -75,9 +77,13 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
                    help="tool cores, e.g. 0-3 (env CPU_TOOL); real tools pin one call per core")
     p.add_argument("--cpu-gpu", default=os.environ.get("CPU_GPU"),
                    help="cores for the driver and engine, e.g. 4-7 (env CPU_GPU)")
-    p.add_argument("--tool-timeout", type=float, default=300.0, help="real tool timeout in seconds (default 300)")
+    p.add_argument("--tool-timeout", type=float, default=d.tool_timeout_s,
+                   help="real tool timeout in seconds (default %(default)s)")
     p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
-                   help="real-tool write sandbox (default auto: bwrap, else Landlock)")
+                   help="real-tool sandbox: writes to the workspace only, reads to it and system dirs, no "
+                        "network (default auto: bwrap, else Landlock)")
+    p.add_argument("--tool-net-allow", action="append", type=int, default=[], metavar="PORT",
+                   help="TCP port real tools may connect to (repeatable; Landlock sandbox; default: none)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the cost-model calibration (no T_ideal, so no goodput)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -166,6 +172,7 @@ def _config(args: argparse.Namespace, num_blocks: int | None = None, **kw):
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
+        tool_net_allow=args.tool_net_allow,
         calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
         **kw)
 

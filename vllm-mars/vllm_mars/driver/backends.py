@@ -73,8 +73,14 @@ class Backend(Protocol):
         """Replays pass ``ignore_eos`` (exact output lengths); live agents let the model stop."""
         ...
 
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` in the engine and free its KV (a call the driver gave up on, e.g. timed
+        out); a no-op for a request that already finished. ``generate`` calls it when cancelled."""
+        ...
+
     def sample(self) -> Telemetry:
-        """The latest engine state (cheap; called by the telemetry loop)."""
+        """The latest engine state (cheap; called by the telemetry loop). ``ts`` is when it was read
+        from the engine, so a reader can tell a stale sample (a stuck or dead engine) from a fresh one."""
         ...
 
     def engine_stats(self) -> dict[str, Any]:
@@ -160,6 +166,9 @@ class InProcessBackend:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         break
+                    if cmd[0] == "abort":
+                        engine.abort_request([cmd[1]])
+                        continue
                     rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
@@ -170,6 +179,7 @@ class InProcessBackend:
                         pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    self._snapshot()  # idle but alive: the sample stays fresh
                     continue
                 t0 = time.perf_counter()
                 if pending is not None:
@@ -228,7 +238,17 @@ class InProcessBackend:
         self._pending[request_id] = (fut, {"ids": [], "first": None, "cached": None, "prompt": len(prompt_ids)})
         self._cmds.put((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
         self._wake.set()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # timed out or abandoned: the engine must not keep it
+            await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is None:
+            return  # finished (or never sent)
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
 
     def set_cost_model(self, cost: Any) -> None:
         """Hand the calibrated cost model to the scheduler's policy (pinned: no online refits)."""
@@ -237,9 +257,9 @@ class InProcessBackend:
             setter(cost)
 
     def sample(self) -> Telemetry:
-        # Scheduler state only changes inside a step, and the snapshot is taken after every step:
-        # it is current now (a step in flight shows up when it ends).
-        return replace(self._sample, ts=self.clock())
+        # Taken by the stepper thread after every step and every idle wait (50 ms): its ts is when
+        # the engine was last seen alive, so a dead or stuck stepper shows up as stale telemetry.
+        return self._sample
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -289,6 +309,7 @@ class HTTPBackend:
         self.vocab_size = vocab_size
         self._client = None
         self._poller: asyncio.Task | None = None
+        self._streams: dict[str, asyncio.Task] = {}
         self._sample = Telemetry(0.0)
         self._metrics: dict[str, float] = {}
         self._metrics0: dict[str, float] | None = None
@@ -304,8 +325,10 @@ class HTTPBackend:
         try:
             r = await self._client.get("/v1/models")
             r.raise_for_status()
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"HTTP backend {self.url}: cannot list models ({e})") from e
+        except (httpx.HTTPError, OSError) as e:
+            await self._client.aclose()
+            raise ConnectionError(f"--backend http --url {self.url}: cannot reach the server's /v1/models "
+                                  f"({type(e).__name__}: {e})") from None
         models = [m["id"] for m in r.json().get("data", [])]
         if self.model is None:
             if not models:
@@ -348,6 +371,26 @@ class HTTPBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                        extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
+        # The stream runs as its own task so abort() can cancel it: closing the connection is how
+        # vLLM's server learns to abort the request (and free its KV).
+        task = asyncio.ensure_future(self._stream(request_id, prompt_ids, max_tokens, extra_args, ignore_eos))
+        self._streams[request_id] = task
+        try:
+            return await task
+        finally:
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        task = self._streams.pop(request_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - it is being thrown away
+                logger.debug("aborted %s: %r", request_id, e)
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                      extra_args: Mapping[str, Any], ignore_eos: bool) -> CallResult:
         xargs = {k: (int(v) if isinstance(v, bool) else v) for k, v in extra_args.items() if v is not None}
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
                 "ignore_eos": ignore_eos, "temperature": 0.0, "stream": True, "return_token_ids": True,

@@ -97,6 +97,8 @@ class ReplayConfig:
     tool_timeout_s: float = 300.0
     #: auto, bwrap, landlock or none
     sandbox: str = "auto"
+    #: TCP ports real tools may connect to (Landlock); none by default: no network
+    tool_net_allow: list[int] = field(default_factory=list)
     #: kv_sample period in seconds of the run clock (None: 0.1 s, or 1 s of virtual time for sim,
     #: whose runs last hours of virtual time)
     sample_interval_s: float | None = None
@@ -131,6 +133,10 @@ class ReplayConfig:
         return self.max_model_len
 
     def validate(self) -> None:
+        """Every option, before anything starts (one-line ValueErrors naming the option)."""
+        from vllm_mars.config import REPLAY_RANGES, check_fields
+
+        check_fields(self, REPLAY_RANGES)
         if self.arrival not in ARRIVAL_PROCESSES:
             raise ValueError(f"arrival {self.arrival!r} unknown; allowed: {', '.join(ARRIVAL_PROCESSES)}")
         if self.arrival != "trace" and not self.rps > 0:
@@ -154,6 +160,15 @@ class ReplayConfig:
                              "the server (mars serve --engine-arg ...); the sim takes its engine from --profile")
         if self.sample_interval_s is not None and not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        from vllm_mars.config import check_engine_options
+        from vllm_mars.driver.tools import SANDBOX_MODES
+
+        if self.sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox {self.sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
+        p = check_policy(self.policy)
+        if self.backend == "inprocess":
+            check_engine_options(p.scheduler_policy, self.policy_options)
+        make_controller(p.controller, self.admission_options)
 
     def call_timeout(self) -> float | None:
         if self.call_timeout_s is not None:
@@ -340,7 +355,7 @@ class Replay:
             self.ctrl.set_cost_model(cost)
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
-                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
         self.events = EventLog(out / "events.jsonl", clock)
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
@@ -550,15 +565,23 @@ class Replay:
                          backend=self.cfg.backend, workload=self.cfg.workload, rps=self.cfg.rps,
                          arrival=self.cfg.arrival, workflows=len(self.order), tools=self.cfg.tools,
                          sandbox=getattr(self.tools, "sandbox", None),
+                         sandbox_protections=getattr(self.tools, "protections", None),
                          t_ideal_source=self.cost.source if self.cost else None,
                          cost_model=self.cost.as_dict() if self.cost else None)
         self._sample()
         workers = [asyncio.create_task(c) for c in (self._arrivals(), self._control(), self._sampler())]
+        done_wait = asyncio.create_task(self.all_done.wait())
         try:
-            await self.all_done.wait()
+            # A worker that raises ends the run with its error (waiting on all_done alone would hang).
+            pending: set[asyncio.Task] = {done_wait, *workers}
+            while not self.all_done.is_set():
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in finished:
+                    if t is not done_wait and t.exception() is not None:
+                        raise t.exception()
             await asyncio.gather(*workers)
         finally:
-            for w in workers:
+            for w in (*workers, done_wait):
                 w.cancel()
             for t in list(self.tasks):
                 t.cancel()
@@ -582,7 +605,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         plans = select_plans(load_live_plans(cfg.workload, tokenizer), cfg.num_workflows)
         live = (tokenizer, LiveOptions())
     else:
-        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
+        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed, max_model_len=cfg.effective_max_model_len()),
+                             cfg.num_workflows)
     check_context(plans, cfg.effective_max_model_len())
     arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
                              trace=[p.arrival_s for p in plans])
