@@ -44,15 +44,18 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
                                                   "the served model name (default: the server's first)")
-    from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
-
-    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS if compare else 96,
+    p.add_argument("--profile", default=None,
+                   help="step-time profile for --backend sim (shipped name, e.g. h200-qwen3-coder-30b-a3b, or a "
+                        "profile file); it sets the KV pool and the engine limits below")
+    p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
-                        "for GPUs; default %(default)s)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens, a multiple of 32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=2048, help="context limit (lowered to what the KV holds)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
+                        f"for GPUs; default {_engine_defaults(compare)['num_blocks']})")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens, a multiple of 32 on CPU "
+                                                                "(default 32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (lowered to what the KV holds; default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 1024)")
     p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
                    help="scheduler policy option (repeatable; see `mars policies`)")
     p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
@@ -83,11 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "mars-no-admission (env SCHEDULING_POLICY; default fcfs)")
     p.add_argument("--rps", type=float, default=float(os.environ.get("RPS", "1.0")),
                    help="root arrivals per second (env RPS; default 1.0)")
-    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+    p.add_argument("--backend", choices=("inprocess", "http", "sim"), default="inprocess",
                    help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "
                         "scheduler policy applies; --policy then selects only the driver-side admission "
                         "controller: against `mars serve` or the sidecar, which admit on their own, use a "
-                        "policy without admission such as fcfs)")
+                        "policy without admission such as fcfs); sim: the virtual-time engine (vLLM's scheduler "
+                        "with the step times of --profile, no model; hours of agent time in seconds)")
     p.add_argument("--url", default=None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
     p.set_defaults(func=_replay)
 
@@ -102,6 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policies (default %(default)s)")
+    p.add_argument("--backend", choices=("inprocess", "sim"), default="inprocess",
+                   help="inprocess: vLLM in this process (default); sim: the virtual-time engine with --profile")
     p.add_argument("--rps", default=",".join(f"{r:g}" for r in DEFAULT_RPS),
                    help="comma-separated arrival rates (default %(default)s)")
     p.set_defaults(func=_compare)
@@ -111,13 +117,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
-def _config(args: argparse.Namespace, **kw):
+_SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _engine_defaults(compare: bool) -> dict[str, int]:
+    from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
+
+    return {"num_blocks": DEFAULT_NUM_BLOCKS if compare else 96, "block_size": 32, "max_model_len": 2048,
+            "max_num_seqs": 32, "max_num_batched_tokens": 1024}
+
+
+def _engine_shape(args: argparse.Namespace, backend: str, compare: bool) -> dict:
+    """The engine-shape flags: the CPU engine's defaults, or the sim profile's (which they may not override)."""
+    given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+    if backend == "sim":
+        if not args.profile:
+            raise ValueError("--backend sim needs --profile (a step-time profile name or file)")
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {args.profile}")
+        return {}
+    if args.profile:
+        raise ValueError("--profile applies to --backend sim only")
+    shape = {**_engine_defaults(compare), **given}
+    shape["num_blocks"] = shape["num_blocks"] or None
+    return shape
+
+
+def _config(args: argparse.Namespace, compare: bool = False, **kw):
     from vllm_mars.driver.runner import ReplayConfig
 
+    backend = kw.get("backend", getattr(args, "backend", "inprocess"))
+    kw.setdefault("backend", backend)
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, num_blocks=args.num_blocks or None, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=args.model, profile=args.profile, **_engine_shape(args, backend, compare),
         policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
@@ -160,7 +194,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     _check_workload(args.workload)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    cfg = _config(args)
+    cfg = _config(args, compare=True)
     out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
     print(format_table(record))
     print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "

@@ -60,6 +60,18 @@ class EngineSample:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
+    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
+    telemetry, read straight from the scheduler."""
+    st = s.mars_stats()
+    free, total = st["free_blocks"], st["num_blocks"]
+    return EngineSample(
+        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
+        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
+        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
+        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
+
+
 class Backend(Protocol):
     name: str
     #: tokenizer vocabulary size (token ids in prompts must be below it); None until started
@@ -163,16 +175,7 @@ class InProcessBackend:
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
     def _snapshot(self, now: float | None = None) -> None:
-        s = self.scheduler
-        st = s.mars_stats()
-        free, total = st["free_blocks"], st["num_blocks"]
-        self._stats = st
-        self._sample = EngineSample(
-            ts=self.clock() if now is None else now, free_blocks=free, num_blocks=total,
-            block_size=st["block_size"], kv_usage=(1.0 - free / total) if total else None,
-            retained_blocks=st["retained_blocks"], preemptions=st["preemptions"],
-            recomputed_tokens=st["recomputed_tokens"], kv_blocks_removed=st.get("kv_blocks_removed"),
-            running=len(s.running), waiting=len(s.waiting))
+        self._sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:

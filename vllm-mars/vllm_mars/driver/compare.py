@@ -69,6 +69,8 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
         raise ValueError("no policies to compare")
     for p in policies:
         check_policy(p)
+    base.validate()
+    base = base.with_profile()
     out = Path(out) if out else Path("runs") / f"compare_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     cost = None
@@ -80,6 +82,7 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
     record = compare_record(base.workload, summaries, dirs)
     record["config"] = {"policies": list(policies), "rps": list(rps_list), "num_workflows": base.num_workflows,
                         "num_blocks": base.num_blocks, "block_size": base.block_size, "backend": base.backend,
+                        "profile": base.profile,
                         "model": base.model or "tiny (vllm_mars.tiny_model)", "arrival": base.arrival,
                         "seed": base.seed, "tools": base.tools}
     record["cost_model"] = cost.as_dict() if cost else None

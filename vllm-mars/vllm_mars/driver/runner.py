@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,12 @@ from vllm_mars.metrics.ideal import CostModel, ideal_time
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+BACKENDS = ("inprocess", "http", "sim")
+#: kv_sample periods: real engines, and the sim (hours of virtual time; 1 s keeps the log small)
+SAMPLE_INTERVAL_S = 0.1
+SIM_SAMPLE_INTERVAL_S = 1.0
+#: the long solo prompt of the sim's calibration (tokens)
+SIM_CALIBRATE_PROMPT = 8192
 #: The bundled compact workload (``mars compare`` with no arguments runs it).
 DEFAULT_WORKLOAD = REPO_ROOT / "benchmark" / "workloads" / "compact.jsonl"
 
@@ -54,8 +60,12 @@ class ReplayConfig:
     num_workflows: int | None = None
     #: seed for token ids and Poisson arrivals
     seed: int = 0
-    #: inprocess (vLLM LLMEngine in this process) or http (an OpenAI-compatible server)
+    #: inprocess (vLLM LLMEngine in this process), http (an OpenAI-compatible server) or sim (the
+    #: virtual-time engine: vLLM's scheduler with a step-time profile instead of a model)
     backend: str = "inprocess"
+    #: step-time profile of the sim backend (shipped name or file); it sets the engine shape
+    #: (KV blocks, block size, max_model_len, max_num_seqs, max_num_batched_tokens)
+    profile: str | None = None
     #: server URL for the http backend
     url: str | None = None
     #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
@@ -80,8 +90,9 @@ class ReplayConfig:
     tool_timeout_s: float = 300.0
     #: auto, bwrap, landlock or none
     sandbox: str = "auto"
-    #: kv_sample period (s)
-    sample_interval_s: float = 0.1
+    #: kv_sample period in seconds of the run clock (None: 0.1 s, or 1 s of virtual time for sim,
+    #: whose runs last hours of virtual time)
+    sample_interval_s: float | None = None
     #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
     calibrate: bool = True
     #: seconds a single LLM call may take before the workflow fails
@@ -93,7 +104,7 @@ class ReplayConfig:
 
     def effective_max_model_len(self) -> int:
         """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
-        if self.backend == "inprocess" and self.num_blocks:
+        if self.backend in ("inprocess", "sim") and self.num_blocks:
             return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         return self.max_model_len
 
@@ -102,31 +113,58 @@ class ReplayConfig:
             raise ValueError(f"arrival {self.arrival!r} unknown; allowed: {', '.join(ARRIVAL_PROCESSES)}")
         if self.arrival != "trace" and not self.rps > 0:
             raise ValueError(f"rps must be > 0, got {self.rps}")
-        if self.backend not in ("inprocess", "http"):
-            raise ValueError(f"backend {self.backend!r} unknown; allowed: inprocess, http")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} unknown; allowed: {', '.join(BACKENDS)}")
         if self.backend == "http" and not self.url:
             raise ValueError("the http backend needs --url")
+        if self.backend == "sim" and not self.profile:
+            raise ValueError("the sim backend needs --profile (a step-time profile name or file)")
+        if self.backend == "sim" and self.tools != "simulated":
+            raise ValueError("the sim backend runs in virtual time: --tools must be simulated")
         if self.num_workflows is not None and self.num_workflows < 1:
             raise ValueError(f"num_workflows must be >= 1, got {self.num_workflows}")
         if self.tools not in ("simulated", "real"):
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
-        if self.sample_interval_s <= 0:
+        if self.sample_interval_s is not None and not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+
+    def sample_interval(self) -> float:
+        if self.sample_interval_s is not None:
+            return self.sample_interval_s
+        return SIM_SAMPLE_INTERVAL_S if self.backend == "sim" else SAMPLE_INTERVAL_S
+
+    def with_profile(self) -> ReplayConfig:
+        """For the sim backend: this config with the engine shape of its profile (else itself)."""
+        if self.backend != "sim":
+            return self
+        from vllm_mars.sim.engine import get_profile
+
+        p = get_profile(self.profile)
+        return replace(self, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_model_len=p.max_model_len,
+                       max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+                       policy_options=dict(self.policy_options), admission_options=dict(self.admission_options))
 
 
 class RunClock:
-    """Seconds since the run start (monotonic); before ``start`` it counts from construction."""
+    """Seconds since the run start on ``time_fn`` (the event loop's clock: monotonic on a real loop,
+    virtual in the simulator); before ``start`` it counts from construction. ``epoch`` is the wall
+    time of the start, None on a virtual clock (a virtual run has no wall-clock instant)."""
 
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-        self.epoch = time.time()
+    def __init__(self, time_fn: Callable[[], float] = time.monotonic, virtual: bool = False) -> None:
+        self._time = time_fn
+        self.virtual = virtual
+        self.start()
+
+    @classmethod
+    def of_loop(cls, loop: asyncio.AbstractEventLoop) -> RunClock:
+        return cls(loop.time, bool(getattr(loop, "virtual", False)))
 
     def start(self) -> None:
-        self.t0 = time.monotonic()
-        self.epoch = time.time()
+        self.t0 = self._time()
+        self.epoch = None if self.virtual else time.time()
 
     def __call__(self) -> float:
-        return time.monotonic() - self.t0
+        return self._time() - self.t0
 
 
 def default_out_dir(policy: str) -> Path:
@@ -145,8 +183,6 @@ def select_plans(plans: list, n: int | None) -> list:
         raise ValueError("the workload has no workflows")
     if n is None or n <= len(plans):
         return plans[: n or len(plans)]
-    from dataclasses import replace
-
     def renamed(p, suffix, root, parent):
         wid = p.workflow_id + suffix
         kids = [(k, renamed(c, suffix, root, wid)) for k, c in p.children]
@@ -168,16 +204,22 @@ def check_context(plans: list, max_model_len: int) -> None:
                                  f"max_model_len={max_model_len}; raise --max-model-len or scale the workload down")
 
 
-async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, repeats: int = 2) -> CostModel:
-    """Fit the T_ideal cost model from solo calls on the idle engine (unique ids: no cache hits)."""
+async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, repeats: int = 2,
+                    long_prompt: int = 512) -> CostModel:
+    """Fit the T_ideal cost model from solo calls on the idle engine (unique ids: no cache hits).
+
+    Times are read on the event loop's clock: wall time on a real engine, virtual time in the
+    simulator (where the solo calls run through the same virtual engine, cheaply and exactly).
+    """
     rng = random.Random(seed)
-    p1, p2, n = 32, min(512, max_model_len // 2), 33
+    p1, p2, n = 32, min(long_prompt, max_model_len // 2), 33
+    loop_time = asyncio.get_running_loop().time
 
     async def solo(plen: int, out: int, i: int) -> float:
         ids = [rng.randrange(3, vocab) for _ in range(plen)]
-        t = time.monotonic()
+        t = loop_time()
         await backend.generate(f"mars-calibrate-{plen}-{out}-{i}", ids, out, {})
-        return time.monotonic() - t
+        return loop_time() - t
 
     await solo(p1, 2, -1)  # warm-up
     t1 = min([await solo(p1, 1, i) for i in range(repeats)])
@@ -191,6 +233,11 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
 
     if cfg.backend == "http":
         return backends.HTTPBackend(cfg.url, clock, model=cfg.model)
+    if cfg.backend == "sim":
+        from vllm_mars.sim.engine import SimBackend, get_profile
+
+        return SimBackend(get_profile(cfg.profile), clock, policy=scheduler_policy, policy_options=cfg.policy_options,
+                          seed=cfg.seed, max_model_len=cfg.effective_max_model_len())
     model = cfg.model
     if model is None:
         from vllm_mars.tiny_model import build_tiny_model
@@ -215,14 +262,14 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def status(self, active: int, queued: int, kv: float | None) -> None:
+    def status(self, active: int, queued: int, kv: float | None, t: float) -> None:
         if self.bar is not None:
-            now = time.monotonic()
+            now = time.monotonic()  # display throttling only: never reaches the run's records
             refresh = now - self._last >= 0.5
             if refresh:
                 self._last = now
-            self.bar.set_postfix_str(f"active={active} queued={queued} kv={'-' if kv is None else f'{kv:.0%}'}",
-                                     refresh=refresh)
+            self.bar.set_postfix_str(f"t={t:.0f}s active={active} queued={queued} "
+                                     f"kv={'-' if kv is None else f'{kv:.0%}'}", refresh=refresh)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -250,6 +297,7 @@ class Replay:
         self.events = EventLog(out / "events.jsonl", clock)
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
+        self.sample_interval = cfg.sample_interval()
         self.tasks: set[asyncio.Task] = set()
         self.remaining = len(plans)
         self.all_done = asyncio.Event()
@@ -323,13 +371,13 @@ class Replay:
         engine = {k: v for k, v in s.as_dict().items() if k != "ts"}
         self.events.emit("kv_sample", engine_ts=round(s.ts, 6), **engine, active=self.ctrl.num_active,
                          queued=self.ctrl.num_queued, tools_in_flight=tstats.in_flight)
-        self.progress.status(self.ctrl.num_active, self.ctrl.num_queued, s.kv_usage)
+        self.progress.status(self.ctrl.num_active, self.ctrl.num_queued, s.kv_usage, self.clock())
 
     async def _sampler(self) -> None:
         while not self.all_done.is_set():
             self._sample()
             try:
-                await asyncio.wait_for(self.all_done.wait(), self.cfg.sample_interval_s)
+                await asyncio.wait_for(self.all_done.wait(), self.sample_interval)
             except TimeoutError:
                 pass
 
@@ -472,10 +520,9 @@ class Replay:
 
 
 async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple[Path, CostModel | None]:
-    clock = RunClock()
+    clock = RunClock.of_loop(asyncio.get_running_loop())
     policy = check_policy(cfg.policy)
     from vllm_mars.workload.materialize import load_plans
-
     from vllm_mars.workload.schema import sniff_schema
 
     live = None
@@ -499,16 +546,20 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         if backend.vocab_size is not None and backend.vocab_size < 4096:
             raise ValueError(f"the model's vocabulary ({backend.vocab_size}) is below the workload's token ids (4096)")
         if cost is None and cfg.calibrate:
-            cost = await calibrate(backend, 4096, cfg.effective_max_model_len())
+            # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.
+            long_prompt = SIM_CALIBRATE_PROMPT if cfg.backend == "sim" else 512
+            cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=long_prompt)
         clock.start()
         replay = Replay(cfg, out, backend, plans, arrivals, clock, cost)
         replay.live = live
         await replay.run()
     finally:
-        await backend.close()
-        if replay is not None:
-            replay.events.emit("run_end", engine=backend.engine_stats())
-            replay.events.close()
+        try:
+            await backend.close()  # the sim backend raises here when the scheduler leaked
+        finally:
+            if replay is not None:
+                replay.events.emit("run_end", engine=backend.engine_stats())
+                replay.events.close()
     return out, cost
 
 
@@ -535,11 +586,17 @@ def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, 
     from vllm_mars.metrics.summary import summarize
 
     cfg.validate()
+    cfg = cfg.with_profile()
     check_policy(cfg.policy)
     out = Path(cfg.out) if cfg.out else default_out_dir(cfg.policy)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    out, cost = asyncio.run(_replay(cfg, out, cost))
+    if cfg.backend == "sim":
+        from vllm_mars.sim.loop import run_virtual
+
+        out, cost = run_virtual(_replay(cfg, out, cost))
+    else:
+        out, cost = asyncio.run(_replay(cfg, out, cost))
     summary = summarize(read_events(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_run_report(out, summary)

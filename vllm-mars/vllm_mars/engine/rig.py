@@ -16,18 +16,19 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_mars.clock import Clock
@@ -41,9 +42,13 @@ def config_only_model_dir() -> str:
     return str(write_config_only(Path(tempfile.mkdtemp(prefix="mars-cfg-only-"))))
 
 
+#: vLLM's default prefix-caching hash (``--prefix-caching-hash-algo``); the rig and the sim use it.
+DEFAULT_HASH = "sha256"
+
+
 @functools.cache
-def _hasher(block_size: int):
-    fn = get_hash_fn_by_name("sha256")
+def _hasher(block_size: int, hash_name: str = DEFAULT_HASH):
+    fn = get_hash_fn_by_name(hash_name)
     init_none_hash(fn)
     return get_request_block_hasher(block_size, fn)
 
@@ -51,8 +56,14 @@ def _hasher(block_size: int):
 def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
                      block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
-                     long_prefill_token_threshold: int = 0) -> VllmConfig:
-    model_config = ModelConfig(model=config_only_model_dir(), dtype="bfloat16", seed=0,
+                     long_prefill_token_threshold: int = 0, model_dir: str | None = None,
+                     kv_events: bool = False) -> VllmConfig:
+    """A VllmConfig over a config-only model dir (default: the tiny model's config.json).
+
+    ``kv_events=True`` turns on vLLM's KV cache events with the null publisher, as the in-process
+    backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals.
+    """
+    model_config = ModelConfig(model=model_dir or config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
     scheduler_config = SchedulerConfig(
@@ -61,25 +72,31 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
         policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     mars = {"policy": policy, **dict(policy_options or {})}
+    kw: dict[str, Any] = {}
+    if kv_events:
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
-                      additional_config={"mars": mars})
+                      additional_config={"mars": mars}, **kw)
 
 
 def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
                    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                    policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
-                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False) -> Scheduler:
+                   scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
+                   model_dir: str | None = None, kv_events: bool = False, log_stats: bool = True) -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
+    ``model_dir``/``kv_events``: see :func:`make_vllm_config`. No KV tensors exist: the pool is
+    bookkeeping only, so its size costs no memory beyond one small Python object per block.
     """
     vllm_config = make_vllm_config(
         policy=policy, policy_options=policy_options, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        long_prefill_token_threshold=long_prefill_token_threshold)
+        long_prefill_token_threshold=long_prefill_token_threshold, model_dir=model_dir, kv_events=kv_events)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
                                                       head_size=64, dtype=torch.bfloat16))])
@@ -87,7 +104,7 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
     cls = Scheduler if stock else scheduler_cls
     s = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
-            log_stats=True)
+            log_stats=log_stats)
     if clock is not None and isinstance(s, MarsSchedulerMixin):
         s.set_clock(clock)
     return s
@@ -98,8 +115,8 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                  workflow: str | None = None, root: str | None = None, parent: str | None = None,
                  turn: int | None = None, last_step: bool | None = None, tool: str | None = None,
                  extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
-                 seed: int | None = None) -> Request:
-    """A vLLM Request with ``ignore_eos`` and workflow metadata in ``extra_args``.
+                 seed: int | None = None, hash_name: str = DEFAULT_HASH, ignore_eos: bool = True) -> Request:
+    """A vLLM Request (``ignore_eos`` by default) with workflow metadata in ``extra_args``.
 
     Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
     the request id), so two requests share a prefix only when given the same ids.
@@ -112,10 +129,11 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                        ("mars_turn", turn), ("mars_last_step", last_step), ("mars_tool", tool)):
         if value is not None:
             xargs[key] = value
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=xargs or None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=xargs or None)
     kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
-                   pooling_params=None, priority=priority, block_hasher=_hasher(block_size), **kwargs)
+                   pooling_params=None, priority=priority,
+                   block_hasher=_hasher(block_size, hash_name), **kwargs)
 
 
 def fake_model_output(s: Scheduler, scheduler_output: Any, token: int = 42) -> ModelRunnerOutput:
@@ -125,6 +143,57 @@ def fake_model_output(s: Scheduler, scheduler_output: Any, token: int = 42) -> M
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[] if requests[r].is_prefill_chunk else [token] for r in ids])
+
+
+def batch_shape(s: Scheduler, scheduler_output: Any) -> tuple[list[tuple[int, int]], list[int]]:
+    """What the model would compute for ``scheduler_output`` (call right after ``schedule()``).
+
+    Returns ``(prefill, decode)``: ``(chunk_tokens, context_tokens_before_chunk)`` per request
+    computing prompt (or recomputed) tokens, and the context length per request decoding one
+    token. vLLM has already advanced ``num_computed_tokens`` by the chunk inside ``schedule()``.
+    """
+    prefill: list[tuple[int, int]] = []
+    decode: list[int] = []
+    requests = s.requests
+    for rid, n in scheduler_output.num_scheduled_tokens.items():
+        r = requests[rid]
+        before = r.num_computed_tokens - n
+        if n == 1 and before >= r.num_prompt_tokens:
+            decode.append(before)
+        else:
+            prefill.append((n, before))
+    return prefill, decode
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's output of a step, as the engine core reports it."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    #: prompt tokens served from the prefix cache (on the request's first output), else None
+    cached_tokens: int | None
+
+
+def step_outputs(outputs: Mapping[int, Any]) -> list[StepOutput]:
+    """The per-request outputs of ``update_from_output``'s return value, in vLLM's order."""
+    out: list[StepOutput] = []
+    for eco in outputs.values():
+        for o in eco.outputs:
+            stats = o.prefill_stats
+            reason = o.finish_reason
+            out.append(StepOutput(o.request_id, o.new_token_ids, reason is not None,
+                                  None if reason is None else str(reason),
+                                  None if stats is None else stats.num_cached_tokens))
+    return out
+
+
+def abort_request(s: Scheduler, request_id: str) -> None:
+    """Abort a request as the engine core does when its client goes away."""
+    if request_id in s.requests:
+        s.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
 
 def step(s: Scheduler, token: int = 42):

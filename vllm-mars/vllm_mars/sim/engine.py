@@ -1,0 +1,255 @@
+"""The virtual-time engine: vLLM's scheduler stack with the forward pass replaced by a step-time profile.
+
+``SimBackend`` implements the driver's ``Backend`` protocol. It builds the very scheduler the
+in-process engine runs (``MarsScheduler`` with the run's policy, vLLM's KV cache manager, prefix
+cache, preemption and KV events) through ``engine.rig`` over the profile's config-only model dir and
+KV pool, with no model executor and no KV tensors (the pool is bookkeeping only). One engine step:
+
+1. add the requests that arrived since the last step (as vLLM's engine core drains its input queue
+   between steps), ``schedule()``;
+2. describe the batch (prefill chunks with their context, decodes with theirs) and charge it
+   ``profile.step_seconds(prefill, decode)``: ``await asyncio.sleep(dt)`` on the virtual-time loop;
+3. ``update_from_output`` with one sampled token per request whose prefill completed (exact output
+   lengths come from ``ignore_eos`` + ``max_tokens``), and hand first tokens and finished calls to
+   the waiting driver coroutines, stamped at the virtual end of the step.
+
+The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
+tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
+injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_mars.driver.backends import CallResult, EngineSample, scheduler_sample
+from vllm_mars.sim.loop import LoopClock, is_virtual
+
+logger = logging.getLogger(__name__)
+
+#: Virtual seconds the engine waits when it holds requests but schedules none (a policy gate, a
+#: retention expiry): a real engine spins through empty steps; a new request wakes it at once.
+IDLE_STEP_S = 0.005
+#: The token every simulated decode step samples (any id below the vocabulary works).
+SIM_TOKEN = 42
+
+
+def get_profile(name_or_path: str):
+    """A step-time profile by shipped name or file (``vllm_mars.sim.profile.load_profile``)."""
+    try:
+        from vllm_mars.sim.profile import load_profile
+    except ImportError:
+        raise ValueError("step-time profiles (vllm_mars.sim.profile) are not in this build") from None
+    return load_profile(name_or_path)
+
+
+def config_vocab_size(model_dir: str) -> int:
+    """``vocab_size`` of a config-only model dir (the sim needs no tokenizer)."""
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"{path}: no positive integer vocab_size")
+    return vocab
+
+
+class _Call:
+    __slots__ = ("cached", "first", "future", "ids", "prompt_tokens")
+
+    def __init__(self, future: asyncio.Future, prompt_tokens: int) -> None:
+        self.future = future
+        self.prompt_tokens = prompt_tokens
+        self.ids: list[int] = []
+        self.first: float | None = None
+        self.cached: int | None = None
+
+
+class SimBackend:
+    """The driver's Backend over the virtual-time engine (see the module docstring)."""
+
+    name = "sim"
+
+    def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
+                 policy_options: Mapping[str, Any] | None = None, seed: int = 0,
+                 max_model_len: int | None = None) -> None:
+        self.profile = profile
+        self.clock = clock
+        self.policy = policy
+        self.policy_options = dict(policy_options or {})
+        self.seed = seed
+        self.max_model_len = max_model_len or profile.max_model_len
+        self.vocab_size: int | None = None
+        self.scheduler = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._incoming: list[tuple[str, list[int], int, dict[str, Any], bool]] = []
+        self._aborts: list[str] = []
+        self._calls: dict[str, _Call] = {}
+        self._wake = asyncio.Event()
+        self._stats: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        #: engine counters: steps run, virtual seconds busy, empty steps
+        self.steps = 0
+        self.busy_s = 0.0
+        self.idle_steps = 0
+        self.leak_error: str | None = None
+
+    async def start(self) -> None:
+        from vllm_mars.engine.rig import make_scheduler
+
+        loop = asyncio.get_running_loop()
+        if not is_virtual(loop):
+            raise RuntimeError("the sim backend runs on a virtual-time loop (vllm_mars.sim.loop.run_virtual)")
+        p = self.profile
+        model_dir = p.model_dir()
+        self.vocab_size = config_vocab_size(model_dir)
+        self.scheduler = make_scheduler(
+            self.policy, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
+            max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
+            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, kv_events=True,
+            log_stats=False)
+        self._loop = loop
+        self._stats = self.scheduler.mars_stats()
+        self._task = loop.create_task(self._run(), name="mars-sim-engine")
+
+    # -- the engine coroutine -----------------------------------------------------------------------
+    async def _run(self) -> None:
+        from vllm_mars.engine.rig import (
+            abort_request,
+            batch_shape,
+            fake_model_output,
+            make_request,
+            step_outputs,
+        )
+
+        s = self.scheduler
+        loop = self._loop
+        profile = self.profile
+        block_size = self.profile.block_size
+        try:
+            while True:
+                if self._aborts:
+                    for rid in self._aborts:
+                        abort_request(s, rid)
+                    self._aborts.clear()
+                if self._incoming:
+                    now = loop.time()
+                    for rid, ids, max_tokens, extra, ignore_eos in self._incoming:
+                        s.add_request(make_request(rid, prompt_token_ids=ids, max_tokens=max_tokens,
+                                                   extra_args=extra, block_size=block_size, arrival_time=now,
+                                                   ignore_eos=ignore_eos))
+                    self._incoming.clear()
+                if not s.has_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                so = s.schedule()
+                prefill, decode = batch_shape(s, so)
+                if prefill or decode:
+                    dt = profile.step_seconds(prefill, decode)
+                    if not dt > 0:
+                        raise RuntimeError(f"profile {profile.name!r}: step_seconds returned {dt!r} for a "
+                                           f"non-empty batch")
+                    self.steps += 1
+                    self.busy_s += dt
+                    await asyncio.sleep(dt)
+                    outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
+                else:
+                    outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
+                    self.idle_steps += 1
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
+                    except TimeoutError:
+                        pass
+                now = loop.time()
+                for o in step_outputs(outs):
+                    self._deliver(o, now)
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                logger.exception("sim engine failed")
+                self._error = e
+            for call in self._calls.values():
+                if not call.future.done():
+                    call.future.set_exception(RuntimeError(f"sim engine failed: {e!r}"))
+            self._calls.clear()
+            raise
+
+    def _deliver(self, o: Any, now: float) -> None:
+        call = self._calls.get(o.request_id)
+        if call is None:
+            return
+        if o.new_tokens:
+            if call.first is None:
+                call.first = now
+            call.ids.extend(o.new_tokens)
+        if o.cached_tokens is not None:
+            call.cached = o.cached_tokens
+        if o.finished:
+            del self._calls[o.request_id]
+            if not call.future.done():
+                call.future.set_result(CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now,
+                                                  o.finish_reason))
+
+    # -- Backend protocol -----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                       extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
+        if self._error is not None:
+            raise RuntimeError(f"sim engine failed: {self._error!r}")
+        fut = self._loop.create_future()
+        self._calls[request_id] = _Call(fut, len(prompt_ids))
+        self._incoming.append((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The caller gave up (a call timeout, a cancelled workflow): abort it in the engine,
+            # as vLLM's engine core does when its client goes away.
+            if self._calls.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._incoming = [c for c in self._incoming if c[0] != request_id]
+                self._wake.set()
+            raise
+
+    def sample(self) -> EngineSample:
+        """The scheduler's state at this virtual instant."""
+        sample, self._stats = scheduler_sample(self.scheduler, self.clock())
+        return sample
+
+    def engine_stats(self) -> dict[str, Any]:
+        out = dict(self._stats)
+        out.update(profile=self.profile.name, steps=self.steps, busy_s=round(self.busy_s, 6),
+                   idle_steps=self.idle_steps, leak_check=self.leak_error or "ok")
+        return out
+
+    async def close(self) -> None:
+        """Stop the engine, release retention, and check that nothing leaked (raises if it did)."""
+        from vllm_mars.engine.rig import abort_request, assert_no_leaks
+
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException as e:  # noqa: BLE001 - its failure was recorded and delivered
+                logger.debug("sim engine stopped: %r", e)
+            self._task = None
+        s = self.scheduler
+        if s is None:
+            return
+        left = [rid for rid in s.requests]
+        for rid in left:  # a cancelled run: abort what is still in flight, as a client disconnect would
+            abort_request(s, rid)
+        s.release_retention()
+        self._stats = s.mars_stats()
+        try:
+            assert_no_leaks(s)
+        except AssertionError as e:
+            self.leak_error = f"leak: {e}"
+        self.scheduler = None
+        if self.leak_error:
+            raise RuntimeError(f"sim engine: {self.leak_error}")

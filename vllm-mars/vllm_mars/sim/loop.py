@@ -1,0 +1,91 @@
+"""A virtual-time asyncio event loop: the clock of the simulator.
+
+Why an event loop and not a discrete-event scheduler of our own: the driver (``Replay``: arrivals,
+the per-workflow loop, simulated tools, children, the admission control loop, the sampler,
+``wait_for`` timeouts) is asyncio code. Running that very code on a loop whose ``time()`` is
+virtual gives ONE driver for the real engine and the simulator: nothing is re-implemented, and
+every ``asyncio.sleep``/timeout/timer means virtual seconds.
+
+The loop is asyncio's own selector loop with two changes:
+
+* ``time()`` returns the virtual clock (it starts at 0.0);
+* when nothing is ready to run, asyncio asks the selector to wait until the next timer; the
+  virtual selector polls for I/O without blocking and instead jumps the clock to that timer.
+
+Virtual time therefore advances only when every task is blocked on a timer (for the simulated
+engine: the ``asyncio.sleep(step_seconds)`` of the step in flight). Same inputs -> same order of
+callbacks and timers -> the same run, bit for bit. Real threads (``asyncio.to_thread``) still work
+but their wall duration is invisible to the virtual clock; the simulator does not use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Polls the real selector without blocking; a wait for a timer jumps the virtual clock instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop: VirtualTimeLoop | None = None
+
+    def select(self, timeout: float | None = None):
+        events = super().select(0)
+        if events or timeout == 0:
+            return events
+        if timeout is None:
+            # No timer at all: only another thread can wake the loop (as on a real loop).
+            return super().select(None)
+        self.loop._advance(timeout)
+        return events
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """asyncio's selector loop on a virtual clock (see the module docstring)."""
+
+    #: marks the loop as virtual for readers that must not mix in wall time (``RunClock``)
+    virtual = True
+
+    def __init__(self, start: float = 0.0) -> None:
+        selector = _VirtualSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self._virtual_now = float(start)
+
+    def time(self) -> float:
+        return self._virtual_now
+
+    def _advance(self, dt: float) -> None:
+        if dt > 0:
+            self._virtual_now += dt
+
+
+class LoopClock:
+    """The ``Clock`` protocol (``now()``) over an event loop's ``time()``: the scheduler's and the
+    policies' clock in the simulator is the very clock the driver runs on."""
+
+    __slots__ = ("_time",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._time = loop.time
+
+    def now(self) -> float:
+        return self._time()
+
+
+def is_virtual(loop: asyncio.AbstractEventLoop | None = None) -> bool:
+    """True when ``loop`` (default: the running loop) runs on virtual time."""
+    loop = loop or asyncio.get_running_loop()
+    return bool(getattr(loop, "virtual", False))
+
+
+def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on a fresh :class:`VirtualTimeLoop`."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(coro)
