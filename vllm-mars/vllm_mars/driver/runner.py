@@ -101,6 +101,8 @@ class ReplayConfig:
     out: str | None = None
     #: live progress bar on stderr
     progress: bool = True
+    #: PNG plots in the run dir's report.md (an experiment grid turns them off: ~1 s of CPU a run)
+    plots: bool = True
 
     def effective_max_model_len(self) -> int:
         """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
@@ -599,5 +601,5 @@ def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, 
         out, cost = asyncio.run(_replay(cfg, out, cost))
     summary = summarize(read_events(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_run_report(out, summary)
+    write_run_report(out, summary, plots=cfg.plots)
     return out, cost

@@ -240,12 +240,27 @@ def _typed(path: Path, where: str, f: dataclasses.Field, v: Any) -> Any:
 
 def _base(path: Path, raw: dict) -> ReplayConfig:
     fields = {f.name: f for f in dataclasses.fields(ReplayConfig)}
-    kw: dict[str, Any] = {"progress": False}
+    kw: dict[str, Any] = {"progress": False, "plots": False}
     for key in ("backend", "profile", "arrival"):
         if key in raw:
             if key not in fields:
                 raise _err(path, key, f"this build's replay has no {key!r} setting (is the sim backend merged?)")
             kw[key] = _str(path, key, raw[key])
+    from vllm_mars.driver import runner
+
+    backends = getattr(runner, "BACKENDS", ("inprocess", "http"))
+    if kw.get("backend", "inprocess") not in backends:
+        raise _err(path, "backend", f"{kw['backend']!r} unknown; allowed: {', '.join(backends)}")
+    if "profile" in kw:
+        from vllm_mars.sim.engine import get_profile
+
+        prof = kw["profile"]
+        if not Path(prof).is_absolute() and (path.parent / prof).is_file():
+            kw["profile"] = prof = str((path.parent / prof).resolve())
+        try:
+            get_profile(prof)
+        except ValueError as e:
+            raise _err(path, "profile", str(e)) from None
     if "num_workflows" in raw:
         kw["num_workflows"] = _pos_int(path, "num_workflows", raw["num_workflows"])
     replay = raw.get("replay", {})
