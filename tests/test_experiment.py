@@ -129,7 +129,7 @@ def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
     (("max_retention_s = 0.5", "max_retention = 0.5"), "variants.mars-short-ret.policy_options",
      "unknown config key"),
     (('policy = "mars"\n', 'policy = "marz"\n'), "variants.mars-short-ret.policy", "not registered"),
-    (("num_workflows = 4", "num_workflows = 0"), "num_workflows", ">= 1"),
+    (("num_workflows = 3", "num_workflows = 0"), "num_workflows", ">= 1"),
     (('name = "compact"', 'name = "compact"\nshape = 3'), "workloads[0].shape", "unknown key"),
     (('path = "', 'preset = "ILR-1"\npath = "'), "workloads[0]", "exactly one of preset, path, weka"),
     (('path = "', 'path = "/nonexistent/x.jsonl"\n#'), "workloads[0].path", "not found"),
