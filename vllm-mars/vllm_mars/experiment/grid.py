@@ -166,8 +166,14 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         bar.set_postfix_str(cell.key)
         bar.update(1)
 
-    while todo and (jobs <= 1 or (cost is None and exp.base.calibrate)):
-        cell, cfg = todo.pop(0)  # serially until the shared cost model exists
+    if todo and jobs > 1 and cost is None and exp.base.calibrate:
+        cell, cfg = todo[0]  # one run first: it calibrates the cost model every process then shares
+        bar.set_postfix_str(f"calibrating on {cell.key}")
+        _, _, cost, _ = _run_cell(cfg, exp.policies[:1], exp.variants, cell.rps, cell_dir(out, cell), cost)
+        if cost is not None:
+            (out / "cost_model.json").write_text(json.dumps(cost.as_dict(), indent=2) + "\n")
+    while todo and jobs <= 1:
+        cell, cfg = todo.pop(0)
         bar.set_postfix_str(f"running {cell.key}")
         finish(cell, _run_cell(cfg, exp.policies, exp.variants, cell.rps, cell_dir(out, cell), cost))
     if todo:
