@@ -18,6 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default=None, help="output dir (default: runs/experiments/<name>)")
     r.add_argument("--only", default=None,
                    help="comma-separated globs over cell keys WORKLOAD/rpsR/seedS, e.g. 'ILR-3/*' or '*/seed0'")
+    r.add_argument("--policies", default=None,
+                   help="comma-separated: run only these of the file's policies now (the others stay to do)")
     r.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
     r.add_argument("--list", action="store_true", help="print the cells (and which are finished) and exit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -39,10 +41,12 @@ def _run(args: argparse.Namespace) -> int:
         cells = select_cells(exp, only)
         for c in cells:
             state = "done" if is_finished(exp, out, c) else "todo"
-            print(f"{state}  {c.key}  ({len(exp.policies)} policies)  {cell_dir(out, c)}")
-        print(f"{len(cells)} cells x {len(exp.policies)} policies = {len(cells) * len(exp.policies)} runs")
+            print(f"{state}  {c.key}  ({len(exp.policies_for(c.workload))} policies)  {cell_dir(out, c)}")
+        print(f"{len(cells)} cells, {sum(len(exp.policies_for(c.workload)) for c in cells)} runs")
         return 0
-    record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty())
+    pols = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
+    record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty(),
+                            policies=pols)
     for c in record["cells"]:
         sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
         print(f"{c['key']:32s} mars speedup {sp}")

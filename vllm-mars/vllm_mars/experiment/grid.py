@@ -97,19 +97,27 @@ def cell_config(exp: Experiment, cell: Cell, workload_path: str) -> ReplayConfig
                    num_workflows=exp.num_workflows(w), progress=False)
 
 
-def is_finished(exp: Experiment, out: Path, cell: Cell) -> bool:
+def finished_policies(exp: Experiment, out: Path, cell: Cell) -> list[str]:
+    """The cell's policies whose run dir has ``summary.json``, in the file's order."""
     d = cell_dir(out, cell)
-    return all((d / p / "summary.json").is_file() for p in exp.policies)
+    return [p for p in exp.policies_for(cell.workload) if (d / p / "summary.json").is_file()]
 
 
-def _run_cell(cfg: ReplayConfig, policies: Sequence[str], variants: dict, rps: float, d: Path,
+def is_finished(exp: Experiment, out: Path, cell: Cell) -> bool:
+    return len(finished_policies(exp, out, cell)) == len(exp.policies_for(cell.workload))
+
+
+def _run_cell(cfg: ReplayConfig, run: Sequence[str], policies: Sequence[str], variants: dict, rps: float, d: Path,
               cost: CostModel | None) -> tuple[dict, dict, CostModel | None, float]:
-    """One cell (module level: also the body of a worker process)."""
+    """Run ``run`` (unfinished ones) in one cell; returns every finished policy's summary (module level:
+    also the body of a worker process)."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.monotonic()
-    summaries, dirs, cost = run_policies(cfg, policies, rps, d, cost, variants, resume=True)
+    _, _, cost = run_policies(cfg, run, rps, d, cost, variants, resume=True)
+    done = [p for p in policies if (d / p / "summary.json").is_file()]
+    summaries, dirs, _ = run_policies(cfg, done, rps, d, cost, variants, resume=True)  # reads only
     return summaries, dirs, cost, time.monotonic() - t0
 
 
@@ -132,27 +140,35 @@ def _load_cost(out: Path) -> CostModel | None:
 
 
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
-                   progress: bool = True) -> dict[str, Any]:
-    """Run the selected cells that are not finished; then write the results of every finished cell.
-    Returns the results record (``results.json``)."""
+                   progress: bool = True, policies: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the selected cells' unfinished runs (of ``policies`` only, when given); then write the
+    results of every cell with a finished run. Returns the results record (``results.json``)."""
     from vllm_mars.experiment.results import write_results
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = select_cells(exp, only)
+    unknown = [p for p in policies or () if p not in exp.policies]
+    if unknown:
+        raise ValueError(f"--policies: {unknown[0]!r} is not a policy of {exp.path}; its policies: "
+                         f"{', '.join(exp.policies)}")
     bar = _bar(len(cells), exp.name, progress)
     cost = _load_cost(out)
     mats: dict[tuple[str, int], Materialized] = {}
-    todo: list[tuple[Cell, ReplayConfig]] = []
+    todo: list[tuple[Cell, ReplayConfig, list[str]]] = []
     for cell in cells:
         key = (cell.workload.name, cell.seed)
         if key not in mats:
             mats[key] = materialize(cell.workload, cell.seed, exp.num_workflows(cell.workload), out)
         cfg = cell_config(exp, cell, mats[key].path)
-        if is_finished(exp, out, cell) and (cell_dir(out, cell) / "cell.json").is_file():
+        run = [p for p in exp.policies_for(cell.workload) if policies is None or p in policies]
+        done = finished_policies(exp, out, cell)
+        rec = cell_dir(out, cell) / "cell.json"
+        if not run or (set(run) <= set(done) and rec.is_file()
+                       and set(json.loads(rec.read_text())["policies"]) == set(done)):
             bar.update(1)
             continue
-        todo.append((cell, cfg))
+        todo.append((cell, cfg, run))
     logger.info("%d of %d cells to run", len(todo), len(cells))
 
     def finish(cell: Cell, res: tuple) -> None:
@@ -167,22 +183,23 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         bar.update(1)
 
     if todo and jobs > 1 and cost is None and exp.base.calibrate:
-        cell, cfg = todo[0]  # one run first: it calibrates the cost model every process then shares
+        cell, cfg, run = todo[0]  # one run first: it calibrates the cost model every process then shares
         bar.set_postfix_str(f"calibrating on {cell.key}")
-        _, _, cost, _ = _run_cell(cfg, exp.policies[:1], exp.variants, cell.rps, cell_dir(out, cell), cost)
+        _, _, cost, _ = _run_cell(cfg, run[:1], run[:1], exp.variants, cell.rps, cell_dir(out, cell), cost)
         if cost is not None:
             (out / "cost_model.json").write_text(json.dumps(cost.as_dict(), indent=2) + "\n")
     while todo and jobs <= 1:
-        cell, cfg = todo.pop(0)
+        cell, cfg, run = todo.pop(0)
         bar.set_postfix_str(f"running {cell.key}")
-        finish(cell, _run_cell(cfg, exp.policies, exp.variants, cell.rps, cell_dir(out, cell), cost))
+        finish(cell, _run_cell(cfg, run, exp.policies_for(cell.workload), exp.variants, cell.rps,
+                               cell_dir(out, cell), cost))
     if todo:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futs = {pool.submit(_run_cell, cfg, exp.policies, exp.variants, cell.rps, cell_dir(out, cell), cost):
-                    cell for cell, cfg in todo}
+            futs = {pool.submit(_run_cell, cfg, run, exp.policies_for(cell.workload), exp.variants, cell.rps,
+                                cell_dir(out, cell), cost): cell for cell, cfg, run in todo}
             for f in as_completed(futs):
                 finish(futs[f], f.result())
     bar.close()

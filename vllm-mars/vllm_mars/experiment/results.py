@@ -30,11 +30,18 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
     record = {"experiment": exp.name, "description": exp.description, "alpha": DEFAULT_ALPHA,
               "config": experiment_config(exp), "cost_model": cost.as_dict() if cost else None,
               "cells": [_strip(c) for c in cells], "missing": [c.key for c in exp.cells() if c.key not in done],
+              "missing_runs": [f"{c['key']}/{p}" for c in cells for p in _policies_of(exp, c)
+                               if p not in c["policies"]],
               "wall_s": round(sum(c.get("wall_s") or 0 for c in cells), 1)}
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     plots = plot_results(exp, record, out) if cells else []
     (out / "table.md").write_text(format_results(exp, record, plots) + "\n")
     return record
+
+
+def _policies_of(exp: Experiment, cell: Mapping[str, Any]) -> tuple[str, ...]:
+    w = next(w for w in exp.workloads if w.name == cell["workload"])
+    return exp.policies_for(w)
 
 
 def _strip(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -69,13 +76,18 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
     cfg = record["config"]["replay"]
     lines = [f"# Experiment `{exp.name}`", "", exp.description.strip(), "",
              (f"- file: `{exp.path}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
-             f"wall time of the runs: {record['wall_s']:.0f} s"),
+             f"wall time of the cells, summed: {record['wall_s']:.0f} s"),
              f"- backend: {cfg.get('backend')}" + (f", profile: {cfg.get('profile')}" if cfg.get("profile") else "")
              + f", arrival: {cfg.get('arrival')}, policies: {', '.join(pols)}",
              f"- T_ideal: {(record.get('cost_model') or {}).get('source', 'none')}", ""]
     if record["missing"]:
         lines += [f"Missing cells (not run yet): {', '.join(record['missing'])}", ""]
-    lines += ["## Mars speedup over the fastest baseline (mean E2E)", ""]
+    if record["missing_runs"]:
+        lines += [(f"Runs not done in the cells above ({len(record['missing_runs'])}): "
+                  f"{', '.join(record['missing_runs'])}"), ""]
+    lines += ["## Mars speedup over the fastest baseline (mean E2E)", "",
+              ("The fastest of the baselines (policies other than mars and its variants) run in the cell; "
+              "'-' in the per-policy tables below = not run there."), ""]
     rows = []
     for c in cells:
         m, b = c["policies"].get("mars") or {}, (c["policies"].get(c.get("baseline")) or {})
@@ -100,19 +112,21 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
     lines += [f"## Goodput at alpha {a} (workflows/s within {a} x T_ideal), per policy", ""]
     lines += _per_policy(cells, pols, GOODPUT, best=max, digits=3) + [""]
     lines += ["## Mechanisms per run", "",
-              ("preempt = preemptions; recomputed = prompt tokens computed again after a preemption or "
-              "an eviction; prefix hit = cached / prompt tokens; adm. wait = mean seconds a root waited "
-              "for admission."), ""]
+              ("preempt = preemptions; recomputed = computed tokens a preemption threw away (computed again "
+               "later); prefix hit = cached / prompt tokens (a context evicted from the prefix cache while its "
+               "workflow ran a tool is recomputed on its next turn and lowers it); KV evicted = cached KV blocks "
+               "removed (vLLM KV events); adm. wait = mean seconds a root waited for admission."), ""]
     rows = []
     for c in cells:
-        for p in pols:
-            d = c["policies"].get(p) or {}
-            rows.append([c["workload"], _fmt(c["rps"]), str(c["seed"]), p, f"{d.get('completed')}/{d.get('workflows')}",
-                         _fmt(d.get("mean_e2e_s")), _fmt(d.get("preemptions")), _fmt(d.get("recomputed_tokens")),
-                         _fmt(d.get("prefix_hit_rate")), _fmt(d.get("mean_admission_wait_s")),
+        for p in (p for p in pols if p in c["policies"]):
+            d = c["policies"][p]
+            rows.append([c["workload"], _fmt(c["rps"]), str(c["seed"]), p,
+                         f"{d.get('completed')}/{d.get('workflows')}", _fmt(d.get("mean_e2e_s")),
+                         _fmt(d.get("preemptions")), _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate")),
+                         _fmt(d.get("kv_blocks_removed")), _fmt(d.get("mean_admission_wait_s")),
                          _fmt(d.get("mean_ttft_s"), 3)])
     lines += _table(["workload", "rps", "seed", "policy", "done", "mean E2E (s)", "preempt", "recomputed",
-                     "prefix hit", "adm. wait (s)", "mean TTFT (s)"], rows) + [""]
+                     "prefix hit", "KV evicted", "adm. wait (s)", "mean TTFT (s)"], rows) + [""]
     lines += [f"![{f}]({f})" for f in plots]
     return "\n".join(lines)
 

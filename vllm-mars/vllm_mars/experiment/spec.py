@@ -8,7 +8,8 @@ Keys (top level): ``name``, ``description``, ``backend``, ``profile``, ``arrival
 ``num_workflows``, ``policies``, ``[variants.LABEL]`` (``policy``, ``policy_options``,
 ``admission_options``), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
 one of ``preset`` / ``path`` / ``weka``, ``rps``, and optionally ``num_workflows``, ``scale``,
-``arrival``, ``max_context``, ``max_tool_s``). Relative paths are relative to the file.
+``arrival``, ``max_context``, ``max_tool_s``, ``policies``: a subset of the top-level list run on this
+workload only). Relative paths are relative to the file.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm_mars.driver.runner import ReplayConfig
 TOP_KEYS = ("name", "description", "backend", "profile", "arrival", "seeds", "num_workflows", "policies",
             "variants", "replay", "workloads")
 WORKLOAD_KEYS = ("name", "preset", "path", "weka", "rps", "num_workflows", "scale", "arrival", "max_context",
-                 "max_tool_s")
+                 "max_tool_s", "policies")
 VARIANT_KEYS = ("policy", "policy_options", "admission_options")
 #: ReplayConfig fields the grid sets itself (not allowed under [replay]).
 GRID_FIELDS = ("workload", "policy", "rps", "seed", "out", "progress", "arrival", "num_workflows", "backend",
@@ -53,6 +54,8 @@ class WorkloadSpec:
     max_context: int | None = None
     #: weka only: cap of a gap between calls (converter's --max-tool-s)
     max_tool_s: float | None = None
+    #: the policies run on this workload (None: the experiment's list)
+    policies: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Experiment:
 
     def cells(self) -> list[Cell]:
         return [Cell(w, r, s) for w in self.workloads for r in w.rps for s in self.seeds]
+
+    def policies_for(self, w: WorkloadSpec) -> tuple[str, ...]:
+        return w.policies if w.policies is not None else self.policies
 
     def num_workflows(self, w: WorkloadSpec) -> int | None:
         return w.num_workflows if w.num_workflows is not None else self.base.num_workflows
@@ -180,7 +186,7 @@ def _variants(path: Path, raw: dict) -> dict[str, dict]:
     return out
 
 
-def _workload(path: Path, i: int, w: Any, arrivals: tuple[str, ...]) -> WorkloadSpec:
+def _workload(path: Path, i: int, w: Any, arrivals: tuple[str, ...], policies: tuple[str, ...]) -> WorkloadSpec:
     where = f"workloads[{i}]"
     if not isinstance(w, dict):
         raise _err(path, where, "expected a table ([[workloads]])")
@@ -215,13 +221,23 @@ def _workload(path: Path, i: int, w: Any, arrivals: tuple[str, ...]) -> Workload
         raise _err(path, f"{where}.scale", "a JSONL workload is used as is; scale applies to preset and weka")
     if src != "weka" and "max_tool_s" in w:
         raise _err(path, f"{where}.max_tool_s", "applies to weka traces only")
+    pols = w.get("policies")
+    if pols is not None:
+        if not isinstance(pols, list) or not pols or not all(isinstance(p, str) for p in pols):
+            raise _err(path, f"{where}.policies", f"expected a non-empty list of policy names, got {pols!r}")
+        extra = [p for p in pols if p not in policies]
+        if extra:
+            raise _err(path, f"{where}.policies", f"{extra[0]!r} is not in the top-level policies "
+                       f"(a workload runs a subset of them)")
+        pols = tuple(p for p in policies if p in pols)
     return WorkloadSpec(
         name=name, rps=_rps(path, f"{where}.rps", w.get("rps")), **{src: val},
         num_workflows=None if "num_workflows" not in w else _pos_int(path, f"{where}.num_workflows",
                                                                      w["num_workflows"]),
         scale=None if "scale" not in w else _pos_float(path, f"{where}.scale", w["scale"]), arrival=arrival,
         max_context=None if "max_context" not in w else _pos_int(path, f"{where}.max_context", w["max_context"]),
-        max_tool_s=None if "max_tool_s" not in w else _pos_float(path, f"{where}.max_tool_s", w["max_tool_s"]))
+        max_tool_s=None if "max_tool_s" not in w else _pos_float(path, f"{where}.max_tool_s", w["max_tool_s"]),
+        policies=pols)
 
 
 def _typed(path: Path, where: str, f: dataclasses.Field, v: Any) -> Any:
@@ -309,7 +325,7 @@ def load_experiment(path: str | Path) -> Experiment:
     wls = raw.get("workloads")
     if not isinstance(wls, list) or not wls:
         raise _err(path, "workloads", "expected at least one [[workloads]] table")
-    workloads = tuple(_workload(path, i, w, ARRIVAL_PROCESSES) for i, w in enumerate(wls))
+    workloads = tuple(_workload(path, i, w, ARRIVAL_PROCESSES, policies) for i, w in enumerate(wls))
     names = [w.name for w in workloads]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
