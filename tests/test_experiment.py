@@ -102,8 +102,13 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
         return Path(cfg.out), cost
 
     monkeypatch.setattr(compare, "run_replay", one)
+    # --policies: run only some now; the cell reports every finished run and lists what is left
+    part = run_experiment(exp, out, only=["compact/rps8/*"], progress=False, policies=["mars-short-ret"])
+    assert ran == [] and part["missing_runs"] == ["compact/rps8/seed0/fcfs"]
+    partial = {c["key"]: c for c in part["cells"]}["compact/rps8/seed0"]
+    assert set(partial["policies"]) == {"mars", "mars-short-ret"} and partial["speedup"] is None
     rec = run_experiment(exp, out, only=["compact/rps8/*"], progress=False)
-    assert ran == [("fcfs", 8.0)]
+    assert ran == [("fcfs", 8.0)] and rec["missing_runs"] == []
     fresh = {c["key"]: c for c in rec["cells"]}["compact/rps8/seed0"]
     assert fresh["baseline"] == "fcfs" and fresh["policies"]["fcfs"]["mean_e2e_s"] == 1.0
 
