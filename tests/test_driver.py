@@ -233,7 +233,10 @@ def test_compare_defaults_point_at_the_bundled_workload():
     args = build_parser().parse_args(["compare"])
     assert Path(args.workload) == REPO / "benchmark" / "workloads" / "compact.jsonl"
     assert Path(args.workload).is_file()
-    assert {"mars", "fcfs"} <= set(args.policies.split(",")) and args.num_blocks <= 64
+    from vllm_mars.commands.driver import _config
+
+    cfg = _config(args, compare=True)
+    assert {"mars", "fcfs"} <= set(args.policies.split(",")) and cfg.num_blocks <= 64 and cfg.backend == "inprocess"
 
 
 # -- HTTP backend against the real server ------------------------------------------------------------

@@ -83,7 +83,9 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
     record["config"] = {"policies": list(policies), "rps": list(rps_list), "num_workflows": base.num_workflows,
                         "num_blocks": base.num_blocks, "block_size": base.block_size, "backend": base.backend,
                         "profile": base.profile,
-                        "model": base.model or "tiny (vllm_mars.tiny_model)", "arrival": base.arrival,
+                        "model": base.model or (f"profile {base.profile}" if base.backend == "sim"
+                                                else "tiny (vllm_mars.tiny_model)"),
+                        "arrival": base.arrival,
                         "seed": base.seed, "tools": base.tools}
     record["cost_model"] = cost.as_dict() if cost else None
     record["wall_s"] = time.monotonic() - t0

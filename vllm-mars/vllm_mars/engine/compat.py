@@ -82,6 +82,7 @@ EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.block_pool.BlockPool.touch": ("blocks",),
     "vllm.v1.core.block_pool.BlockPool.free_blocks": ("ordered_blocks",),
     "vllm.v1.core.block_pool.BlockPool.get_num_free_blocks": (),
+    "vllm.v1.core.block_pool.BlockPool._emit_block_removed_events": ("block_hashes",),
     "vllm.v1.core.sched.request_queue.RequestQueue.add_request": ("request",),
     "vllm.v1.core.sched.request_queue.RequestQueue.pop_request": (),
     "vllm.v1.core.sched.request_queue.RequestQueue.peek_request": (),

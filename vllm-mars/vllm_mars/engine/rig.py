@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,56 @@ def _hasher(block_size: int, hash_name: str = DEFAULT_HASH):
     fn = get_hash_fn_by_name(hash_name)
     init_none_hash(fn)
     return get_request_block_hasher(block_size, fn)
+
+
+class PrefixReusingHasher:
+    """vLLM's request block hasher, reusing the block hashes of a known earlier token sequence.
+
+    An agent's turn k prompt is its turn k-1 prompt + output + tool output, and vLLM hashes the
+    whole prompt of every new request again (tens of thousands of tokens per turn). Block hashes
+    are chained over the prefix, so turn k-1's hashes ARE turn k's first hashes wherever the
+    tokens agree (compared here) and nothing else enters the hash (no LoRA, multimodal input,
+    prompt embeddings or cache salt: checked). The list returned is exactly vLLM's; only the
+    repeated work is skipped. ``hint(request_id, tokens, hashes)`` before creating the request.
+    """
+
+    def __init__(self, block_size: int, hash_name: str = DEFAULT_HASH) -> None:
+        self.block_size = block_size
+        self._base = _hasher(block_size, hash_name)
+        self._hints: dict[str, tuple[Sequence[int], list]] = {}
+        #: blocks whose hash was reused / computed by vLLM's hasher
+        self.reused = 0
+
+    def hint(self, request_id: str, tokens: Sequence[int], hashes: list) -> None:
+        self._hints[request_id] = (tokens, hashes)
+
+    def __call__(self, request: Request) -> list:
+        hint = self._hints.pop(request.request_id, None)
+        if (hint is None or request.block_hashes or request.lora_request is not None or request.mm_features
+                or request.cache_salt or request.prompt_embeds is not None):
+            return self._base(request)
+        tokens, hashes = hint
+        bs = self.block_size
+        n = min(len(hashes), len(tokens) // bs, request.num_tokens // bs)
+        m = n * bs
+        if n == 0 or request.all_token_ids[:m] != list(tokens[:m]):
+            return self._base(request)
+        known = hashes[:n]
+        request.block_hashes.extend(known)  # vLLM's hasher continues after the known blocks
+        try:
+            rest = self._base(request)
+        finally:
+            del request.block_hashes[:]
+        self.reused += n
+        return known + rest
+
+
+def enable_engine_core_env_cache() -> None:
+    """Cache vLLM's environment-variable lookups, as vLLM's EngineCore does once it is up
+    (otherwise every KV cache event reads ``os.environ``)."""
+    from vllm.envs import enable_envs_cache
+
+    enable_envs_cache()
 
 
 def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
@@ -115,7 +165,8 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                  workflow: str | None = None, root: str | None = None, parent: str | None = None,
                  turn: int | None = None, last_step: bool | None = None, tool: str | None = None,
                  extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
-                 seed: int | None = None, hash_name: str = DEFAULT_HASH, ignore_eos: bool = True) -> Request:
+                 seed: int | None = None, hash_name: str = DEFAULT_HASH, ignore_eos: bool = True,
+                 block_hasher: Callable[[Request], list] | None = None) -> Request:
     """A vLLM Request (``ignore_eos`` by default) with workflow metadata in ``extra_args``.
 
     Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
@@ -133,7 +184,7 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
     kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
                    pooling_params=None, priority=priority,
-                   block_hasher=_hasher(block_size, hash_name), **kwargs)
+                   block_hasher=block_hasher or _hasher(block_size, hash_name), **kwargs)
 
 
 def fake_model_output(s: Scheduler, scheduler_output: Any, token: int = 42) -> ModelRunnerOutput:

@@ -59,11 +59,14 @@ def config_vocab_size(model_dir: str) -> int:
 
 
 class _Call:
-    __slots__ = ("cached", "first", "future", "ids", "prompt_tokens")
+    __slots__ = ("cached", "first", "future", "ids", "last_step", "prompt_tokens", "request", "workflow")
 
-    def __init__(self, future: asyncio.Future, prompt_tokens: int) -> None:
+    def __init__(self, future: asyncio.Future, prompt_tokens: int, workflow: str | None, last_step: bool) -> None:
         self.future = future
         self.prompt_tokens = prompt_tokens
+        self.workflow = workflow
+        self.last_step = last_step
+        self.request: Any = None
         self.ids: list[int] = []
         self.first: float | None = None
         self.cached: int | None = None
@@ -90,6 +93,10 @@ class SimBackend:
         self._incoming: list[tuple[str, list[int], int, dict[str, Any], bool]] = []
         self._aborts: list[str] = []
         self._calls: dict[str, _Call] = {}
+        #: workflow -> (token ids, block hashes) of its last finished call: the next turn's prompt
+        #: starts with them, so vLLM's block hashes of that prefix are reused, not recomputed
+        self._prefix: dict[str, tuple[Any, list]] = {}
+        self._hasher: Any = None
         self._wake = asyncio.Event()
         self._stats: dict[str, Any] = {}
         self._error: BaseException | None = None
@@ -100,7 +107,7 @@ class SimBackend:
         self.leak_error: str | None = None
 
     async def start(self) -> None:
-        from vllm_mars.engine.rig import make_scheduler
+        from vllm_mars.engine.rig import PrefixReusingHasher, enable_engine_core_env_cache, make_scheduler
 
         loop = asyncio.get_running_loop()
         if not is_virtual(loop):
@@ -111,8 +118,11 @@ class SimBackend:
         self.scheduler = make_scheduler(
             self.policy, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
-            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, kv_events=True,
-            log_stats=False)
+            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
+        # KV block removals are counted where vLLM would emit them as events, without the events
+        self.scheduler.count_block_removals()
+        enable_engine_core_env_cache()
+        self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
         self._stats = self.scheduler.mars_stats()
         self._task = loop.create_task(self._run(), name="mars-sim-engine")
@@ -139,10 +149,16 @@ class SimBackend:
                     self._aborts.clear()
                 if self._incoming:
                     now = loop.time()
+                    hasher = self._hasher
                     for rid, ids, max_tokens, extra, ignore_eos in self._incoming:
-                        s.add_request(make_request(rid, prompt_token_ids=ids, max_tokens=max_tokens,
-                                                   extra_args=extra, block_size=block_size, arrival_time=now,
-                                                   ignore_eos=ignore_eos))
+                        call = self._calls[rid]
+                        known = self._prefix.get(call.workflow) if call.workflow else None
+                        if known is not None:
+                            hasher.hint(rid, *known)
+                        call.request = make_request(rid, prompt_token_ids=ids, max_tokens=max_tokens,
+                                                    extra_args=extra, block_size=block_size, arrival_time=now,
+                                                    ignore_eos=ignore_eos, block_hasher=hasher)
+                        s.add_request(call.request)
                     self._incoming.clear()
                 if not s.has_requests():
                     self._wake.clear()
@@ -192,6 +208,12 @@ class SimBackend:
             call.cached = o.cached_tokens
         if o.finished:
             del self._calls[o.request_id]
+            if call.workflow:
+                if call.last_step:
+                    self._prefix.pop(call.workflow, None)
+                else:
+                    r = call.request
+                    self._prefix[call.workflow] = (r.all_token_ids, r.block_hashes)
             if not call.future.done():
                 call.future.set_result(CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now,
                                                   o.finish_reason))
@@ -202,7 +224,9 @@ class SimBackend:
         if self._error is not None:
             raise RuntimeError(f"sim engine failed: {self._error!r}")
         fut = self._loop.create_future()
-        self._calls[request_id] = _Call(fut, len(prompt_ids))
+        wf = extra_args.get("mars_workflow")
+        self._calls[request_id] = _Call(fut, len(prompt_ids), wf if isinstance(wf, str) else None,
+                                        bool(extra_args.get("mars_last_step")))
         self._incoming.append((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
         self._wake.set()
         try:
@@ -224,7 +248,8 @@ class SimBackend:
     def engine_stats(self) -> dict[str, Any]:
         out = dict(self._stats)
         out.update(profile=self.profile.name, steps=self.steps, busy_s=round(self.busy_s, 6),
-                   idle_steps=self.idle_steps, leak_check=self.leak_error or "ok")
+                   idle_steps=self.idle_steps, leak_check=self.leak_error or "ok",
+                   hash_blocks_reused=self._hasher.reused if self._hasher else 0)
         return out
 
     async def close(self) -> None:

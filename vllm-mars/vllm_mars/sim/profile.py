@@ -63,6 +63,20 @@ class Efficiency:
 
 
 @dataclass(frozen=True)
+class StepTerms:
+    """One step's work: the linear part and each attention part as (FLOPs, bytes), whole model."""
+
+    n_seq: int
+    tokens: int
+    lin_flops: float
+    lin_bytes: float
+    #: (FLOPs, bytes) of each prefill chunk's attention, then of all decodes together
+    attn: tuple[tuple[float, float], ...]
+    #: seconds not scaled by any coefficient (the TP all-reduces)
+    fixed_s: float
+
+
+@dataclass(frozen=True)
 class Profile:
     """One hardware x model step-time profile (the interface the sim engine and CostModel use)."""
 
@@ -174,6 +188,28 @@ class Profile:
         t += max(flops * k["s_per_flop"], bytes_ * k["s_per_byte"])
         t += k["allreduce_s_per_token"] * tokens + k["allreduce_fixed_s"]
         return t + k["step_overhead_s"] + k["per_seq_overhead_s"] * n_seq
+
+    def step_terms(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> StepTerms:
+        """The FLOPs and bytes behind :meth:`step_seconds`, part by part (what ``mars profile`` fits)."""
+        k = self._k
+        tokens = len(decode) + sum(c for c, _ in prefill)
+        n_seq = len(prefill) + len(decode)
+        kvb = k["kv_bytes_s"] / k["s_per_byte"]
+        attn = [(k["attn_flops"] * c * (ctx + (c + 1) / 2.0), (ctx + c) * kvb) for c, ctx in prefill]
+        if decode:
+            ctx = sum(decode) + len(decode)
+            attn.append((k["attn_flops"] * ctx, ctx * kvb))
+        lin_bytes = k["lin_bytes"] + k["expert_bytes"] * self.shape.experts_touched(tokens)
+        return StepTerms(n_seq=n_seq, tokens=tokens,
+                         lin_flops=k["lin_flops_per_token"] * tokens + k["head_flops_per_seq"] * n_seq,
+                         lin_bytes=lin_bytes, attn=tuple(attn),
+                         fixed_s=(k["allreduce_s_per_token"] * tokens + k["allreduce_fixed_s"]) if n_seq else 0.0)
+
+    def with_efficiency(self, efficiency: Efficiency, **changes: Any) -> Profile:
+        """A copy with other coefficients (and any other field changed)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        kw.update(changes, efficiency=efficiency)
+        return Profile(**kw)
 
     # -- files ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

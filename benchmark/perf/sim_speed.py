@@ -1,0 +1,108 @@
+"""Speed of the virtual-time engine: virtual seconds simulated per wall (and CPU) second.
+
+Generates an ILR-3 workload (``mars gen-workload --preset ILR-3``: 24k-64k-token initial contexts,
+4-20 turns, weka-fitted tool times), replays it with ``mars replay --backend sim`` on a shipped
+GPU profile (default H200 + Qwen3-Coder-30B-A3B: a ~726k-token KV pool, about ten ILR-3
+contexts), and reports the run's virtual duration over its wall time and over its CPU time. The
+CPU figure is what a quiet 2-core box would see as wall time (the run is one thread); on a shared
+box wall time is inflated by the load, so both are recorded with the load average.
+
+``--cprofile`` adds where the time goes, grouped: vLLM's scheduler and KV cache manager, the rest
+of vLLM, our engine adapter, policies, driver, admission, metrics, sim, asyncio.
+
+    .venv/bin/python benchmark/perf/sim_speed.py                          # 200 workflows, mars, 0.1 roots/s
+    .venv/bin/python benchmark/perf/sim_speed.py --workflows 40 --policy fcfs --cprofile
+    .venv/bin/python benchmark/perf/sim_speed.py --record                 # writes results/sim_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import json
+import os
+import platform
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GROUPS = (("vllm/v1/core", "vllm scheduler + KV cache manager"), ("site-packages/vllm/", "vllm other"),
+          ("vllm_mars/engine", "mars engine adapter"), ("vllm_mars/policies", "mars policies"),
+          ("vllm_mars/driver", "driver"), ("vllm_mars/admission", "admission"),
+          ("vllm_mars/metrics", "metrics + report"), ("vllm_mars/sim", "sim engine + profile"),
+          ("vllm_mars/workload", "workload"), ("asyncio", "asyncio"), ("matplotlib", "plots"))
+
+
+def grouped(stats: pstats.Stats) -> dict[str, float]:
+    """Own (tottime) seconds per group of source files."""
+    out: dict[str, float] = {}
+    for (path, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        name = next((label for key, label in GROUPS if key in path), "other")
+        out[name] = out.get(name, 0.0) + tottime
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workflows", type=int, default=200)
+    ap.add_argument("--preset", default="ILR-3")
+    ap.add_argument("--policy", default="mars")
+    ap.add_argument("--rps", type=float, default=0.1)
+    ap.add_argument("--profile", default="h200-qwen3-coder-30b-a3b")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cprofile", action="store_true", help="also report where the time goes (slower)")
+    ap.add_argument("--record", action="store_true", help="write results/sim_speed.json")
+    ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.json"))
+    args = ap.parse_args()
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+    from vllm_mars.workload.ilr import generate, load_preset
+    from vllm_mars.workload.schema import write_workload
+
+    tmp = Path(tempfile.mkdtemp(prefix="mars-sim-speed-"))
+    wl = tmp / f"{args.preset.lower()}-{args.workflows}.jsonl"
+    write_workload(wl, generate(load_preset(args.preset, num_workflows=args.workflows, seed=args.seed)))
+    cfg = ReplayConfig(workload=str(wl), policy=args.policy, rps=args.rps, backend="sim", profile=args.profile,
+                       seed=args.seed, progress=False, out=str(tmp / "run"))
+    import vllm_mars.engine.rig  # noqa: F401 - vLLM's import (seconds) is start-up, not simulation
+
+    prof = cProfile.Profile() if args.cprofile else None
+    load0 = os.getloadavg()[0]
+    t, c = time.monotonic(), time.process_time()
+    if prof:
+        prof.enable()
+    out, _ = run_replay(cfg)
+    if prof:
+        prof.disable()
+    wall, cpu = time.monotonic() - t, time.process_time() - c
+    summary = json.loads((out / "summary.json").read_text())
+    virtual = summary["wall_s"]  # the run's duration on its (virtual) clock
+    rec = {
+        "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
+        "load_avg_start": round(load0, 1), "load_avg_end": round(os.getloadavg()[0], 1),
+        "preset": args.preset, "workflows": args.workflows, "policy": args.policy, "rps": args.rps,
+        "profile": args.profile, "virtual_s": round(virtual, 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+        "virtual_per_wall": round(virtual / wall, 1), "virtual_per_cpu": round(virtual / cpu, 1),
+        "completed": summary["completed"], "steps": summary["engine"]["steps"],
+        "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
+        "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
+        "command": "python benchmark/perf/sim_speed.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k in ("workflows", "policy", "rps", "profile", "preset")),
+    }
+    if prof:
+        stats = pstats.Stats(prof)
+        rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
+        stats.sort_stats("tottime").print_stats(25)
+    print(json.dumps(rec, indent=2))
+    if args.record:
+        Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
