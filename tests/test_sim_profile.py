@@ -231,4 +231,8 @@ def test_fit_recovers_known_coefficients():
     assert e.step_overhead_s == pytest.approx(0.003, rel=0.2)
     assert res.rms_rel_err < 0.02
     assert math.isfinite(res.points[0].rel_err) and "rms relative error" in res.table()
-    assert "test; rms relative step error" in e.source
+    assert "test; relative loss; rms relative step error" in e.source
+    res_abs = fit_profile(start, samples, loss="absolute")
+    assert res_abs.profile.efficiency.mfu == pytest.approx(0.42, rel=0.05) and abs(res_abs.total_err) < 0.01
+    with pytest.raises(ValueError, match="loss"):
+        fit_profile(start, samples, loss="median")

@@ -72,6 +72,9 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the cost-model calibration (no T_ideal, so no goodput)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--record-steps", action="store_true",
+                   help="in-process engine: time every engine step and write steps.jsonl in the run dir "
+                        "(fit a sim profile to it with `mars profile --from-steps`)")
     p.add_argument("--out", default=None, help="output dir (default: runs/<timestamp>_...)")
 
 
@@ -152,7 +155,7 @@ def _config(args: argparse.Namespace, compare: bool = False, **kw):
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
         model=args.model, profile=args.profile, **_engine_shape(args, backend, compare),
-        policy_options=_kv(args.policy_option, "--policy-option"),
+        record_steps=args.record_steps, policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
         calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,

@@ -39,7 +39,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "dir; implied when the model dir has no weight files")
     p.add_argument("--out", default=None, help="profile file to write, .toml or .json (default: NAME.toml)")
     p.add_argument("--samples-out", default=None, help="also write the timed steps as JSON lines here")
+    p.add_argument("--loss", choices=("relative", "absolute"), default=None,
+                   help="fit relative step errors (default for a grid; outliers down-weighted) or seconds "
+                        "(default with --from-steps: unbiased for the total time a workload spends)")
+    p.add_argument("--from-steps", nargs="+", metavar="JSONL", default=None,
+                   help="fit recorded steps instead of running the engine: steps.jsonl of `mars replay "
+                        "--record-steps` runs (or --samples-out files); the base profile gives the shape")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "
+                        "time (all threads; less inflated on a machine shared with other jobs)")
     p.set_defaults(func=_profile)
 
 
@@ -97,20 +106,33 @@ def _profile(args: argparse.Namespace) -> int:
               "max_num_batched_tokens": max(base.max_num_batched_tokens, chunk),
               "max_num_seqs": max(base.max_num_seqs, batch), "policy": "fcfs"}
     if gpu:
-        kw.update(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=base.gpu_memory_utilization)
+        from vllm_mars.engine.local import SCHEDULER_CLS
+
+        # synchronous scheduling, so each timed step() is exactly the batch it scheduled (async scheduling
+        # would overlap the next schedule with this forward pass; the sim has no overlap either)
+        kw.update(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=base.gpu_memory_utilization,
+                  scheduler_cls=SCHEDULER_CLS, async_scheduling=False)
     else:  # enough KV for the largest decode point, whatever the profile's own pool
         kw.update(num_blocks=max(base.num_kv_blocks(), -(-2 * batch * ctx // base.block_size)))
     has_weights = any(Path(model).glob("*.safetensors")) or any(Path(model).glob("*.bin"))
     if args.dummy_weights or not has_weights:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     t0 = dt.datetime.now(dt.UTC)
-    print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
-          f"(repeats {grid.repeats})", file=sys.stderr)
-    samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed,
-                             progress=lambda m: print(f"  {m}", file=sys.stderr))
-    source = (f"fitted by `mars profile` on {platform.node()} ({os.cpu_count()} CPUs) at "
-              f"{t0:%Y-%m-%d %H:%M} UTC")
-    result = fit_profile(base, samples, source=source)
+    if args.from_steps:
+        from vllm_mars.sim.fit import load_samples
+
+        samples = [s for path in args.from_steps for s in load_samples(path)]
+        source = (f"fitted by `mars profile --from-steps` to {len(args.from_steps)} recorded run(s) at "
+                  f"{t0:%Y-%m-%d %H:%M} UTC")
+    else:
+        print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
+              f"(repeats {grid.repeats})", file=sys.stderr)
+        samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed, clock=args.clock,
+                                 progress=lambda m: print(f"  {m}", file=sys.stderr))
+        source = (f"fitted by `mars profile --clock {args.clock}` on {platform.node()} ({os.cpu_count()} CPUs) "
+                  f"at {t0:%Y-%m-%d %H:%M} UTC")
+    result = fit_profile(base, samples, source=source,
+                         loss=args.loss or ("absolute" if args.from_steps else "relative"))
     prof = result.profile
     if args.name:
         prof = prof.with_efficiency(prof.efficiency, name=args.name)

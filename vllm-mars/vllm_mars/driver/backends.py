@@ -22,6 +22,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
@@ -103,9 +104,14 @@ class InProcessBackend:
     def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
                  block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, **engine_extra: Any) -> None:
+                 max_num_batched_tokens: int = 1024, seed: int = 0, record_steps: bool = False,
+                 **engine_extra: Any) -> None:
         self.model = model
         self.clock = clock
+        #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
+        #: stepper loop), for `mars profile --from-steps`
+        self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
+        self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_extra)
@@ -137,6 +143,10 @@ class InProcessBackend:
             raise RuntimeError("the in-process backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm "
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
+        if self.step_times is not None:
+            from vllm_mars.engine.steps import StepRecorder
+
+            self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._snapshot()
         self._loop = asyncio.get_running_loop()
@@ -149,6 +159,11 @@ class InProcessBackend:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
+        # record_steps: each step's batch and its whole cycle in this loop (the step, the snapshot and
+        # the output hand-off, and the next arrivals' add_request), ending where the next step starts
+        # or where the loop goes idle
+        pending: tuple[list, list, float] | None = None
+        t_end = 0.0
         try:
             while not self._stop:
                 while True:
@@ -161,14 +176,28 @@ class InProcessBackend:
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                 if not engine.has_unfinished_requests():
+                    if pending is not None:
+                        self.step_times.append((pending[0], pending[1], t_end - pending[2]))
+                        pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                t0 = time.perf_counter()
+                if pending is not None:
+                    self.step_times.append((pending[0], pending[1], t0 - pending[2]))
+                    pending = None
                 outs = engine.step()
+                if self._recorder is not None:
+                    batches = self._recorder.take()
+                    if len(batches) == 1 and (batches[0][0] or batches[0][1]):
+                        pending = (*batches[0], t0)
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
+                t_end = time.perf_counter()
+            if pending is not None:
+                self.step_times.append((pending[0], pending[1], t_end - pending[2]))
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e

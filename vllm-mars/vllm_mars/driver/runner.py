@@ -97,6 +97,8 @@ class ReplayConfig:
     calibrate: bool = True
     #: seconds a single LLM call may take before the workflow fails
     call_timeout_s: float = 600.0
+    #: in-process engine: time every engine step and write steps.jsonl (what `mars profile --from-steps` fits)
+    record_steps: bool = False
     #: output directory (None: runs/<timestamp>_<policy>)
     out: str | None = None
     #: live progress bar on stderr
@@ -121,6 +123,8 @@ class ReplayConfig:
             raise ValueError("the http backend needs --url")
         if self.backend == "sim" and not self.profile:
             raise ValueError("the sim backend needs --profile (a step-time profile name or file)")
+        if self.record_steps and self.backend != "inprocess":
+            raise ValueError("--record-steps times the in-process engine's steps: it needs --backend inprocess")
         if self.backend == "sim" and self.tools != "simulated":
             raise ValueError("the sim backend runs in virtual time: --tools must be simulated")
         if self.num_workflows is not None and self.num_workflows < 1:
@@ -230,6 +234,16 @@ async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, 
     return CostModel.fit((p1, t1), (p2, t2), (n, t3), source="cost model calibrated by solo calls on the idle engine")
 
 
+#: per-step timings of a run with record_steps
+STEPS_FILE = "steps.jsonl"
+
+
+def write_steps(path: Path, steps) -> None:
+    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds"}``."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prefill": pf, "decode": dc, "seconds": round(dt, 7)}) + "\n" for pf, dc, dt in steps)
+
+
 def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy: str):
     from vllm_mars.driver import backends
 
@@ -248,7 +262,7 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
     return backends.InProcessBackend(
         model, clock, policy=scheduler_policy, policy_options=cfg.policy_options, num_blocks=cfg.num_blocks,
         block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(), max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed)
+        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed, record_steps=cfg.record_steps)
 
 
 class _Progress:
@@ -562,6 +576,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             if replay is not None:
                 replay.events.emit("run_end", engine=backend.engine_stats())
                 replay.events.close()
+            if getattr(backend, "step_times", None):
+                write_steps(out / STEPS_FILE, backend.step_times)
     return out, cost
 
 

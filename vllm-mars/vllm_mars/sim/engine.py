@@ -183,7 +183,7 @@ class SimBackend:
                         await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
                     except TimeoutError:
                         pass
-                now = loop.time()
+                now = self.clock()  # the run clock: the driver stamps submits with it (0 = run start)
                 for o in step_outputs(outs):
                     self._deliver(o, now)
         except BaseException as e:

@@ -4,13 +4,15 @@ Each timed step is ``seconds = o + s*n_seq + u*F_lin/P + ua*F_attn/P + v*B/W + f
 (linear layers, each attention part) contributes its FLOPs or its bytes, whichever bound it (the
 roofline max). For a fixed assignment of parts to "compute" or "memory" the model is linear in the
 non-negative unknowns (o, s, u = 1/mfu, ua = 1/attn_mfu, v = 1/bw_eff), solved by exact NNLS
-(every subset of columns; there are five) on relative errors (rows weighted by 1/seconds). The
+(every subset of columns; there are five) on relative errors (rows weighted by 1/seconds, and by Huber
+weights of their residuals, so steps slowed by other jobs on a shared machine count less). The
 assignment is then recomputed with the new coefficients, until it stops changing.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -22,6 +24,8 @@ from vllm_mars.sim.profile import Efficiency, Profile
 
 #: efficiency written for a term the data show to be free (coefficient 0): effectively infinite speed
 FREE = 1e6
+#: iteratively re-weighted rounds (at least) before the fit may stop
+HUBER_ROUNDS = 6
 COLUMNS = ("step_overhead_s", "per_seq_overhead_s", "1/mfu", "1/attn_mfu", "1/bw_eff")
 
 
@@ -54,13 +58,16 @@ class FitResult:
     #: root-mean-square relative error over all steps
     rms_rel_err: float
     iterations: int
+    #: (predicted total seconds - measured total) / measured total, over all steps
+    total_err: float = 0.0
 
     def table(self) -> str:
         lines = [f"{'grid point':32s} {'steps':>5s} {'measured ms':>12s} {'model ms':>10s} {'error':>8s}"]
         for p in self.points:
             lines.append(f"{p.label:32s} {p.steps:5d} {p.measured_s * 1e3:12.3f} {p.predicted_s * 1e3:10.3f} "
                          f"{p.rel_err * 100:+7.1f}%")
-        lines.append(f"rms relative error over all steps: {self.rms_rel_err * 100:.1f}%")
+        lines.append(f"rms relative error over all steps: {self.rms_rel_err * 100:.1f}%; error of the total "
+                     f"time of all steps: {self.total_err * 100:+.1f}%")
         return "\n".join(lines)
 
 
@@ -79,6 +86,14 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                 best_res, best = res, np.zeros(n)
                 best[list(cols)] = x
     return best
+
+
+def _huber_weights(rel: np.ndarray, k: float = 1.345) -> np.ndarray:
+    """Huber weights of relative residuals (scale: 1.4826 x median absolute residual), so a few steps
+    slowed by another job on the machine do not pull the fit."""
+    scale = 1.4826 * float(np.median(np.abs(rel))) or 1.0
+    r = np.abs(rel) / scale
+    return np.where(r <= k, 1.0, k / np.maximum(r, 1e-12))
 
 
 def _design(profile: Profile, samples: Sequence[Sample], coef: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -126,21 +141,34 @@ def _efficiency(coef: np.ndarray, a: np.ndarray, prior: Efficiency, source: str)
                       per_seq_overhead_s=s, source=source)
 
 
-def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", max_iter: int = 30) -> FitResult:
-    """Fit ``base``'s efficiency to ``samples``; returns the fitted profile and its per-point errors."""
+LOSSES = ("relative", "absolute")
+
+
+def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", max_iter: int = 30,
+                loss: str = "relative") -> FitResult:
+    """Fit ``base``'s efficiency to ``samples``; returns the fitted profile and its per-point errors.
+
+    ``loss="relative"``: every step weighs the same in relative terms, with Huber down-weighting of
+    outliers (a grid, where each point matters alike). ``loss="absolute"``: least squares on seconds,
+    unbiased for the mean (recorded steps of a real run, whose total time is what E2E adds up)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} unknown; allowed: {', '.join(LOSSES)}")
     samples = [s for s in samples if s.seconds > 0 and (s.prefill or s.decode)]
     if len(samples) < len(COLUMNS):
         raise ValueError(f"need at least {len(COLUMNS)} timed steps to fit, got {len(samples)}")
     e = base.efficiency
     coef = np.array([e.step_overhead_s, e.per_seq_overhead_s, 1 / e.mfu, 1 / (e.attn_mfu or e.mfu), 1 / e.bw_eff])
     y = np.array([s.seconds for s in samples])
-    w = 1.0 / y
+    w = 1.0 / y if loss == "relative" else np.full_like(y, 1.0 / float(np.mean(y)))
     seen = set()
     it = 0
+    robust = np.ones_like(y)
     for it in range(1, max_iter + 1):
         a, fixed, assign = _design(base, samples, coef)
-        coef = nnls(a * w[:, None], (y - fixed) * w)
-        if assign in seen:
+        coef = nnls(a * (w * robust)[:, None], (y - fixed) * w * robust)
+        if loss == "relative":
+            robust = _huber_weights((a @ coef + fixed - y) / y)
+        if assign in seen and (it >= HUBER_ROUNDS or loss == "absolute"):
             break
         seen.add(assign)
     a, _, _ = _design(base, samples, coef)
@@ -153,6 +181,43 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
         by_label.setdefault(s.label, []).append(i)
     points = [PointError(label, len(ix), statistics.median(y[ix]), statistics.median(pred[ix]))
               for label, ix in by_label.items()]
-    src = f"{source}; rms relative step error {rms * 100:.1f}% over {len(samples)} steps".lstrip("; ")
+    total = float(np.sum(pred) / np.sum(y) - 1.0)
+    src = (f"{source}; {loss} loss; rms relative step error {rms * 100:.1f}%, total time error {total * 100:+.1f}% "
+           f"over {len(samples)} steps").lstrip("; ")
     fitted = fitted.with_efficiency(_efficiency(coef, a, e, src))
-    return FitResult(fitted, points, rms, it)
+    return FitResult(fitted, points, rms, it, total)
+
+
+def step_label(prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> str:
+    """A coarse label of a recorded batch (kind and token count rounded to a power of two)."""
+    tokens = sum(c for c, _ in prefill) + len(decode)
+    kind = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+    return f"{kind} ~{1 << max(tokens.bit_length() - 1, 0)} tokens"
+
+
+def load_samples(path: str) -> list[Sample]:
+    """Timed steps from a JSON-lines file (``steps.jsonl`` of a run with record_steps, or the
+    ``--samples-out`` of ``mars profile``); ValueError naming file:line and field."""
+    out: list[Sample] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            try:
+                prefill = tuple((int(c), int(p)) for c, p in d["prefill"])
+                decode = tuple(int(x) for x in d["decode"])
+                seconds = float(d["seconds"])
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: fields prefill ([[chunk, context], ...]), decode ([context, ...]) "
+                                 "and seconds (number) expected") from None
+            if not seconds > 0:
+                raise ValueError(f"{where}: field 'seconds' must be > 0, got {seconds!r}")
+            out.append(Sample(prefill, decode, seconds, str(d.get("label") or step_label(prefill, decode))))
+    return out

@@ -1,0 +1,113 @@
+"""The step-time profile against the real engine: the step recorder on the real scheduler, `mars profile`
+on the real CPU engine (a tiny grid) writing a file the sim accepts, and the sim's fidelity bound:
+the same small workload through the real CPU engine and through the sim with that profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_mars.engine.rig import assert_no_leaks, make_request, make_scheduler, step
+from vllm_mars.engine.steps import StepRecorder
+from vllm_mars.sim.fit import load_samples
+from vllm_mars.sim.profile import load_profile
+
+
+def test_step_recorder_sees_chunks_and_decodes_of_the_real_scheduler():
+    s = make_scheduler("fcfs", num_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
+    rec = StepRecorder(s)
+    s.add_request(make_request("a", prompt_len=100, max_tokens=3))
+    s.add_request(make_request("b", prompt_len=20, max_tokens=2))
+    while s.has_requests():
+        step(s)
+    batches = [b for b in rec.take() if b != ([], [])]   # (the last schedule() finds nothing to do)
+    assert batches[0] == ([(64, 0)], [])                      # a's first chunk fills the 64-token budget
+    assert batches[1] == ([(36, 64), (20, 0)], [])            # a's rest, then b
+    assert batches[2] == ([], [100, 20])                      # both decode over their context
+    assert batches[3] == ([], [101])                          # b finished after 2 tokens, a decodes
+    assert len(batches) == 4 and rec.take() == []
+    assert_no_leaks(s)
+
+
+def _workload(path: Path, n: int = 6) -> Path:
+    """Small multi-turn workflows with short tools, so engine time dominates E2E (a 2x error in step
+    time shows as a large E2E error)."""
+    lines = []
+    for i in range(n):
+        turns = [{"output_tokens": 24, "tool_s": 0.02, "tool": "t"},
+                 {"append_tokens": 60, "output_tokens": 24, "tool_s": 0.02, "tool": "t"},
+                 {"append_tokens": 60, "output_tokens": 24}]
+        lines.append(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"fid-{i}", "prompt_tokens": 400 + 40 * i,
+                                 "turns": turns}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _mean_e2e(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["e2e_s"]["mean"]
+
+
+def test_mars_profile_then_sim_tracks_the_real_engine(tmp_path, tiny_model):
+    from vllm_mars.cli import main as mars
+
+    prof = tmp_path / "cpu.toml"
+    steps = tmp_path / "grid.jsonl"
+    assert mars(["profile", "--model", tiny_model, "--grid", "tiny", "--repeats", "2", "--out", str(prof),
+                 "--samples-out", str(steps)]) == 0
+    p = load_profile(str(prof))                                # the sim accepts what mars profile wrote
+    assert p.block_size == 32 and p.step_seconds([(64, 0)], []) > 0
+    assert "fitted by `mars profile" in p.efficiency.source
+    assert len(load_samples(str(steps))) >= 10
+    # the written profile with the real run's engine shape
+    shaped = p.with_efficiency(p.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
+    wl = _workload(tmp_path / "wl.jsonl")
+    common = ["--workload", str(wl), "--rps", "20", "--no-calibrate", "--no-progress"]
+    assert mars(["replay", *common, "--backend", "inprocess", "--num-blocks", "40", "--max-model-len", "1248",
+                 "--out", str(tmp_path / "real")]) == 0
+    assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--out", str(tmp_path / "sim")]) == 0
+    real, sim = _mean_e2e(tmp_path / "real"), _mean_e2e(tmp_path / "sim")
+    # loose enough for a busy 2-core machine, tight enough to catch a sim off by 2x
+    assert 0.6 < sim / real < 1.6, (real, sim)
+    # and a profile twice as slow is caught by that bound
+    e = p.efficiency
+    slow = p.with_efficiency(type(e)(mfu=e.mfu / 2, attn_mfu=(e.attn_mfu or e.mfu) / 2, bw_eff=e.bw_eff / 2,
+                                     step_overhead_s=2 * e.step_overhead_s,
+                                     per_seq_overhead_s=2 * e.per_seq_overhead_s),
+                             num_blocks=40, max_model_len=1248).write(tmp_path / "slow.toml")
+    assert mars(["replay", *common, "--backend", "sim", "--profile", str(slow), "--out", str(tmp_path / "slow")]) == 0
+    assert _mean_e2e(tmp_path / "slow") / sim > 1.6
+
+
+def test_profile_from_recorded_steps_and_bad_files(tmp_path):
+    from vllm_mars.cli import main as mars
+
+    rows = [{"prefill": [[c, 0]], "decode": [], "seconds": 0.002 + 1e-5 * c} for c in (32, 64, 128, 256, 512)]
+    rows += [{"prefill": [], "decode": [100] * b, "seconds": 0.002 + 1e-4 * b} for b in (1, 2, 4, 8, 16)]
+    f = tmp_path / "steps.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "fit.json"
+    assert mars(["profile", "--from-steps", str(f), "--out", str(out)]) == 0
+    p = load_profile(str(out))
+    assert p.step_seconds([(256, 0)], []) == pytest.approx(0.002 + 1e-5 * 256, rel=0.15)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prefill": [], "decode": [1]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'seconds'"):
+        load_samples(str(bad))
+    assert mars(["profile", "--from-steps", str(bad)]) == 2
+
+
+def test_sim_call_times_are_on_the_run_clock_after_calibration(tmp_path):
+    """The sim stamps first tokens and ends on the run clock (0 = run start), like the driver's submits:
+    a calibrated run's first call has TTFT = the charge of its prefill step, not + the calibration time."""
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    wl = tmp_path / "one.jsonl"
+    wl.write_text(json.dumps({"schema": "mars_workload_v1", "workflow_id": "w", "prompt_tokens": 588,
+                              "turns": [{"output_tokens": 4}]}) + "\n")
+    prof = load_profile("h200-llama-3.1-8b")
+    out, cost = run_replay(ReplayConfig(workload=str(wl), backend="sim", profile=prof.name, calibrate=True,
+                                        progress=False, out=str(tmp_path / "run")))
+    assert cost is not None
+    ends = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"call_end"' in line]
+    assert ends[0]["ttft_s"] == pytest.approx(prof.step_seconds([(588, 0)], []), rel=1e-3, abs=2e-6)
