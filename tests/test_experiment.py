@@ -107,6 +107,7 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
     assert ran == [] and part["missing_runs"] == ["compact/rps8/seed0/fcfs"]
     partial = {c["key"]: c for c in part["cells"]}["compact/rps8/seed0"]
     assert set(partial["policies"]) == {"mars", "mars-short-ret"} and partial["speedup"] is None
+    assert run_experiment(exp, out, progress=False, execute=False)["missing_runs"] == ["compact/rps8/seed0/fcfs"]
     rec = run_experiment(exp, out, only=["compact/rps8/*"], progress=False)
     assert ran == [("fcfs", 8.0)] and rec["missing_runs"] == []
     fresh = {c["key"]: c for c in rec["cells"]}["compact/rps8/seed0"]

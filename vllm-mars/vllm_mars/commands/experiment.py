@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--policies", default=None,
                    help="comma-separated: run only these of the file's policies now (the others stay to do)")
     r.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
+    r.add_argument("--report", action="store_true",
+                   help="run nothing: rewrite table.md, results.json and plots from the finished runs")
     r.add_argument("--list", action="store_true", help="print the cells (and which are finished) and exit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_run)
@@ -46,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     pols = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
     record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty(),
-                            policies=pols)
+                            policies=pols, execute=not args.report)
     for c in record["cells"]:
         sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
         print(f"{c['key']:32s} mars speedup {sp}")

@@ -131,7 +131,11 @@ def _cell_record(cell: Cell, mat: Materialized, summaries: dict, dirs: dict, wal
 
 
 def _save_cell(d: Path, rec: dict[str, Any]) -> None:
-    (d / "cell.json").write_text(json.dumps(rec, indent=2) + "\n")
+    """Write ``cell.json``; ``wall_s`` adds up over the invocations that ran parts of the cell."""
+    path = d / "cell.json"
+    if path.is_file():
+        rec["wall_s"] = round(rec["wall_s"] + json.loads(path.read_text()).get("wall_s", 0.0), 3)
+    path.write_text(json.dumps(rec, indent=2) + "\n")
 
 
 def _load_cost(out: Path) -> CostModel | None:
@@ -140,9 +144,11 @@ def _load_cost(out: Path) -> CostModel | None:
 
 
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
-                   progress: bool = True, policies: Sequence[str] | None = None) -> dict[str, Any]:
+                   progress: bool = True, policies: Sequence[str] | None = None,
+                   execute: bool = True) -> dict[str, Any]:
     """Run the selected cells' unfinished runs (of ``policies`` only, when given); then write the
-    results of every cell with a finished run. Returns the results record (``results.json``)."""
+    results of every cell with a finished run (``execute=False``: run nothing, only rewrite the cell
+    records and results). Returns the results record (``results.json``)."""
     from vllm_mars.experiment.results import write_results
 
     out = Path(out)
@@ -164,6 +170,8 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         run = [p for p in exp.policies_for(cell.workload) if policies is None or p in policies]
         done = finished_policies(exp, out, cell)
         rec = cell_dir(out, cell) / "cell.json"
+        if not execute:
+            run = [p for p in run if p in done]
         if not run or (set(run) <= set(done) and rec.is_file()
                        and set(json.loads(rec.read_text())["policies"]) == set(done)):
             bar.update(1)
@@ -188,6 +196,8 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         _, _, cost, _ = _run_cell(cfg, run[:1], run[:1], exp.variants, cell.rps, cell_dir(out, cell), cost)
         if cost is not None:
             (out / "cost_model.json").write_text(json.dumps(cost.as_dict(), indent=2) + "\n")
+    if not execute:
+        jobs = 1  # reading summaries needs no worker processes
     while todo and jobs <= 1:
         cell, cfg, run = todo.pop(0)
         bar.set_postfix_str(f"running {cell.key}")
