@@ -63,7 +63,7 @@ def _per_policy(cells: Sequence[Mapping], policies: Sequence[str], key: str, bes
         vals = {p: (c["policies"].get(p) or {}).get(key) for p in policies}
         known = [v for v in vals.values() if v is not None]
         top = best(known) if known else None
-        rows.append([c["workload"], _fmt(c["rps"]), str(c["seed"])] + [
+        rows.append([c["workload"], f"{c['rps']:g}", str(c["seed"])] + [
             ("**" + _fmt(v, digits) + "**") if v is not None and v == top else _fmt(v, digits)
             for v in vals.values()])
     return _table(["workload", "rps", "seed", *policies], rows)
@@ -87,15 +87,21 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
                   f"{', '.join(record['missing_runs'])}"), ""]
     lines += ["## Mars speedup over the fastest baseline (mean E2E)", "",
               ("The fastest of the baselines (policies other than mars and its variants) run in the cell; "
-              "'-' in the per-policy tables below = not run there."), ""]
+              "'-' in the per-policy tables below = not run there. Mean and p95 E2E are over the workflows "
+              "that completed; * = some policy in the cell did not complete every workflow (a call waited "
+              "past call_timeout_s), so its mean leaves out its slowest workflows: compare goodput there."), ""]
     rows = []
     for c in cells:
         m, b = c["policies"].get("mars") or {}, (c["policies"].get(c.get("baseline")) or {})
-        rows.append([c["workload"], _fmt(c["rps"]), str(c["seed"]),
-                     "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x", str(c.get("baseline") or "-"),
+        short = any(d.get("completed") != d.get("workflows") for d in c["policies"].values())
+        rows.append([c["workload"], f"{c['rps']:g}", str(c["seed"]),
+                     ("-" if c.get("speedup") is None else f"{c['speedup']:.2f}x") + (" *" if short else ""),
+                     str(c.get("baseline") or "-"), f"{m.get('completed')}/{m.get('workflows')}",
+                     f"{b.get('completed')}/{b.get('workflows')}",
                      _fmt(m.get("mean_e2e_s")), _fmt(b.get("mean_e2e_s")), _fmt(m.get("p95_e2e_s")),
                      _fmt(b.get("p95_e2e_s")), _fmt(m.get(GOODPUT), 3), _fmt(b.get(GOODPUT), 3)])
-    lines += _table(["workload", "rps", "seed", "speedup", "fastest baseline", "mars mean E2E (s)",
+    lines += _table(["workload", "rps", "seed", "speedup", "fastest baseline", "mars done", "baseline done",
+                     "mars mean E2E (s)",
                      "baseline mean E2E (s)", "mars p95 (s)", "baseline p95 (s)", f"mars goodput@{a}",
                      f"baseline goodput@{a}"], rows) + [""]
     if len(exp.seeds) > 1:
@@ -105,7 +111,7 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
             if c.get("speedup") is not None:
                 groups.setdefault((c["workload"], c["rps"]), []).append(c["speedup"])
         lines += _table(["workload", "rps", "seeds", "speedup"], [
-            [w, _fmt(r), str(len(v)), f"{statistics.fmean(v):.2f}x ({min(v):.2f} - {max(v):.2f})"]
+            [w, f"{r:g}", str(len(v)), f"{statistics.fmean(v):.2f}x ({min(v):.2f} - {max(v):.2f})"]
             for (w, r), v in groups.items()]) + [""]
     lines += ["## Mean E2E (s), per policy (best in bold)", ""] + _per_policy(cells, pols, "mean_e2e_s") + [""]
     lines += ["## p95 E2E (s), per policy", ""] + _per_policy(cells, pols, "p95_e2e_s") + [""]
@@ -120,7 +126,7 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
     for c in cells:
         for p in (p for p in pols if p in c["policies"]):
             d = c["policies"][p]
-            rows.append([c["workload"], _fmt(c["rps"]), str(c["seed"]), p,
+            rows.append([c["workload"], f"{c['rps']:g}", str(c["seed"]), p,
                          f"{d.get('completed')}/{d.get('workflows')}", _fmt(d.get("mean_e2e_s")),
                          _fmt(d.get("preemptions")), _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate")),
                          _fmt(d.get("kv_blocks_removed")), _fmt(d.get("mean_admission_wait_s")),
@@ -187,7 +193,11 @@ def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[
             ax.set_xlabel("arrival rate (roots/s)")
             ax.set_ylabel(label)
             if logy:
+                from matplotlib.ticker import NullFormatter, ScalarFormatter
+
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ScalarFormatter())
+                ax.yaxis.set_minor_formatter(NullFormatter())
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize="x-small", loc="best")
         files.append(_save(fig, out / fname, plt))
