@@ -51,6 +51,10 @@ def _strip(c: Mapping[str, Any]) -> dict[str, Any]:
     return c
 
 
+def _done(d: Mapping[str, Any]) -> str:
+    return f"{d['completed']}/{d['workflows']}" if d.get("workflows") is not None else "-"
+
+
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return (["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
             + ["| " + " | ".join(r) + " |" for r in rows])
@@ -96,8 +100,7 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
         short = any(d.get("completed") != d.get("workflows") for d in c["policies"].values())
         rows.append([c["workload"], f"{c['rps']:g}", str(c["seed"]),
                      ("-" if c.get("speedup") is None else f"{c['speedup']:.2f}x") + (" *" if short else ""),
-                     str(c.get("baseline") or "-"), f"{m.get('completed')}/{m.get('workflows')}",
-                     f"{b.get('completed')}/{b.get('workflows')}",
+                     str(c.get("baseline") or "-"), _done(m), _done(b),
                      _fmt(m.get("mean_e2e_s")), _fmt(b.get("mean_e2e_s")), _fmt(m.get("p95_e2e_s")),
                      _fmt(b.get("p95_e2e_s")), _fmt(m.get(GOODPUT), 3), _fmt(b.get(GOODPUT), 3)])
     lines += _table(["workload", "rps", "seed", "speedup", "fastest baseline", "mars done", "baseline done",
