@@ -11,7 +11,12 @@
 #   CPU_GPU              cores for the driver + engine, e.g. 0-7 (default: all)
 #   CPU_TOOL             tool cores, e.g. 8-15 (real tools pin one call per core)
 #   CUDA_VISIBLE_DEVICES GPU(s) for the engine (exported as is)
-#   NUM_BLOCKS           KV blocks (default 96 on CPU; 0 = vLLM's own sizing, use on GPU)
+#   NUM_BLOCKS           KV blocks (default: 96 on the CPU build, vLLM's own sizing on GPU; 0 = vLLM's)
+#   TP                   tensor parallel size (--engine-arg tensor_parallel_size=TP)
+#   GPU_MEMORY_UTILIZATION  fraction of GPU memory vLLM may use (--engine-arg gpu_memory_utilization=...)
+#   MAX_MODEL_LEN        context limit (--max-model-len)
+#   ENGINE_ARGS          more vLLM engine arguments, space-separated KEY=VALUE (each --engine-arg KEY=VALUE),
+#                        e.g. ENGINE_ARGS="kv_offloading_size=8" for infercept_swap on GPU
 #   TOOLS                simulated (default) | real
 #   BACKEND / URL        inprocess (default) | http with URL=http://host:port
 #   OUTPUT_DIR           run dir (default: runs/<timestamp>_<policy>)
@@ -36,6 +41,10 @@ ARGS=(replay --policy "${SCHEDULING_POLICY:-mars}" --rps "${RPS:-1.0}" --arrival
 [[ -n "${CPU_TOOL:-}" ]] && ARGS+=(--cpu-tool "$CPU_TOOL")
 [[ -n "${NUM_BLOCKS:-}" ]] && ARGS+=(--num-blocks "$NUM_BLOCKS")
 [[ -n "${URL:-}" ]] && ARGS+=(--url "$URL")
+[[ -n "${TP:-}" ]] && ARGS+=(--engine-arg "tensor_parallel_size=$TP")
+[[ -n "${GPU_MEMORY_UTILIZATION:-}" ]] && ARGS+=(--engine-arg "gpu_memory_utilization=$GPU_MEMORY_UTILIZATION")
+[[ -n "${MAX_MODEL_LEN:-}" ]] && ARGS+=(--max-model-len "$MAX_MODEL_LEN")
+for kv in ${ENGINE_ARGS:-}; do ARGS+=(--engine-arg "$kv"); done
 [[ -n "${OUTPUT_DIR:-}" ]] && ARGS+=(--out "$OUTPUT_DIR")
 [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]] && export CUDA_VISIBLE_DEVICES
 

@@ -9,6 +9,10 @@
 #   MARS_TORCH_INDEX  wheel index for torch==2.13.0+cpu (default: PyTorch's CPU index, used only
 #                     when no local copy of that wheel is configured for pip)
 #   MARS_FORCE_CPU=1  install the CPU build even where a GPU is visible
+#   MARS_SKIP_DRIVER_CHECK=1  skip the NVIDIA driver version check (you bring your own vLLM build)
+#
+# `scripts/setup.sh --check-gpu-only` runs only the platform check: prints "gpu" or "cpu" and
+# exits 1 when a GPU is visible but its driver is too old for the CUDA 13 build of vLLM 0.32.0.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -16,13 +20,52 @@ ROOT=$(pwd)
 VENV=${MARS_VENV:-$ROOT/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_INDEX=${MARS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# vllm==0.32.0 on PyPI pins torch==2.13.0 and links libcudart.so.13 (CUDA 13.0), whose minimum
+# Linux driver is the 580 series (580.65.06 ships with CUDA 13.0). Older drivers leave
+# torch.cuda.is_available() False.
+MIN_DRIVER_MAJOR=580
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-if [[ "${MARS_FORCE_CPU:-0}" != 1 ]] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  TARGET=gpu
-else
-  TARGET=cpu
+# Which build to install: "gpu" when nvidia-smi lists a GPU whose driver can run the CUDA 13
+# wheel, "cpu" when there is no GPU (or MARS_FORCE_CPU=1); fails with what is needed otherwise.
+check_platform() {
+  if [[ "${MARS_FORCE_CPU:-0}" == 1 ]] || ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo cpu; return 0
+  fi
+  if [[ "${MARS_SKIP_DRIVER_CHECK:-0}" != 1 ]]; then
+    local drv major
+    drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+    major=${drv%%.*}
+    if ! [[ "$major" =~ ^[0-9]+$ ]]; then
+      log "cannot read the NVIDIA driver version (nvidia-smi --query-gpu=driver_version gave '$drv')"
+      return 1
+    fi
+    if (( major < MIN_DRIVER_MAJOR )); then
+      log "NVIDIA driver $drv is too old: vllm 0.32.0 from PyPI is built for CUDA 13.0 (torch 2.13.0,"
+      log "libcudart.so.13) and needs driver >= ${MIN_DRIVER_MAJOR} (580.65.06 or newer). Upgrade the driver,"
+      log "or run on CPU with MARS_FORCE_CPU=1, or install a CUDA 12 build of vLLM yourself and rerun"
+      log "with MARS_SKIP_DRIVER_CHECK=1 (we have not verified that one exists for 0.32.0)."
+      return 1
+    fi
+    log "NVIDIA driver $drv (>= ${MIN_DRIVER_MAJOR}: CUDA 13 ok)"
+  fi
+  echo gpu
+}
+
+if [[ "${1:-}" == --check-gpu-only ]]; then
+  check_platform
+  exit $?
+fi
+TARGET=$(check_platform)
+
+# bubblewrap: the real-tool sandbox's strongest mode (tests cover it when present). Best effort,
+# only as root with apt; without it the tool plane uses Landlock.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+  log "installing bubblewrap (real-tool sandbox)"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } \
+    || log "bubblewrap not installed; real tools will use Landlock"
 fi
 
 STAMP="$VENV/.mars-setup-stamp"
@@ -59,6 +102,11 @@ if [[ $TARGET == cpu ]]; then
 else
   log "installing vllm-mars[gpu,dev] (vllm 0.32.0)"
   "${PIP[@]}" install -q -e ".[gpu,dev]"
+  if ! "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    log "installed, but torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) cannot"
+    log "use the GPU (torch.cuda.is_available() is False): check the driver (>= ${MIN_DRIVER_MAJOR}) and CUDA_VISIBLE_DEVICES"
+    exit 1
+  fi
 fi
 
 log "building the tiny model"

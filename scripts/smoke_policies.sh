@@ -10,7 +10,10 @@
 #   OUT_ROOT          output root (default: runs/policy_smoke/<timestamp>)
 #   STOP_ON_FAILURE   1: stop at the first failing policy (default 0)
 #   DRY_RUN           1: print the commands only
-#   plus MODEL_PATH, CPU_GPU, CPU_TOOL, CUDA_VISIBLE_DEVICES, NUM_BLOCKS, TOOLS as in run_replay.sh
+#   KV_OFFLOADING_SIZE  GiB of host memory for infercept_swap's KV offloading connector (default 4;
+#                     the policy refuses to start without one, and cannot run on the CPU build)
+#   plus MODEL_PATH, CPU_GPU, CPU_TOOL, CUDA_VISIBLE_DEVICES, NUM_BLOCKS, TOOLS, TP,
+#   GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, ENGINE_ARGS as in run_replay.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,8 +29,10 @@ printf 'policy\trequests\tstatus\texit_code\tduration_s\trun_dir\n' > "$TSV"
 failed=0
 for policy in $POLICIES; do
   run_dir="$OUT_ROOT/$policy"
+  engine_args=${ENGINE_ARGS:-}
+  if [[ $policy == infercept_swap ]]; then engine_args="$engine_args kv_offloading_size=${KV_OFFLOADING_SIZE:-4}"; fi
   cmd=(env SCHEDULING_POLICY="$policy" NUM_REQUESTS="$N" RPS="${RPS:-2.0}" OUTPUT_DIR="$run_dir"
-       scripts/run_replay.sh --no-progress)
+       ENGINE_ARGS="$engine_args" scripts/run_replay.sh --no-progress)
   if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "${cmd[*]}"; continue; fi
   echo "== $policy ($N workflows) -> $run_dir" >&2
   start=$(date +%s.%N)

@@ -268,13 +268,13 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
-    with pytest.raises(ValueError, match="valid:"):
+    with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
     with pytest.raises(ValueError, match="window_max must be int"):
         make_controller("mars", {"window_max": "abc"})
     with pytest.raises(ValueError, match="unknown ConcurConfig"):
         make_controller("concur", {"kv_target": 0.9})
-    with pytest.raises(ValueError, match="available: mars, concur, none"):
+    with pytest.raises(ValueError, match="available: concur, mars, none"):
         make_controller("nope")
 
 
@@ -355,3 +355,54 @@ def test_none_controller_admits_everything():
     assert len(c.tick(0)) == 50 and c.num_active == 50
     c.finish("r3", 1)
     assert c.num_active == 49
+
+
+def test_registry_a_controller_is_only_its_rules_and_bool_options_work():
+    """A controller registered with the decorator gets the queue, active set, events, promises and
+    option validation from the base; bool options can be set (before: 'must be bool' for True)."""
+    from dataclasses import dataclass
+
+    from vllm_mars.admission import base
+
+    @dataclass(frozen=True)
+    class LifoConfig(base.WindowConfig):
+        lifo: bool = False
+
+    @base.register_controller
+    class Lifo(base.ControllerBase):
+        name = "test-lifo"
+        config_cls = LifoConfig
+
+        def tick(self, now):
+            order = list(self._queue.values())
+            if self.config.lifo:
+                order.reverse()
+            out = order[: max(0, self.window - self.num_active)]
+            for r in out:
+                self._admit(r, now, blocks=3, promise_s=1.0)
+            return [r.workflow for r in out]
+
+    try:
+        c = make_controller("test-lifo", {"lifo": True, "window_init": 2, "window_max": 2})
+        assert "test-lifo" in base.available_controllers()
+        for i in range(3):
+            offer(c, f"r{i}", i)
+        assert c.tick(3) == ["r2", "r1"]
+        assert c.promised_blocks() == 6 and c.promised_blocks(["r1"]) == 3
+        c.observe(tel(4.5))  # a reading taken after the promises landed: they are no longer counted
+        assert c.promised_blocks() == 0
+        c.finish("r2", 5)
+        assert c.tick(5) == ["r0"] and c.snapshot()["admitted"] == 3
+        with pytest.raises(ValueError, match="lifo must be bool"):
+            make_controller("test-lifo", {"lifo": 1})
+    finally:
+        base._REGISTRY.pop("test-lifo", None)
+
+
+@pytest.mark.parametrize("name,opt", [("mars", "stale_s"), ("concur", "interval_s"), ("mars", "kv_target")])
+def test_non_finite_controller_options_are_rejected(name, opt):
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=f"{opt} must be a finite number"):
+            make_controller(name, {opt: bad})
+    with pytest.raises(ValueError, match="takes no options"):
+        make_controller("none", {"x": 1})

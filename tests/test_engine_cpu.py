@@ -44,7 +44,11 @@ def test_unknown_policy_fails_at_engine_start(tiny_model):
 
     from vllm_mars.engine.local import engine_kwargs
 
-    args = EngineArgs(**engine_kwargs(tiny_model, policy="no-such-policy", num_blocks=16, max_model_len=256,
-                                      max_num_seqs=4, max_num_batched_tokens=256))
+    with pytest.raises(ValueError, match="unknown policy 'no-such-policy'"):  # our launchers refuse first
+        engine_kwargs(tiny_model, policy="no-such-policy")
+    # A user starting vLLM by hand with the bad name: the engine refuses at start.
+    kw = engine_kwargs(tiny_model, policy="fcfs", num_blocks=16, max_model_len=256, max_num_seqs=4,
+                       max_num_batched_tokens=256)
+    args = EngineArgs(**{**kw, "additional_config": {"mars": {"policy": "no-such-policy"}}})
     with pytest.raises(Exception, match="unknown policy 'no-such-policy'; available policies: .*fcfs"):
         LLMEngine.from_engine_args(args)

@@ -52,3 +52,53 @@ def test_metrics_expose_kv_usage_and_block_count(openai_server):
     text = httpx.get(openai_server.url + "/metrics", timeout=10).text
     assert "vllm:kv_cache_usage_perc" in text
     assert 'num_gpu_blocks="256"' in text
+
+
+def test_hostile_vllm_xargs_never_crash_the_engine(openai_server):
+    """Issue 11 defect 1: these killed EngineCore (OverflowError in the tag parser). Each is served
+    (as an untagged call) or refused by vLLM with a 4xx; the server stays up and serves the next call."""
+    raw = ['{"mars_workflow": "h1", "mars_turn": 1e400}', '{"mars_workflow": "h2", "mars_turn": Infinity}',
+           '{"mars_workflow": "h3", "mars_turn": -Infinity}', '{"mars_workflow": "h4", "mars_turn": NaN}',
+           '{"mars_workflow": "h5", "mars_prefill_tokens": 1e400}',
+           '{"mars_workflow": "h6", "mars_prefill_tokens": ' + str(2**1024) + '}',
+           '{"mars_workflow": "\\ud800", "mars_last_step": [1], "mars_parent": {"a": 1}}']
+    for i, xargs in enumerate(raw):
+        body = ('{"model": "tiny", "prompt": "def foo(x): return x + 1", "max_tokens": 2, "ignore_eos": true, "vllm_xargs": '
+                + xargs + "}")
+        r = httpx.post(openai_server.url + "/v1/completions", content=body, timeout=60,
+                       headers={"Content-Type": "application/json", "X-Request-Id": f"hostile-{i}"})
+        assert r.status_code in (200, 400), (xargs, r.status_code, r.text[:300])
+        assert httpx.get(openai_server.url + "/health", timeout=10).status_code == 200
+    arrive = next(e for e in _sched_events(openai_server, "hostile-0") if e["event"] == "arrive")
+    assert arrive["tagged"] is False  # served, as an untagged call
+    r = httpx.post(openai_server.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "def bar(y): return y", "max_tokens": 3, "ignore_eos": True,
+                         "vllm_xargs": {"mars_workflow": "after", "mars_turn": 0}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_http_backend_abort_stops_the_call_in_the_server(openai_server):
+    """Backend.abort over HTTP: the stream is closed, vLLM aborts the request (it keeps no KV)."""
+    import asyncio
+
+    from vllm_mars.driver.backends import HTTPBackend
+
+    async def go():
+        b = HTTPBackend(openai_server.url, time.monotonic, poll_s=5.0)
+        await b.start()
+        try:
+            task = asyncio.create_task(b.generate("abort-http-1", list(range(10, 60)), 1900, {}))
+            await asyncio.sleep(0.5)
+            await b.abort("abort-http-1")
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                raise AssertionError("the aborted call returned")
+        finally:
+            await b.close()
+
+    asyncio.run(go())
+    end = next(e for e in _sched_events(openai_server, "abort-http-1") if e["event"] == "end")
+    assert end["aborted"] is True and end["output_tokens"] < 1900, end

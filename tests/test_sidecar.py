@@ -188,12 +188,12 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
         assert {b1.url, b2.url} == set(urls)  # equal budgets: the replica with fewer roots
         assert chat(sc, {"x-session-id": "R1-child", "x-parent-session-id": "R1"}).status_code == 200
         assert chat(sc, {"X-MARS-Workflow": "R1"}).status_code == 200
-        assert sc.app.roots["R1"].backend is b1 and b1.roots == 1  # later turns and children stay
+        assert sc.app.roots["R1"].backend is b1 and b1.roots == {"R1"}  # later turns and children stay
 
         def place_when_b2_has_more_budget():  # on the sidecar's loop: no poll can interleave
             b2.telemetry.last = replace(b2.telemetry.last, free_blocks=b2.telemetry.last.free_blocks + 1000)
-            b2.roots += 5  # more budget wins regardless of root counts
-            return sc.app._place(type(sc.app.roots["R1"])("R3", time.monotonic(), None))
+            b2.roots.update(f"x{i}" for i in range(5))  # more budget wins regardless of root counts
+            return sc.app.placement.place("R3")
 
         assert sc.call(place_when_b2_has_more_budget) is b2
 
@@ -260,6 +260,9 @@ def test_mars_serve_and_backend_dying_mid_stream(tiny_model, tmp_path):
         assert wait_until(healthy, 240, 0.5) and proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "A"}, timeout=60)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        # the sidecar's /metrics polls (10 a second here) stay out of vLLM's access log (issue 11, 9)
+        log = (tmp_path / "engine.log").read_text()
+        assert '"POST /v1/chat/completions' in log and '"GET /metrics' not in log, log[-2000:]
         lines: list[str] = []
         with httpx.stream("POST", url + "/v1/chat/completions", json=LONG,
                           headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
@@ -408,7 +411,7 @@ def test_in_process_telemetry_from_scheduler():
 
     clock = VirtualClock()
     s = make_scheduler("fcfs", num_blocks=64, block_size=16, clock=clock)
-    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, queue_wait_s=0.5))
+    reader = InProcessTelemetry(s, clock, tool_stats=lambda: ToolStats(in_flight=3, workers=2, ema_queue_wait_s=0.5))
     t0 = reader.read()
     assert (t0.free_blocks, t0.total_blocks, t0.block_size, t0.kv_usage) == (s.num_blocks, s.num_blocks, 16, 0.0)
     assert (t0.tools_in_flight, t0.tool_workers, t0.tool_queue_wait_s) == (3, 2, 0.5)

@@ -259,6 +259,22 @@ def test_sim_replay_is_deterministic_and_leak_free(tmp_path, linear_profile):
     assert len(samples) >= 5 and samples[2] - samples[1] == pytest.approx(1.0)
 
 
+def test_skipping_the_loop_between_steps_changes_nothing(tmp_path, linear_profile, monkeypatch):
+    """The engine advances the clock inline when nothing else would run during a step; a run that
+    always sleeps through the loop instead writes the very same events."""
+    from vllm_mars.sim.loop import VirtualTimeLoop
+
+    inline = []
+    advance = VirtualTimeLoop.advance_if_idle
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: inline.append(advance(self, dt))
+                        or inline[-1])
+    fast, _ = run_replay(_sim_cfg(tmp_path, "fast"))
+    assert sum(inline) > 100, "most steps of this run pass while everything else sleeps"
+    monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: False)
+    slow, _ = run_replay(_sim_cfg(tmp_path, "slow"))
+    assert (fast / "events.jsonl").read_bytes() == (slow / "events.jsonl").read_bytes()
+
+
 def test_cli_replay_and_compare_on_the_sim(tmp_path, linear_profile, capsys):
     from vllm_mars.cli import main
 
@@ -320,3 +336,24 @@ def test_block_removals_counted_without_events_equal_vllms_events():
 
     with_events = removals(True)
     assert with_events > 0 and removals(False) == with_events
+
+
+@pytest.mark.slow
+def test_sim_runs_are_byte_identical_across_processes_and_hash_seeds(tmp_path):
+    """Two `mars replay --backend sim` processes with different PYTHONHASHSEED (set iteration order,
+    str hashes) on a shipped GPU profile: identical summary.json and events.jsonl."""
+    import os
+    import subprocess
+    import sys
+
+    wl = _workload(tmp_path / "wl.jsonl", n=6)
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"run{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "VLLM_LOGGING_LEVEL": "ERROR"}
+        subprocess.run([sys.executable, "-m", "vllm_mars.cli", "replay", "--backend", "sim", "--profile",
+                        "h200-qwen3-coder-30b-a3b", "--workload", str(wl), "--policy", "mars", "--rps", "1",
+                        "--no-progress", "--out", str(out)], env=env, check=True, capture_output=True, timeout=600)
+        outs.append(out)
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()

@@ -49,34 +49,46 @@ def _mean_e2e(run_dir: Path) -> float:
 
 
 def test_mars_profile_then_sim_tracks_the_real_engine(tmp_path, tiny_model):
+    """`mars profile` on the real CPU engine writes a profile the sim accepts; the same small workload
+    through the real engine (steps recorded) and through the sim with a profile fitted to those steps
+    gives the same mean E2E within a band loose enough for a busy machine, which a profile twice as
+    slow falls outside. (The fit is to the run's own steps so that the bound holds on any machine
+    speed and load; a grid fit timed at another moment is only as good as the machine is steady, see
+    benchmark/perf/RESULTS.md.)"""
     from vllm_mars.cli import main as mars
 
-    prof = tmp_path / "cpu.toml"
-    steps = tmp_path / "grid.jsonl"
-    assert mars(["profile", "--model", tiny_model, "--grid", "tiny", "--repeats", "2", "--out", str(prof),
-                 "--samples-out", str(steps)]) == 0
+    prof = tmp_path / "grid.toml"
+    grid_steps = tmp_path / "grid.jsonl"
+    assert mars(["profile", "--model", tiny_model, "--grid", "tiny", "--repeats", "1", "--out", str(prof),
+                 "--samples-out", str(grid_steps)]) == 0
     p = load_profile(str(prof))                                # the sim accepts what mars profile wrote
-    assert p.block_size == 32 and p.step_seconds([(64, 0)], []) > 0
+    assert p.block_size == 32 and p.model == "tiny-qwen3" and p.step_seconds([(64, 0)], []) > 0
     assert "fitted by `mars profile" in p.efficiency.source
-    assert len(load_samples(str(steps))) >= 10
-    # the written profile with the real run's engine shape
-    shaped = p.with_efficiency(p.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
+    assert len(load_samples(str(grid_steps))) >= 10
+
     wl = _workload(tmp_path / "wl.jsonl")
     common = ["--workload", str(wl), "--rps", "20", "--no-calibrate", "--no-progress"]
     assert mars(["replay", *common, "--backend", "inprocess", "--num-blocks", "40", "--max-model-len", "1248",
-                 "--out", str(tmp_path / "real")]) == 0
+                 "--record-steps", "--out", str(tmp_path / "real")]) == 0
+    recorded = load_samples(str(tmp_path / "real" / "steps.jsonl"))
+    assert len(recorded) > 50 and any(s.prefill for s in recorded) and any(s.decode for s in recorded)
+    own = tmp_path / "own.toml"
+    assert mars(["profile", "--from-steps", str(tmp_path / "real" / "steps.jsonl"), "--out", str(own)]) == 0
+    o = load_profile(str(own))
+    shaped = o.with_efficiency(o.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--out", str(tmp_path / "sim")]) == 0
     real, sim = _mean_e2e(tmp_path / "real"), _mean_e2e(tmp_path / "sim")
-    # loose enough for a busy 2-core machine, tight enough to catch a sim off by 2x
-    assert 0.6 < sim / real < 1.6, (real, sim)
-    # and a profile twice as slow is caught by that bound
-    e = p.efficiency
-    slow = p.with_efficiency(type(e)(mfu=e.mfu / 2, attn_mfu=(e.attn_mfu or e.mfu) / 2, bw_eff=e.bw_eff / 2,
+    # loose enough for a busy 2-core machine (1.42 with a load average of 15), tight enough to catch
+    # a sim off by 2x ...
+    assert 0.55 < sim / real < 1.75, (real, sim)
+    e = o.efficiency
+    slow = o.with_efficiency(type(e)(mfu=e.mfu / 2, attn_mfu=(e.attn_mfu or e.mfu) / 2, bw_eff=e.bw_eff / 2,
                                      step_overhead_s=2 * e.step_overhead_s,
                                      per_seq_overhead_s=2 * e.per_seq_overhead_s),
                              num_blocks=40, max_model_len=1248).write(tmp_path / "slow.toml")
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(slow), "--out", str(tmp_path / "slow")]) == 0
-    assert _mean_e2e(tmp_path / "slow") / sim > 1.6
+    # ... because on this engine-bound workload twice the step time is about twice the E2E
+    assert _mean_e2e(tmp_path / "slow") / sim > 1.8
 
 
 def test_profile_from_recorded_steps_and_bad_files(tmp_path):

@@ -8,8 +8,10 @@ Steps: (1) `mars profile` on the CPU engine (the `cpu` grid) unless --profile is
 `mars replay --backend inprocess --record-steps` (the real engine; its steps are timed); (3) the same
 replay with `--backend sim` and the grid-fitted profile (the engine shape of the real run: same KV
 blocks, block size and limits); (4) the same again with a profile fitted to the real runs' own
-recorded steps (`mars profile --from-steps`), which separates the step-time model's error from the
-scheduling simulation's. Writes results/sim_fidelity.json:
+recorded steps (`mars profile --from-steps`: one profile for all policies' runs, and one per policy to
+its own run), which separates the step-time model's error (and a shared machine's changing load) from
+the scheduling simulation's; (5) with --real-repeat, a second real run per policy: the real-vs-real
+spread is the noise floor of the comparison. Writes results/sim_fidelity.json:
 ``{"fcfs": {"mean_e2e_err": ..., ...}, "mars": {...}, "_winner": {...}, "_meta": {...}}``; errors
 are (sim - real) / real, prefix-hit error is sim - real (a difference of rates).
 """
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="a fitted CPU profile (default: fit one now)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
-    ap.add_argument("--no-self-fit", action="store_true", help="skip the sim runs with the self-fitted profile")
+    ap.add_argument("--no-self-fit", action="store_true", help="skip the sim runs with the self-fitted profiles")
+    ap.add_argument("--real-repeat", action="store_true",
+                    help="run the real engine twice per policy: the real-vs-real spread is the noise floor")
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
@@ -114,29 +118,39 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     grid_profile = shaped(profile, base, out / "profile-grid.toml")
     real, sim, sim_self = {}, {}, {}
+    real2 = {}
     for pol in policies:
-        d = out / f"real-{pol}"
-        if not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):  # resumable: keep finished runs
-            cfg = replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d))
-            d, _ = run_replay(cfg)
-        real[pol] = metrics(json.loads((d / "summary.json").read_text()))
+        for tag in ("", "-r2") if args.real_repeat else ("",):
+            d = out / f"real-{pol}{tag}"
+            if not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):  # resumable
+                cfg = replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d))
+                d, _ = run_replay(cfg)
+            (real2 if tag else real)[pol] = metrics(json.loads((d / "summary.json").read_text()))
         print(f"real {pol}: {real[pol]}", file=sys.stderr)
     for pol in policies:
         cfg = replace(base, policy=pol, backend="sim", profile=str(grid_profile), out=str(out / f"sim-{pol}"))
         d, _ = run_replay(cfg)
         sim[pol] = metrics(json.loads((d / "summary.json").read_text()))
+    sim_own = {}
     if not args.no_self_fit:
         from vllm_mars.cli import main as mars
 
-        steps = [str(out / f"real-{pol}" / "steps.jsonl") for pol in policies]
-        self_path = out / "cpu-tiny-self.toml"
-        if mars(["profile", "--from-steps", *steps, "--out", str(self_path)]) != 0:
-            raise SystemExit("mars profile --from-steps failed")
-        self_profile = shaped(str(self_path), base, out / "profile-self.toml")
+        def fit_steps(name: str, pols: list[str]) -> Path:
+            path = out / f"cpu-tiny-{name}.toml"
+            steps = [str(out / f"real-{pol}" / "steps.jsonl") for pol in pols]
+            if mars(["profile", "--from-steps", *steps, "--out", str(path)]) != 0:
+                raise SystemExit("mars profile --from-steps failed")
+            return shaped(str(path), base, out / f"profile-{name}.toml")
+
+        # one profile fitted to every policy's recorded steps, and one per policy to its own run's steps
+        self_profile = fit_steps("self", policies)
         for pol in policies:
             cfg = replace(base, policy=pol, backend="sim", profile=str(self_profile), out=str(out / f"simself-{pol}"))
             d, _ = run_replay(cfg)
             sim_self[pol] = metrics(json.loads((d / "summary.json").read_text()))
+            own = fit_steps(f"own-{pol}", [pol])
+            d, _ = run_replay(replace(cfg, profile=str(own), out=str(out / f"simown-{pol}")))
+            sim_own[pol] = metrics(json.loads((d / "summary.json").read_text()))
 
     def winner(m: dict) -> str:
         return min(m, key=lambda p: m[p]["mean_e2e_s"])
@@ -146,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         result[pol] = {**errors(real[pol], sim[pol]), "real": real[pol], "sim": sim[pol]}
         if sim_self:
             result[pol]["self_fit"] = {**errors(real[pol], sim_self[pol]), "sim": sim_self[pol]}
+            result[pol]["own_run_fit"] = {**errors(real[pol], sim_own[pol]), "sim": sim_own[pol]}
+        if real2:
+            result[pol]["real_repeat"] = {**errors(real[pol], real2[pol]), "real": real2[pol]}
     result["_winner"] = {"real": winner(real), "sim": winner(sim), "same": winner(real) == winner(sim)}
     if sim_self:
         result["_winner"]["sim_self_fit"] = winner(sim_self)

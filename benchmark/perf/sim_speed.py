@@ -90,6 +90,8 @@ def main() -> None:
         "completed": summary["completed"], "steps": summary["engine"]["steps"],
         "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
         "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
+        "note": "wall time on a 2-core VM shared with other jobs (load avg given); cpu_s is the run's own CPU "
+                "time (one thread), about the wall time of a quiet box",
         "command": "python benchmark/perf/sim_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if k in ("workflows", "policy", "rps", "profile", "preset")),

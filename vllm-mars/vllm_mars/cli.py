@@ -12,6 +12,7 @@ import sys
 #: its parsers and sets ``func`` (called with the parsed args, returns an exit code).
 COMMAND_MODULES = [
     "vllm_mars.commands.basic",
+    "vllm_mars.commands.agents",
     "vllm_mars.commands.driver",
     "vllm_mars.commands.workload",
     "vllm_mars.commands.admission",
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"mars {args.command}: error: {e}", file=sys.stderr)
         return 2
 

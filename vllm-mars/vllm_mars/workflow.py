@@ -7,6 +7,7 @@ one-call workflow (plain chat traffic mixes with agents), identified by its requ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,32 @@ class WorkflowInfo:
         return self.parent is not None
 
 
+#: Largest integer tag accepted (``mars_turn``, ``mars_prefill_tokens``): exact as a float, so
+#: policies may do float arithmetic on it without OverflowError.
+MAX_TAG_INT = 2**53
+#: Longest id a tag may carry (``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_tool``):
+#: policies keep per-workflow and per-tool state keyed by them, so their size is bounded.
+MAX_ID_CHARS = 1024
+#: Longest id kept verbatim in logs and events (:func:`short_id`).
+LOG_ID_CHARS = 200
+
+
+def short_id(v: Any, limit: int = LOG_ID_CHARS) -> Any:
+    """``v`` for a log line: strings longer than ``limit`` are cut and marked with their length."""
+    if isinstance(v, str) and len(v) > limit:
+        return f"{v[:limit]}...({len(v)} chars)"
+    return v
+
+
+def _show(v: Any) -> str:
+    """A bounded repr of a client value for an error message (never raises)."""
+    try:
+        r = repr(v)
+    except Exception:  # noqa: BLE001 - int-to-str digit limits and the like
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 80 else f"{r[:77]}..."
+
+
 def _as_bool(key: str, v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -48,36 +75,53 @@ def _as_bool(key: str, v: Any) -> bool:
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
         return v.strip().lower() in ("true", "1", "yes")
-    raise ValueError(f"extra_args[{key!r}] must be a boolean, got {v!r}")
+    raise ValueError(f"extra_args[{key!r}] must be a boolean, got {_show(v)}")
 
 
 def _as_int(key: str, v: Any, minimum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"extra_args[{key!r}] must be an integer >= {minimum}, got {v!r}")
-    try:
-        iv = int(v)
-    except ValueError:
-        raise ValueError(f"extra_args[{key!r}] must be an integer >= {minimum}, got {v!r}") from None
-    if iv != float(v) or iv < minimum:
-        raise ValueError(f"extra_args[{key!r}] must be an integer >= {minimum}, got {v!r}")
-    return iv
+    bad = ValueError(f"extra_args[{key!r}] must be an integer in [{minimum}, 2**53], got {_show(v)}")
+    if isinstance(v, bool):
+        raise bad
+    if isinstance(v, str):
+        s = v.strip()
+        if not s or len(s) > 20:
+            raise bad
+        try:
+            v = int(s) if s.lstrip("+-").isdigit() else float(s)
+        except ValueError:
+            raise bad from None
+    if isinstance(v, float):
+        # inf, -inf, nan and fractions are not integers (int(inf) raises OverflowError).
+        if not (math.isfinite(v) and abs(v) <= MAX_TAG_INT and v.is_integer()):
+            raise bad
+        v = int(v)
+    if not isinstance(v, int) or not minimum <= v <= MAX_TAG_INT:
+        raise bad
+    return v
 
 
 def _as_id(key: str, v: Any) -> str | None:
     if v is None:
         return None
-    if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
+    if isinstance(v, str) and 0 < len(v) <= MAX_ID_CHARS:
+        return v
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_TAG_INT:
         return str(v)
-    raise ValueError(f"extra_args[{key!r}] must be a non-empty string, got {v!r}")
+    raise ValueError(f"extra_args[{key!r}] must be a non-empty string of at most {MAX_ID_CHARS} characters, "
+                     f"got {_show(v)}")
 
 
 def workflow_from_extra_args(extra_args: Mapping[str, Any] | None, request_id: str) -> WorkflowInfo:
     """Parse the ``mars_*`` keys; other keys are ignored (they belong to other plugins).
 
-    Raises ValueError naming the key and the expected type on a malformed value.
+    Raises ValueError naming the key and the expected type on a malformed value, and nothing
+    else whatever the values are (every JSON value kind, any size): callers serve such a call as
+    an untagged one.
     """
     if not extra_args:
         return WorkflowInfo(workflow=request_id, root=request_id, last_step=True, tagged=False)
+    if not isinstance(extra_args, Mapping):
+        raise ValueError(f"extra_args must be a JSON object, got {type(extra_args).__name__}")  # noqa: TRY004
     workflow = _as_id("mars_workflow", extra_args.get("mars_workflow"))
     tagged = workflow is not None
     if workflow is None:

@@ -50,8 +50,10 @@ export PYTHONPATH="$PWD/vllm-mars${PYTHONPATH:+:$PYTHONPATH}"
 ARGS=(profile --base "$BASE" --grid gpu --repeats "$REPEATS" --name "$BASE"
       --out "$OUT/$BASE.toml" --samples-out "$OUT/$BASE.steps.jsonl")
 if [[ -n "${MODEL:-}" ]]; then ARGS+=(--model "$MODEL"); else ARGS+=(--dummy-weights); fi
+set +e
 "$PYTHON" -m vllm_mars.cli "${ARGS[@]}" 2>&1 | tee "$OUT/$BASE.log"
 rc=${PIPESTATUS[0]}
+set -e
 if [[ $rc -ne 0 ]]; then echo "FAIL: mars profile exited $rc"; exit 1; fi
 # the written file must load (the sim's own validation)
 "$PYTHON" -c "import sys; from vllm_mars.sim.profile import load_profile; p = load_profile(sys.argv[1]); \

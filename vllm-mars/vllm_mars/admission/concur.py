@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry, config_from_dict
+from vllm_mars.admission.base import AdmissionEvent, ControllerBase, WindowConfig, register_controller
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ConcurConfig:
-    """Knobs of the CONCUR controller (reported defaults, second hand)."""
+class ConcurConfig(WindowConfig):
+    """Knobs of the CONCUR controller (reported defaults, second hand); the window fields,
+    ``interval_s``, ``stale_s`` and ``no_telemetry_window`` come from :class:`WindowConfig`."""
 
-    #: Upper bound of the window of active workflows.
-    window_max: int = 30
-    #: Lower bound of the window.
-    window_min: int = 1
-    #: Starting window (None: ``window_min``).
-    window_init: int | None = None
     #: Additive increase per control interval while utilisation < ``u_low``.
     inc: int = 1
     #: Multiplicative decrease factor when utilisation > ``u_high`` and the hit rate falls.
@@ -41,23 +36,10 @@ class ConcurConfig:
     u_high: float = 0.5
     #: A hit rate this much below the previous reading counts as falling.
     hit_drop_tol: float = 0.01
-    #: Control interval (s).
-    interval_s: float = 0.2
-    #: Telemetry older than this (s) counts as congestion.
-    stale_s: float = 2.0
-    #: Active-workflow limit while no telemetry has been seen.
-    no_telemetry_window: int = 2
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"ConcurConfig.{name} = {getattr(self, name)!r}: must be {allowed}")
-
-        if self.window_min < 1:
-            raise bad("window_min", ">= 1")
-        if self.window_max < self.window_min:
-            raise bad("window_max", f">= window_min ({self.window_min})")
-        if self.window_init is not None and not self.window_min <= self.window_init <= self.window_max:
-            raise bad("window_init", f"within [{self.window_min}, {self.window_max}]")
+        super().__post_init__()
+        bad = self._bad
         if self.inc < 0:
             raise bad("inc", ">= 0")
         if not 0.1 <= self.dec_factor <= 0.99:
@@ -66,64 +48,21 @@ class ConcurConfig:
             raise bad("u_low", f"in [0, u_high={self.u_high}) with u_high <= 1")
         if self.hit_drop_tol < 0:
             raise bad("hit_drop_tol", ">= 0")
-        if self.interval_s < 0.01:
-            raise bad("interval_s", ">= 0.01")
-        if self.stale_s <= 0:
-            raise bad("stale_s", "> 0")
-        if self.no_telemetry_window < 1:
-            raise bad("no_telemetry_window", ">= 1")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ConcurConfig:
-        return config_from_dict(cls, d)
 
 
-class ConcurController:
+@register_controller
+class ConcurController(ControllerBase):
     """AIMD window on active workflows, arrival-order admission."""
 
     name = "concur"
+    config_cls = ConcurConfig
+    config: ConcurConfig
 
     def __init__(self, config: ConcurConfig | None = None) -> None:
-        self.config = cfg = config or ConcurConfig()
-        self.interval_s = cfg.interval_s
-        self.window = cfg.window_init if cfg.window_init is not None else cfg.window_min
-        self._queue: dict[str, PendingRoot] = {}
-        self._active: set[str] = set()
-        self._events: list[AdmissionEvent] = []
-        self._tel: Telemetry | None = None
+        super().__init__(config)
         self._prev_hit: float | None = None
         self._last_update: float | None = None
         self._stale = False
-        self.num_admitted = 0
-
-    def offer(self, root: PendingRoot) -> None:
-        if root.workflow in self._queue or root.workflow in self._active:
-            raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
-        self._queue[root.workflow] = root
-
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
-               turns: int | None = None) -> None:
-        if self._queue.pop(workflow, None) is None:
-            self._active.discard(workflow)
-
-    def observe(self, telemetry: Telemetry) -> None:
-        if self._tel is None or telemetry.ts >= self._tel.ts:
-            self._tel = telemetry
-
-    def take_events(self) -> list[AdmissionEvent]:
-        out, self._events = self._events, []
-        return out
-
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
-
-    def is_active(self, workflow: str) -> bool:
-        return workflow in self._active
 
     def _usage(self) -> float | None:
         t = self._tel
@@ -177,9 +116,7 @@ class ConcurController:
         out: list[str] = []
         while slots > 0 and self._queue:
             wf, root = next(iter(self._queue.items()))
-            del self._queue[wf]
-            self._active.add(wf)
-            self.num_admitted += 1
+            self._admit(root, now)
             slots -= 1
             out.append(wf)
             self._events.append(AdmissionEvent(now, "admission_admit", {
@@ -189,8 +126,3 @@ class ConcurController:
                 "active": len(self._active), "queued": len(self._queue),
                 "waited_s": round(now - root.arrival, 6)}))
         return out
-
-    def snapshot(self) -> dict:
-        return {"controller": self.name, "window": self.window, "limit": self.limit(),
-                "active": len(self._active), "queued": len(self._queue), "admitted": self.num_admitted,
-                "config": asdict(self.config)}

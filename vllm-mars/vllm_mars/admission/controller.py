@@ -38,29 +38,32 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry, config_from_dict
+from vllm_mars.admission.base import (
+    AdmissionEvent,
+    ControllerBase,
+    PendingRoot,
+    WindowConfig,
+    register_controller,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class MarsAdmissionConfig:
-    """Knobs of the MARS admission controller (defaults from SPEC section 4 / the preview)."""
+class MarsAdmissionConfig(WindowConfig):
+    """Knobs of the MARS admission controller (defaults from SPEC section 4 / the preview).
+    ``window_max`` (the preview's active pool size P), ``window_init`` (None: ``window_min``, a
+    slow start that grows +inc per interval), ``interval_s``, ``stale_s`` and
+    ``no_telemetry_window`` come from :class:`WindowConfig`."""
 
-    #: Upper bound of the window (the preview's active pool size P).
-    window_max: int = 30
     #: Lower bound of the window; pressure never pushes the limit below this.
     window_min: int = 4
-    #: Starting window (None: ``window_min``, a slow start that grows +inc per interval).
-    window_init: int | None = None
     #: Multiplicative decrease factor under pressure.
     dec_factor: float = 0.7
     #: Additive increase per control interval when healthy.
     inc: int = 1
-    #: Control interval in seconds: the window changes at most this often; the feeder ticks this often.
-    interval_s: float = 0.2
     #: Target KV usage: the guard margin keeps ``1 - kv_target`` of all blocks free; also the high watermark.
     kv_target: float = 0.9
     #: KV usage at or below which the window may grow (and the KV pressure state clears);
@@ -74,10 +77,6 @@ class MarsAdmissionConfig:
     cpu_wait_high_s: float = 5.0
     #: Tool queue wait EMA (s) at or below which the CPU plane is healthy.
     cpu_wait_low_s: float = 2.0
-    #: Telemetry older than this (s) counts as pressure.
-    stale_s: float = 2.0
-    #: Active-root limit while no usable telemetry has been seen.
-    no_telemetry_window: int = 2
     #: Prefill estimate above which a root is "long" (draining rules); <= 0 disables the split.
     long_prefill_tokens: int = 50_000
     #: Prompt tokens assumed for a root that arrives without any estimate.
@@ -93,21 +92,12 @@ class MarsAdmissionConfig:
     promise_s: float = 1.0
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"MarsAdmissionConfig.{name} = {getattr(self, name)!r}: must be {allowed}")
-
-        if self.window_min < 1:
-            raise bad("window_min", ">= 1")
-        if self.window_max < self.window_min:
-            raise bad("window_max", f">= window_min ({self.window_min})")
-        if self.window_init is not None and not self.window_min <= self.window_init <= self.window_max:
-            raise bad("window_init", f"within [window_min, window_max] = [{self.window_min}, {self.window_max}]")
+        super().__post_init__()
+        bad = self._bad
         if not 0.1 <= self.dec_factor <= 0.99:
             raise bad("dec_factor", "in [0.1, 0.99]")
         if self.inc < 0:
             raise bad("inc", ">= 0")
-        if self.interval_s < 0.01:
-            raise bad("interval_s", ">= 0.01")
         if not 0.1 <= self.kv_target <= 0.999:
             raise bad("kv_target", "in [0.1, 0.999]")
         if self.kv_low is None:
@@ -118,10 +108,6 @@ class MarsAdmissionConfig:
             raise bad("cpu_backlog_low", f"in (0, cpu_backlog_high={self.cpu_backlog_high}]")
         if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
             raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
-        if self.stale_s <= 0:
-            raise bad("stale_s", "> 0")
-        if self.no_telemetry_window < 1:
-            raise bad("no_telemetry_window", ">= 1")
         if self.unknown_prefill_tokens < 0:
             raise bad("unknown_prefill_tokens", ">= 0")
         if self.default_block_size < 1:
@@ -132,10 +118,6 @@ class MarsAdmissionConfig:
             raise bad("turn_growth_max_tokens", ">= 0")
         if self.promise_s < 0:
             raise bad("promise_s", ">= 0")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> MarsAdmissionConfig:
-        return config_from_dict(cls, d)
 
 
 @dataclass
@@ -148,82 +130,37 @@ class _Active:
     turns: int | None = None
 
 
-class MarsAdmissionController:
+@register_controller
+class MarsAdmissionController(ControllerBase):
     """The MARS admission controller (see the module docstring for the rules)."""
 
     name = "mars"
+    config_cls = MarsAdmissionConfig
+    config: MarsAdmissionConfig
+    _active: dict[str, _Active]
 
     def __init__(self, config: MarsAdmissionConfig | None = None) -> None:
-        self.config = cfg = config or MarsAdmissionConfig()
-        self.interval_s = cfg.interval_s
-        self.window = cfg.window_init if cfg.window_init is not None else cfg.window_min
-        self._queue: dict[str, PendingRoot] = {}  # insertion order = arrival order
-        self._seq: dict[str, int] = {}
-        self._next_seq = 0
-        self._active: dict[str, _Active] = {}
-        self._events: list[AdmissionEvent] = []
-        self._tel: Telemetry | None = None
+        super().__init__(config)
         self._last_window_update: float | None = None
         self._kv_overloaded = False
         self._cpu_overloaded = False
         self._stale = False
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
-        self._pending: dict[str, tuple[float, int]] = {}  # wf -> (landing ts, blocks), admission order
-        self._pending_sum = 0
-        self.num_admitted = 0
 
     # -- feeding ----------------------------------------------------------------------------------
-    def offer(self, root: PendingRoot) -> None:
-        if root.workflow in self._queue or root.workflow in self._active:
-            raise ValueError(f"root workflow {root.workflow!r} is already queued or active")
-        if root.prefill_tokens is not None and root.prefill_tokens < 0:
-            raise ValueError(f"PendingRoot.prefill_tokens must be >= 0, got {root.prefill_tokens}")
-        self._queue[root.workflow] = root
-        self._seq[root.workflow] = self._next_seq
-        self._next_seq += 1
-
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
-               turns: int | None = None) -> None:
-        """``workflow`` ended (or was cancelled while queued). ``final_tokens``, when known, is its
-        last call's prompt+output size and ``turns`` its number of LLM calls (else the ``turns`` key
-        of the root's ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
-        if self._queue.pop(workflow, None) is not None:
-            self._seq.pop(workflow, None)
-            return
-        act = self._active.pop(workflow, None)
-        if act is None:
-            return
-        promise = self._pending.pop(workflow, None)
-        if promise is not None:
-            self._pending_sum -= promise[1]
+    def _on_finish(self, act: _Active, now: float, final_tokens: int | None, turns: int | None) -> None:
+        """An admitted root ended. ``final_tokens``, when known, is its last call's prompt+output
+        size and ``turns`` its number of LLM calls (else the ``turns`` key of the root's
+        ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
         n = turns if turns is not None else act.turns
         if final_tokens is not None and final_tokens > 0 and n is not None and n > 0:
             per_turn = min(self.config.turn_growth_max_tokens, max(0.0, (final_tokens - act.prefill_tokens) / n))
             a = self.config.growth_alpha
             self._turn_growth = (1 - a) * self._turn_growth + a * per_turn
 
-    def observe(self, telemetry: Telemetry) -> None:
-        if self._tel is not None and telemetry.ts < self._tel.ts:
-            return  # out-of-order reading: keep the newer one
-        self._tel = telemetry
-
-    def take_events(self) -> list[AdmissionEvent]:
-        out, self._events = self._events, []
-        return out
-
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
-
-    def is_active(self, workflow: str) -> bool:
-        return workflow in self._active
-
-    def is_queued(self, workflow: str) -> bool:
-        return workflow in self._queue
+    def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
+        # growth is measured from the agent's context, not from a short side call it was offered on
+        act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
 
     @property
     def turn_growth(self) -> float:
@@ -259,21 +196,6 @@ class MarsAdmissionController:
         if t.free_blocks is not None and t.total_blocks:
             return 1.0 - t.free_blocks / t.total_blocks
         return None
-
-    def _promised(self) -> int:
-        """Blocks of admitted roots that the last telemetry cannot show yet (kept incrementally:
-        admissions land in admission order, and telemetry time only moves forward)."""
-        t = self._tel
-        if t is not None:
-            pending = self._pending
-            while pending:
-                wf = next(iter(pending))
-                landing, blocks = pending[wf]
-                if landing > t.ts:
-                    break
-                del pending[wf]
-                self._pending_sum -= blocks
-        return self._pending_sum
 
     def budget_blocks(self) -> int | None:
         """Free blocks above the guard margin, minus promises; None when telemetry is missing."""
@@ -419,13 +341,9 @@ class MarsAdmissionController:
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
-            self._active[root.workflow] = _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                                  turns if isinstance(turns, int) else None)
-            self._pending[root.workflow] = (now + self.config.promise_s, blocks)
-            self._pending_sum += blocks
-            del self._queue[root.workflow]
-            self._seq.pop(root.workflow, None)
-            self.num_admitted += 1
+            self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
+                                           turns if isinstance(turns, int) else None),
+                        blocks, self.config.promise_s)
             out.append(root.workflow)
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
@@ -451,10 +369,10 @@ class MarsAdmissionController:
         if light:
             order, mode = queue, "light_fcfs"
         elif cpu_over:
-            order = sorted(queue, key=lambda r: (-foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
             mode = "cpu_overloaded_large_first"
         else:
-            order = sorted(queue, key=lambda r: (foot[r.workflow], self._seq[r.workflow]))
+            order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
             mode = "smallest_fit"
         out, remaining = [], budget
         for r in order:
@@ -488,8 +406,7 @@ class MarsAdmissionController:
 
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""
-        return {"controller": self.name, "window": self.window, "limit": self.limit(),
-                "active": len(self._active), "queued": len(self._queue), "admitted": self.num_admitted,
+        return {**super().snapshot(),
                 "kv_budget_blocks": self.budget_blocks(), "turn_growth_tokens": self._turn_growth,
                 "kv_overloaded": self._kv_overloaded, "cpu_overloaded": self._cpu_overloaded,
-                "stale": self._stale, "config": asdict(self.config)}
+                "stale": self._stale}

@@ -216,11 +216,17 @@ def _text_len(x: Any) -> int:
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
-    """A tokenizer-free prompt estimate: characters / 4 over messages, prompt, input, tools."""
+    """A tokenizer-free prompt estimate: characters / 4 over messages, prompt, input, tools; a
+    token-id prompt (``[ids]`` or ``[[ids], ...]``) counts its ids exactly."""
     n = 0
     for key in ("messages", "prompt", "input", "instructions"):
         if key in body:
             n += _text_len(body[key])
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        for p in prompt if prompt and isinstance(prompt[0], list) else [prompt]:
+            if isinstance(p, list):
+                n += 4 * sum(1 for t in p if isinstance(t, int) and not isinstance(t, bool))
     if "tools" in body:
         try:
             n += len(json.dumps(body["tools"]))

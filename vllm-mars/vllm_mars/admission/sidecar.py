@@ -4,23 +4,29 @@ Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (p
 passed through chunk by chunk as it arrives), ``GET /v1/models``, ``POST
 /mars/v1/workflows/{id}/finish``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Admission: the first call of a root workflow waits until the controller admits the root; later
-turns and children of an admitted root pass at once (children of a waiting root wait with it). A
-workflow ends by the finish route, by a call that carries ``mars_last_step`` (when it completes),
-by ``idle_timeout_s`` without calls, or when its backend fails under it (its next call queues
-again as a new root, so no work is lost). Plain calls without identity are one-call workflows.
-The normalised ids go into ``vllm_xargs`` (:mod:`vllm_mars.admission.identity`).
+Split by concern: this module is the app (config, routes, auth, lifespan, telemetry polling,
+/metrics); :mod:`~vllm_mars.admission.roots` the root lifecycle on an injected clock;
+:mod:`~vllm_mars.admission.placement` the backends and where a new root goes;
+:mod:`~vllm_mars.admission.proxy` one proxied call; :mod:`~vllm_mars.admission.held` the bound
+on waiting calls; :mod:`~vllm_mars.admission.serving` uvicorn and the connection guard.
 
-Several backends: one controller over the pool (telemetry summed over the live replicas); a root
-stays on the replica it was admitted to; a new root goes to the replica with the most KV budget
-(free blocks above the guard margin, minus the footprints sent there since its last reading).
+Admission: the first call of a root workflow waits until the controller admits the root; later
+turns and children of an admitted root pass at once (children of a waiting root wait with it).
+Plain calls without identity are one-call workflows. The normalised ids go into ``vllm_xargs``
+(:mod:`vllm_mars.admission.identity`). Waiting calls are bounded in number and bytes (beyond: 503
+with ``Retry-After``) and keep no parsed body (large ones are spilled to a file).
+
+Trust: without ``api_key`` every client is trusted (it can finish any workflow and join any
+admitted root); bind to 127.0.0.1. With several API keys, each key is a tenant: workflow ids are
+scoped to the key that sent them, so a client can neither finish nor join another key's workflows.
 
 Faults: no live backend -> a new root gets 503 with ``Retry-After`` while roots already queued
-keep waiting (admission pauses until a backend is back); a backend that dies mid-stream -> the
-client's SSE stream ends with an ``error`` event and the slot is released; a client that
-disconnects -> the upstream request is closed (vLLM aborts it) and the call is accounted as ended;
-invalid JSON -> 400, a body over ``max_body_bytes`` -> 413, unknown route -> 404, wrong method ->
-405, missing/wrong API key -> 401.
+keep waiting; a backend that cannot be connected to -> the call waits up to ``backend_wait_s`` for
+a live one (it was never sent); a backend that fails after the call was sent -> 502 (never
+resent), or an SSE ``error`` event mid-stream, and the root ends; a client that disconnects -> the
+upstream request is closed (vLLM aborts it); invalid JSON or ``mars_*`` values -> 400, a body over
+``max_body_bytes`` -> 413, a slow body -> 408, unknown route -> 404, wrong method -> 405,
+missing/wrong API key -> 401.
 
 Stack, and why: **uvicorn** with uvloop and httptools (the server vLLM itself runs on, so no new
 server dependency) serving a small raw ASGI app (five routes need no framework; the per-chunk cost
@@ -34,43 +40,66 @@ limits it. **aiohttp** (mature, maintained) still does the low-rate /metrics pol
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import math
 import re
-import threading
-import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, Self
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
-from vllm_mars.admission.base import (
-    AdmissionController,
-    AdmissionEvent,
-    PendingRoot,
-    Telemetry,
-    make_controller,
+from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
+from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
+from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
+from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
+from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
+from vllm_mars.admission.proxy import (
+    Forwarder,
+    HTTPError,
+    down_headers,
+    err_body,
+    parse_call,
+    read_body,
+    upstream_headers,
 )
-from vllm_mars.admission.identity import (
-    Identity,
-    SessionTable,
-    apply_to_body,
-    estimate_prompt_tokens,
-    identify,
-)
-from vllm_mars.admission.telemetry import HttpTelemetry, TelemetryState
-from vllm_mars.admission.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from vllm_mars.admission.roots import RootState, RootTable
+from vllm_mars.admission.serving import SidecarThread, run_sidecar
+from vllm_mars.admission.telemetry import TelemetryState
+from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
+from vllm_mars.clock import Clock, MonotonicClock
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Sidecar", "SidecarConfig", "SidecarThread", "config_dict", "run_sidecar"]
+
 PROXY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _FINISH = re.compile(r"^/mars/v1/workflows/([^/]+)/finish$")
-_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding",
-        b"date", b"server"}
-_DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", b"accept-encoding",
-            b"expect", b"upgrade"}
+
+#: (lowest, highest) of each numeric option; None: unbounded on that side. Checked by one function.
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "port": (1, 65535),
+    "max_body_bytes": (1, None),
+    "idle_timeout_s": (0.001, None),
+    "failed_idle_timeout_s": (0.0, None),
+    "telemetry_interval_s": (0.01, 60.0),
+    "telemetry_timeout_s": (0.01, None),
+    "telemetry_stale_s": (0.01, None),
+    "retry_after_s": (0, 86_400),
+    "connect_timeout_s": (0.001, None),
+    "read_timeout_s": (0.001, None),
+    "backend_wait_s": (0.0, None),
+    "kv_target": (0.1, 0.999),
+    "max_queued_calls": (1, None),
+    "max_queued_bytes": (1, None),
+    "spill_bytes": (0, None),
+    "header_timeout_s": (0.01, None),
+    "body_timeout_s": (0.01, None),
+    "max_header_bytes": (1024, None),
+    "max_connections": (1, None),
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +108,7 @@ class SidecarConfig:
 
     #: Base URLs of the vLLM OpenAI servers, e.g. ``http://127.0.0.1:8000``.
     backends: tuple[str, ...]
-    #: Admission controller: ``mars``, ``concur`` or ``none``.
+    #: Admission controller: a registered name (``mars``, ``concur``, ``none``).
     controller: str = "mars"
     #: The controller's config fields (see ``MarsAdmissionConfig`` / ``ConcurConfig``).
     controller_options: Mapping[str, Any] = field(default_factory=dict)
@@ -89,12 +118,16 @@ class SidecarConfig:
     port: int = 8100
     #: If set, clients must send ``Authorization: Bearer <api_key>`` (except on /health).
     api_key: str | None = None
+    #: More accepted keys; with two or more keys in all, workflows are scoped to the key that sent them.
+    api_keys: tuple[str, ...] = ()
     #: If set, sent upstream as ``Authorization: Bearer <backend_api_key>``; else the client's header passes.
     backend_api_key: str | None = None
     #: Largest accepted request body; larger -> 413.
     max_body_bytes: int = 16 << 20
     #: A workflow with no call for this long ends (seconds).
     idle_timeout_s: float = 600.0
+    #: A workflow whose last call failed ends after this long without a call (seconds).
+    failed_idle_timeout_s: float = 5.0
     #: Seconds between /metrics polls of each backend.
     telemetry_interval_s: float = 0.2
     #: Timeout of one /metrics poll (s).
@@ -109,10 +142,26 @@ class SidecarConfig:
     read_timeout_s: float | None = None
     #: Append admission events as JSON lines here (None: keep no log).
     events_path: str | None = None
-    #: How long an admitted call waits for a live backend when its own is unreachable (s).
+    #: How long an admitted call waits for a live backend when its own cannot be connected to (s).
     backend_wait_s: float = 300.0
-    #: Guard-margin target used to rank backends for new roots.
-    kv_target: float = 0.9
+    #: Guard-margin target used to rank backends for new roots (None: the controller's ``kv_target``, else 0.9).
+    kv_target: float | None = None
+    #: Calls allowed to wait for admission at once; more -> 503 + Retry-After.
+    max_queued_calls: int = 1024
+    #: Body bytes allowed to wait for admission at once; more -> 503 + Retry-After.
+    max_queued_bytes: int = 1 << 30
+    #: A waiting call's body larger than this is kept in a file, not in memory.
+    spill_bytes: int = 64 << 10
+    #: Directory for spilled bodies (None: the system temp directory).
+    spill_dir: str | None = None
+    #: A request head must arrive within this many seconds (else 408, connection closed).
+    header_timeout_s: float = 10.0
+    #: Largest request head (bytes; else 431, connection closed).
+    max_header_bytes: int = 64 << 10
+    #: Longest wait between two chunks of a request body (s; else 408).
+    body_timeout_s: float = 30.0
+    #: Client connections held at once; more are answered 503 and closed.
+    max_connections: int = 1000
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -122,86 +171,69 @@ class SidecarConfig:
                 raise ValueError(f"SidecarConfig.backends: {b!r} must start with http:// or https://")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"SidecarConfig.backends: duplicate URL in {list(self.backends)}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"SidecarConfig.port = {self.port}: must be in 1..65535")
-        for name in ("max_body_bytes", "idle_timeout_s", "telemetry_interval_s", "telemetry_timeout_s",
-                     "telemetry_stale_s", "connect_timeout_s", "backend_wait_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SidecarConfig.{name} = {getattr(self, name)!r}: must be > 0")
-        if self.retry_after_s < 0:
-            raise ValueError(f"SidecarConfig.retry_after_s = {self.retry_after_s}: must be >= 0")
+        for k in self.keys:
+            if not k or any(c.isspace() for c in k):
+                raise ValueError("SidecarConfig.api_key: an API key must be non-empty and without spaces")
+        check_ranges(self, _RANGES)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (empty: no authentication)."""
+        return ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
 
 
-class _Backend:
-    __slots__ = ("assigned", "pool", "roots", "telemetry", "up", "url")
+def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
+    """Range-check the named numeric fields of a config dataclass with the one options validator
+    (:func:`vllm_mars.config.check_value`: type, finite, range); ValueError naming the field."""
+    from vllm_mars.config import check_value
 
-    def __init__(self, url: str, cfg: SidecarConfig) -> None:
-        self.url = url.rstrip("/")
-        self.telemetry = HttpTelemetry(self.url, timeout_s=cfg.telemetry_timeout_s, stale_s=cfg.telemetry_stale_s)
-        self.pool = UpstreamPool(self.url, connect_timeout=cfg.connect_timeout_s)
-        self.assigned: list[tuple[float, int]] = []  # (ts, footprint blocks) since the last reading
-        self.roots = 0
-        self.up = False
-
-    def refresh(self) -> bool:
-        """Recompute ``up`` (last poll good and fresh); cached so the hot path reads a bool."""
-        self.up = self.telemetry.status().state is TelemetryState.OK
-        return self.up
-
-    def score(self, kv_target: float) -> float:
-        b = self.telemetry.budget_blocks(kv_target)
-        last = self.telemetry.last
-        pending = sum(blk for ts, blk in self.assigned if last is None or ts > last.ts)
-        return b - pending
+    types = {f.name: f.type for f in fields(obj)}
+    for name, (lo, hi) in ranges.items():
+        check_value(f"{type(obj).__name__}.{name}", types[name], getattr(obj, name), minimum=lo, maximum=hi)
 
 
-class _Root:
-    __slots__ = ("admitted", "backend", "blocks", "future", "in_flight", "last_activity", "root", "tokens",
-                 "waiters")
+def _observed(send: Any, ident: Identity, scan: ToolCallScan | None) -> Any:
+    """``send`` that tells the client the workflow it was assigned (``x-mars-workflow`` and
+    ``x-mars-root`` response headers) and, for an agent call, scans the answer for a tool call."""
+    extra = [(b"x-mars-workflow", ident.workflow.encode("latin-1", "replace")),
+             (b"x-mars-root", ident.root.encode("latin-1", "replace"))]
 
-    def __init__(self, root: str, now: float, future: asyncio.Future) -> None:
-        self.root = root
-        self.backend: _Backend | None = None
-        self.admitted = False
-        self.future = future
-        self.waiters = 0
-        self.in_flight = 0
-        self.last_activity = now
-        self.blocks = 0
-        #: the largest ``usage.total_tokens`` seen in this workflow's responses (its KV size so far)
-        self.tokens = 0
+    async def observed(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
+        elif scan is not None and msg["type"] == "http.response.body":
+            scan.feed(msg.get("body", b""))
+        await send(msg)
 
-
-class _Unreachable(Exception):
-    """The backend could not be reached; nothing was sent to the client."""
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers or []
-
-
-def _err_body(status: int, message: str) -> bytes:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-            413: "RequestTooLarge", 502: "BadGateway", 503: "ServiceUnavailable"}.get(status, "Error")
-    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    return observed
 
 
 class Sidecar:
-    """The ASGI application (``uvicorn.run(Sidecar(cfg))``)."""
+    """The ASGI application (``uvicorn.run(Sidecar(cfg))``); ``clock`` drives the root lifecycle."""
 
-    def __init__(self, config: SidecarConfig, controller: AdmissionController | None = None) -> None:
+    def __init__(self, config: SidecarConfig, controller: AdmissionController | None = None,
+                 clock: Clock | None = None) -> None:
         self.config = config
+        self.clock = clock or MonotonicClock()
         self.controller = controller or make_controller(config.controller, dict(config.controller_options))
-        self.backends = [_Backend(u, config) for u in config.backends]
-        self.roots: dict[str, _Root] = {}
-        self.sessions = SessionTable()
-        self.turns: dict[str, int] = {}
-        self.counters: dict[str, int] = {"requests": 0, "rejected_503": 0, "upstream_errors": 0,
-                                         "client_disconnects": 0, "finished": 0, "idle_finished": 0}
+        self.backends = [Backend(u, telemetry_timeout_s=config.telemetry_timeout_s,
+                                 telemetry_stale_s=config.telemetry_stale_s,
+                                 connect_timeout_s=config.connect_timeout_s, clock=self.clock)
+                         for u in config.backends]
+        self.placement = Placement(self.backends, self.controller, config.kv_target)
+        self.counters: dict[str, int] = {"requests": 0, "rejected_503": 0, "queue_full_503": 0, "upstream_errors": 0,
+                                         "client_disconnects": 0}
+        self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
+                                   failed_idle_timeout_s=config.failed_idle_timeout_s,
+                                   place=lambda r: self.placement.place(r.root),
+                                   on_admit=self._on_admit, on_end=self._on_end, counters=self.counters)
+        self.queue_budget = QueueBudget(config.max_queued_calls, config.max_queued_bytes)
+        #: prefix continuity of generic session ids (issue 12)
+        self.continuity = Continuity()
+        self.forwarder = Forwarder(config, self.placement, self.counters, self._backend_failed,
+                                   self.lifecycle.finish, lambda r: self.lifecycle.get(r.root) is r,
+                                   lambda: self._up_event)
+        self._tenants = {k.encode(): hashlib.sha256(k.encode()).hexdigest()[:10] for k in config.keys}
         self.in_flight = 0
         #: the last admission events, newest last (the full stream goes to ``events_path``)
         self.recent_events: deque[AdmissionEvent] = deque(maxlen=1000)
@@ -209,8 +241,12 @@ class Sidecar:
         self._tasks: list[asyncio.Task] = []
         self._events_file: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._up_event: asyncio.Event | None = None
+        self._up_event: asyncio.Event = None  # type: ignore[assignment]  (made on the serving loop)
         self.any_up = False
+
+    @property
+    def roots(self) -> dict[str, RootState]:
+        return self.lifecycle.roots
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -236,9 +272,10 @@ class Sidecar:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for r in self.roots.values():
-            if not r.future.done():
-                r.future.set_exception(_HTTPError(503, "sidecar shutting down"))
-                r.future.exception()  # mark retrieved
+            w = r.waiter
+            if w is not None and not w.done():
+                w.set_exception(HTTPError(503, "sidecar shutting down"))
+                w.exception()  # mark retrieved
         if self._session is not None:
             await self._session.close()
         for b in self.backends:
@@ -247,7 +284,7 @@ class Sidecar:
             self._events_file.close()
 
     # -- control loop -----------------------------------------------------------------------------
-    async def _poller(self, b: _Backend) -> None:
+    async def _poller(self, b: Backend) -> None:
         while True:
             await asyncio.sleep(self.config.telemetry_interval_s)
             await b.telemetry.poll_async(self._session)
@@ -256,7 +293,7 @@ class Sidecar:
     def _update_up(self) -> bool:
         ups = [b.refresh() for b in self.backends]  # refresh every backend, no short-circuit
         up = any(ups)
-        self.any_up = up
+        self.any_up = self.lifecycle.live = up
         if self._up_event is not None:
             if up:
                 self._up_event.set()
@@ -265,83 +302,42 @@ class Sidecar:
         return up
 
     def _observe(self) -> None:
-        """Sum the live replicas' readings into one Telemetry for the controller."""
+        """Feed the controller the live replicas' summed reading (none live: the controller sees
+        its last reading age, which is pressure, never blind admission)."""
         self._update_up()
-        live = [b.telemetry.last for b in self.backends if b.up]
-        for b in self.backends:
-            last = b.telemetry.last
-            if last is not None:
-                b.assigned = [(ts, blk) for ts, blk in b.assigned if ts > last.ts]
-        if not live:
-            return  # the controller sees its last reading age: pressure, never blind admission
-        tels = [t for t in live if t is not None]
-        free = sum(t.free_blocks or 0 for t in tels)
-        total = sum(t.total_blocks or 0 for t in tels)
-        self.controller.observe(Telemetry(
-            ts=min(t.ts for t in tels), free_blocks=free, total_blocks=total,
-            block_size=tels[0].block_size, kv_usage=(1 - free / total) if total else None,
-            prefix_hit_rate=tels[0].prefix_hit_rate if len(tels) == 1 else None))
+        tel = pooled_telemetry(self.backends)
+        if tel is not None:
+            self.controller.observe(tel)
+
+    def _backend_failed(self, b: Backend, msg: str) -> None:
+        b.telemetry._fail(msg)  # down until its next good poll
+        self._update_up()
 
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.controller.interval_s)
             try:
                 self._update_up()  # a backend whose readings stop turns stale even without a failed poll
-                self._tick()
-                self._expire_idle()
+                self.lifecycle.tick()
+                self.lifecycle.expire()
+                self._flush_events()
             except Exception:  # never let the control loop die
                 logger.exception("admission tick failed")
 
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if not self.any_up:
-            self._flush_events()
-            return  # queued roots wait until a backend is back
-        for wf in self.controller.tick(now):
-            r = self.roots.get(wf)
-            if r is None:  # cancelled meanwhile
-                self.controller.finish(wf, now)
-                continue
-            r.admitted = True
-            r.backend = self._place(r)
-            if not r.future.done():
-                r.future.set_result(None)
+    def _on_admit(self, r: RootState) -> None:
+        w = r.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _on_end(self, r: RootState) -> None:
+        self.placement.release(r.root, r.backend)
+        w = r.waiter
+        if w is not None and not w.done():
+            w.cancel()
         self._flush_events()
 
-    def _place(self, r: _Root) -> _Backend:
-        live = [b for b in self.backends if b.up] or self.backends
-        best = max(live, key=lambda b: (b.score(self.config.kv_target), -b.roots))
-        best.roots += 1
-        best.assigned.append((time.monotonic(), r.blocks))
-        return best
-
-    def _expire_idle(self) -> None:
-        now = time.monotonic()
-        idle = [r.root for r in self.roots.values()
-                if r.admitted and r.in_flight == 0 and now - r.last_activity > self.config.idle_timeout_s]
-        for root in idle:
-            self.counters["idle_finished"] += 1
-            self._finish_root(root)
-
-    def _finish_root(self, root: str, final_tokens: int | None = None) -> bool:
-        r = self.roots.pop(root, None)
-        if r is None:
-            return False
-        if r.backend is not None:
-            r.backend.roots -= 1
-        if not r.future.done():
-            r.future.cancel()
-        if final_tokens is None and r.tokens:
-            final_tokens = r.tokens  # with the root session's call count: how much workflows grow per turn
-        self.controller.finish(root, time.monotonic(), final_tokens, turns=self.turns.get(root))
-        for session in self.sessions.forget_root(root):
-            self.turns.pop(session, None)
-        self.counters["finished"] += 1
-        self._tick()
-        return True
-
     def _flush_events(self) -> None:
-        evs = self.controller.take_events()
+        evs = self.controller.take_events() + self.lifecycle.take_events()
         self.recent_events.extend(evs)
         if evs and self._events_file is not None:
             for e in evs:
@@ -356,20 +352,19 @@ class Sidecar:
             return
         path, method = scope["path"], scope["method"]
         try:
-            if self.config.api_key is not None and path != "/health":
-                self._check_key(scope)
+            tenant = self._check_key(scope) if self._tenants and path != "/health" else ""
             if path in PROXY_ROUTES:
                 if method != "POST":
-                    raise _HTTPError(405, f"{path} takes POST")
-                await self._proxy(scope, receive, send, path)
+                    raise HTTPError(405, f"{path} takes POST")
+                await self._proxy(scope, receive, send, path, tenant)
             elif path == "/v1/models":
                 if method != "GET":
-                    raise _HTTPError(405, f"{path} takes GET")
+                    raise HTTPError(405, f"{path} takes GET")
                 await self._models(scope, send)
             elif (m := _FINISH.match(path)) is not None:
                 if method != "POST":
-                    raise _HTTPError(405, f"{path} takes POST")
-                ended = self._finish_route(m.group(1))
+                    raise HTTPError(405, f"{path} takes POST")
+                ended = self.lifecycle.finish(tenant + m.group(1))
                 await self._json(send, 200, {"workflow": m.group(1), "ended": ended})
             elif path == "/health":
                 up = [b.url for b in self.backends if b.up]
@@ -379,10 +374,10 @@ class Sidecar:
                 await self._send(send, 200, self.metrics_text().encode(),
                                  [(b"content-type", b"text/plain; version=0.0.4")])
             else:
-                raise _HTTPError(404, f"no route {path}; routes: {', '.join(PROXY_ROUTES)}, /v1/models, "
-                                      "/mars/v1/workflows/{id}/finish, /health, /metrics")
-        except _HTTPError as e:
-            await self._send(send, e.status, _err_body(e.status, e.message),
+                raise HTTPError(404, f"no route {path}; routes: {', '.join(PROXY_ROUTES)}, /v1/models, "
+                                     "/mars/v1/workflows/{id}/finish, /health, /metrics")
+        except HTTPError as e:
+            await self._send(send, e.status, err_body(e.status, e.message),
                              [(b"content-type", b"application/json"), *e.headers])
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -400,12 +395,15 @@ class Sidecar:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _check_key(self, scope: dict) -> None:
-        want = b"bearer " + self.config.api_key.encode()  # type: ignore[union-attr]
+    def _check_key(self, scope: dict) -> str:
+        """The caller's workflow-id scope: '' with one key, ``<key hash>/`` with several; 401 otherwise."""
         for k, v in scope["headers"]:
-            if k == b"authorization" and v.lower() == want.lower() and v[7:] == want[7:]:
-                return
-        raise _HTTPError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+            if k == b"authorization" and v[:7].lower() == b"bearer ":
+                got = v[7:].strip()
+                for key, tenant in self._tenants.items():
+                    if hmac.compare_digest(got, key):
+                        return f"{tenant}/" if len(self._tenants) > 1 else ""
+        raise HTTPError(401, "missing or wrong API key (Authorization: Bearer <key>)")
 
     @staticmethod
     async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -416,85 +414,50 @@ class Sidecar:
     async def _json(self, send: Any, status: int, obj: Any) -> None:
         await self._send(send, status, json.dumps(obj).encode(), [(b"content-type", b"application/json")])
 
-    def _finish_route(self, wf: str) -> bool:
-        if wf in self.roots:
-            return self._finish_root(wf)
-        return False
+    def _retry_after(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.config.retry_after_s).encode())]
+
+    def _upstream_headers(self, scope: dict) -> list[tuple[bytes, bytes]]:
+        cfg = self.config
+        return upstream_headers(scope, bool(cfg.keys) or bool(cfg.backend_api_key), cfg.backend_api_key)
 
     async def _models(self, scope: dict, send: Any) -> None:
         live = [b for b in self.backends if b.up]
-        retry = [(b"retry-after", str(self.config.retry_after_s).encode())]
         if not live:
-            raise _HTTPError(503, "no backend is up", retry)
+            raise HTTPError(503, "no backend is up", self._retry_after())
         resp = None
         try:
             resp = await live[0].pool.request("GET", "/v1/models", self._upstream_headers(scope))
             body = b"".join([c async for c in resp.chunks(self.config.telemetry_timeout_s)])
             resp.release()
         except UpstreamUnreachable as e:
-            raise _HTTPError(503, f"backend {live[0].url} unreachable: {e}", retry) from None
+            raise HTTPError(503, f"backend {live[0].url} unreachable: {e}", self._retry_after()) from None
         except UpstreamBroken as e:
             if resp is not None:
                 resp.close()
-            raise _HTTPError(502, f"backend {live[0].url} failed: {e}") from None
-        await self._send(send, resp.status, body, self._down_headers(resp.headers))
-
-    async def _read_body(self, scope: dict, receive: Any) -> bytes:
-        limit = self.config.max_body_bytes
-        for k, v in scope["headers"]:
-            if k == b"content-length":
-                try:
-                    n = int(v)
-                except ValueError:
-                    raise _HTTPError(400, "bad Content-Length") from None
-                if n > limit:
-                    raise _HTTPError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes")
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                return b"".join(chunks)
-
-    def _upstream_headers(self, scope: dict) -> list[tuple[bytes, bytes]]:
-        cfg = self.config
-        strip_auth = cfg.api_key is not None or bool(cfg.backend_api_key)
-        out = [(k, v) for k, v in scope["headers"]
-               if k not in _DROP_UP and k != b"content-type" and not (strip_auth and k == b"authorization")]
-        if cfg.backend_api_key:
-            out.append((b"authorization", b"Bearer " + cfg.backend_api_key.encode()))
-        out.append((b"content-type", b"application/json"))
-        return out
-
-    @staticmethod
-    def _down_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in headers if k not in _HOP]
+            raise HTTPError(502, f"backend {live[0].url} failed: {e}") from None
+        if not 200 <= resp.status <= 599:
+            raise HTTPError(502, f"backend {live[0].url} answered with HTTP status {resp.status}")
+        await self._send(send, resp.status, body, down_headers(resp.headers))
 
     # -- the proxied call -------------------------------------------------------------------------
-    async def _proxy(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+    async def _proxy(self, scope: dict, receive: Any, send: Any, path: str, tenant: str) -> None:
         self.counters["requests"] += 1
+        cfg = self.config
         try:
-            raw = await self._read_body(scope, receive)
+            raw = await read_body(scope, receive, cfg.max_body_bytes, cfg.body_timeout_s)
         except asyncio.CancelledError:
             self.counters["client_disconnects"] += 1
             return
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise _HTTPError(400, f"request body must be a JSON object, got {type(body).__name__}")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        try:
-            ident = self.sessions.resolve(identify(headers, body))
-        except ValueError as e:
-            raise _HTTPError(400, str(e)) from None
+        body, ident = parse_call(raw, headers)
+        call = [body, raw]  # handed to _admit, which drops what a waiting call must not keep
+        del body, raw
+        if tenant:
+            ident = replace(ident, workflow=tenant + ident.workflow, root=tenant + ident.root,
+                            parent=None if ident.parent is None else tenant + ident.parent)
+        ident, agent, side, est = self._infer(ident, call[0])
+        ident = self.lifecycle.sessions.resolve(ident)
 
         task = asyncio.current_task()
         disconnected = False
@@ -509,145 +472,97 @@ class Sidecar:
                     return
 
         watcher = asyncio.create_task(watch())
-        r: _Root | None = None
-        counted = False
+        r: RootState | None = None
+        started = ok = False
+        scan = ToolCallScan() if agent and not side and ident.is_root and not ident.anonymous else None
         try:
-            r = await self._admit(ident, body)
-            r.in_flight += 1
+            if est is not None and (r0 := self.lifecycle.get(ident.root)) is not None:
+                self.lifecycle.prompt_seen(r0, est)  # a queued root's footprint from its agent call
+            r = await self._admit(ident, call, est)
+            if est is not None:
+                self.lifecycle.prompt_seen(r, est)
+            turn = self.lifecycle.call_started(r, ident)
+            started = True
             self.in_flight += 1
-            counted = True
-            turn = self.turns.get(ident.workflow, 0)
-            self.turns[ident.workflow] = turn + 1
+            body = call[0] if call[0] is not None else json.loads(await call[1].take())
+            del call
             apply_to_body(body, ident, turn)
-            ok = await self._forward_with_wait(r, path, body, scope, send)
-            if ok and (ident.last_step and ident.workflow == ident.root):
-                self._finish_root(ident.root)
+            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
+                                                        _observed(send, ident, scan))
         except asyncio.CancelledError:
             if not disconnected:
                 raise
             self.counters["client_disconnects"] += 1
-            if r is not None and ident.last_step and ident.workflow == ident.root:
-                self._finish_root(ident.root)
         finally:
             watcher.cancel()
-            if counted and r is not None:
-                r.in_flight -= 1
+            if started and r is not None:
                 self.in_flight -= 1
-                r.last_activity = time.monotonic()
-            if ident.anonymous:  # a one-call workflow ends with its call, however the call ended
-                self.turns.pop(ident.workflow, None)
-                if self.roots.get(ident.root) is r and r is not None:
-                    self._finish_root(ident.root)
+                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call)
 
-    async def _admit(self, ident: Identity, body: dict) -> _Root:
-        """Return the admitted root state for this call, waiting for admission if needed."""
-        r = self.roots.get(ident.root)
+    def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int | None]:
+        """Prefix continuity of a generic session id (may rename the workflow; events say why),
+        and what the call is: (identity, offers tools, side call, prompt estimate)."""
+        agent = offers_tools(body)
+        ident, verdict = self.continuity.check(ident, body)
+        ev = verdict.event()
+        if ev is not None:
+            self.lifecycle.emit("workflow_continuity", ev)
+        side = verdict.kind == "side_call"
+        est = None  # only agent calls re-estimate their root's footprint; _admit estimates new roots
+        if agent and not side:
+            est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(body)
+        return ident, agent, side, est
+
+    async def _admit(self, ident: Identity, call: list, est: int | None = None) -> RootState:
+        """The admitted root of this call, waiting for admission if needed. ``call`` is
+        ``[body, raw]``; a call that waits drops both and leaves ``[None, HeldBody]`` (its raw
+        bytes, in a file when large), so a waiting call holds no parsed body."""
+        lc = self.lifecycle
+        r = lc.get(ident.root)
         if r is not None and r.admitted:
-            r.last_activity = time.monotonic()
+            r.last_activity = self.clock.now()
             return r
         if r is None:
             if not self.any_up:
                 self.counters["rejected_503"] += 1
-                raise _HTTPError(503, "no backend is up; retry later",
-                                 [(b"retry-after", str(self.config.retry_after_s).encode())])
-            now = time.monotonic()
-            r = _Root(ident.root, now, asyncio.get_running_loop().create_future())
-            self.roots[ident.root] = r
-            est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(body)
-            self.controller.offer(PendingRoot(ident.root, now, est, {"source": ident.source}))
-            fp = getattr(self.controller, "footprint_blocks", None)
-            r.blocks = fp(PendingRoot(ident.root, now, est)) if fp else 0
-            self._tick()
+                raise HTTPError(503, "no backend is up; retry later", self._retry_after())
+            if est is None:
+                est = ident.prefill_tokens if ident.prefill_tokens is not None else estimate_prompt_tokens(call[0])
+            r = lc.arrive(ident, est)
             if r.admitted:
                 return r
+        if r.waiter is None:
+            r.waiter = asyncio.get_running_loop().create_future()
         r.waiters += 1
+        size = len(call[1])
+        if not self.queue_budget.take(size):
+            lc.left_waiting(r)
+            self.counters["queue_full_503"] += 1
+            b = self.queue_budget
+            raise HTTPError(503, f"admission queue full ({b.calls} calls, {b.bytes} bytes waiting; limits "
+                                 f"{b.max_calls} calls, {b.max_bytes} bytes); retry later", self._retry_after())
+        held = None
         try:
-            await asyncio.shield(r.future)
+            raw = call[1]
+            call[:] = [None, None]
+            held = await HeldBody.hold(raw, self.config.spill_bytes, self.config.spill_dir)
+            del raw
+            if held.spilled and size >= 1 << 20:
+                give_back_memory()
+            await asyncio.shield(r.waiter)
+            call[1], held = held, None
+        except OSError as e:
+            raise HTTPError(503, f"cannot hold the request body while it waits: {e}", self._retry_after()) from None
         except asyncio.CancelledError:
-            if r.future.cancelled():  # the workflow was ended (finish route) while this call waited
-                raise _HTTPError(409, f"workflow {ident.root!r} was finished while this call waited") from None
+            if r.waiter.cancelled():  # the workflow was ended (finish route) while this call waited
+                raise HTTPError(409, f"workflow {ident.root!r} was finished while this call waited") from None
             raise
         finally:
-            r.waiters -= 1
-            if not r.admitted and r.waiters == 0 and self.roots.get(ident.root) is r:
-                # the last waiter left before admission: cancel the root
-                del self.roots[ident.root]
-                self.controller.finish(ident.root, time.monotonic())
-                self._tick()
+            if held is not None:
+                held.discard()
+            self.queue_budget.give(size)
+            lc.left_waiting(r)
         return r
-
-    async def _forward_with_wait(self, r: _Root, path: str, body: dict, scope: dict, send: Any) -> bool:
-        """Forward; when the root's backend cannot be reached (nothing sent yet), mark it down, wait
-        up to ``backend_wait_s`` for a live backend (the root keeps its slot) and retry there."""
-        deadline = time.monotonic() + self.config.backend_wait_s
-        while True:
-            try:
-                return await self._forward(r, path, body, scope, send)
-            except _Unreachable as e:
-                assert r.backend is not None
-                r.backend.telemetry._fail(e)  # down until its next good poll
-                self._update_up()
-                left = deadline - time.monotonic()
-                if left <= 0 or self.roots.get(r.root) is not r:
-                    self._finish_root(r.root)
-                    raise _HTTPError(503, f"backend unreachable: {e}",
-                                     [(b"retry-after", str(self.config.retry_after_s).encode())]) from None
-                logger.warning("backend %s unreachable for workflow %s; waiting for a live backend",
-                               r.backend.url, r.root)
-                try:
-                    await asyncio.wait_for(self._up_event.wait(), left)
-                except TimeoutError:
-                    continue
-                r.backend.roots -= 1
-                r.backend = self._place(r)
-
-    async def _forward(self, r: _Root, path: str, body: dict, scope: dict, send: Any) -> bool:
-        """Send the call to the root's backend and stream the answer back. True on success."""
-        b = r.backend
-        assert b is not None
-        try:
-            data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-            resp = await b.pool.request("POST", path, self._upstream_headers(scope), data)
-        except UpstreamUnreachable as e:
-            raise _Unreachable(str(e)) from None
-        started = done = False
-        sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
-        try:
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": self._down_headers(resp.headers)})
-            started = True
-            prev = last = b""
-            async for chunk in resp.chunks(self.config.read_timeout_s):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                prev, last = last, chunk
-            await send({"type": "http.response.body", "body": b""})
-            done = True
-            # usage sits at the end of a response (and in the last SSE event with include_usage)
-            tail = prev[-2048:] + last[-2048:]
-            if b'"total_tokens"' in tail:
-                m = _TOTAL_TOKENS.findall(tail)
-                if m:
-                    r.tokens = max(r.tokens, int(m[-1]))
-            return resp.status < 400
-        except UpstreamBroken as e:
-            self.counters["upstream_errors"] += 1
-            msg = str(e)
-            logger.warning("backend %s failed mid-response for workflow %s: %s", b.url, r.root, msg)
-            b.telemetry._fail(msg)
-            self._update_up()
-            self._finish_root(r.root)  # its KV is gone with the engine; the next call queues anew
-            if not started:
-                raise _HTTPError(502, f"backend {b.url} failed: {msg}") from None
-            if sse:
-                err = _err_body(502, f"backend {b.url} failed mid-stream: {msg}")
-                await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n", "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            return False
-        finally:
-            if done:
-                resp.release()  # back to the pool
-            else:
-                resp.close()  # drop the connection: vLLM aborts the request
 
     # -- observability ----------------------------------------------------------------------------
     def metrics_text(self) -> str:
@@ -669,11 +584,17 @@ class Sidecar:
             f"mars_admission_admitted_total {getattr(c, 'num_admitted', 0)}",
             "# TYPE mars_sidecar_in_flight gauge",
             f"mars_sidecar_in_flight {self.in_flight}",
+            "# HELP mars_sidecar_waiting_calls Calls waiting for admission (bounded by max_queued_calls).",
+            "# TYPE mars_sidecar_waiting_calls gauge",
+            f"mars_sidecar_waiting_calls {self.queue_budget.calls}",
+            "# TYPE mars_sidecar_waiting_bytes gauge",
+            f"mars_sidecar_waiting_bytes {self.queue_budget.bytes}",
         ]
         for k, v in self.counters.items():
             lines += [f"# TYPE mars_sidecar_{k}_total counter", f"mars_sidecar_{k}_total {v}"]
         lines += ["# TYPE mars_backend_up gauge", "# TYPE mars_backend_telemetry_age_seconds gauge",
-                  "# TYPE mars_backend_free_blocks gauge", "# TYPE mars_backend_roots gauge"]
+                  "# TYPE mars_backend_free_blocks gauge", "# TYPE mars_backend_roots gauge",
+                  "# TYPE mars_backend_upstream_requests_total counter"]
         for b in self.backends:
             st = b.telemetry.status()
             lab = f'{{backend="{b.url}"}}'
@@ -682,74 +603,9 @@ class Sidecar:
             lines.append(f"mars_backend_telemetry_age_seconds{lab} {age:.3f}")
             fb = st.reading.free_blocks if st.reading is not None else None
             lines.append(f"mars_backend_free_blocks{lab} {fb if fb is not None else 'NaN'}")
-            lines.append(f"mars_backend_roots{lab} {b.roots}")
+            lines.append(f"mars_backend_roots{lab} {len(b.roots)}")
+            lines.append(f"mars_backend_upstream_requests_total{lab} {b.pool.requests}")
         return "\n".join(lines) + "\n"
-
-
-# -- running it ---------------------------------------------------------------------------------
-def _uvicorn_config(app: Sidecar) -> Any:
-    import uvicorn
-
-    try:
-        import uvloop  # noqa: F401
-
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    return uvicorn.Config(app, host=app.config.host, port=app.config.port, loop=loop, http="httptools",
-                          lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30,
-                          proxy_headers=False, server_header=False)
-
-
-def run_sidecar(config: SidecarConfig) -> None:
-    """Serve until interrupted (the ``mars sidecar`` command)."""
-    import uvicorn
-
-    app = Sidecar(config)
-    logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", config.host, config.port,
-                   ", ".join(config.backends), config.controller)
-    uvicorn.Server(_uvicorn_config(app)).run()
-
-
-class SidecarThread:
-    """A sidecar on a background thread (tests, notebooks): ``with SidecarThread(cfg) as sc: sc.url``."""
-
-    def __init__(self, config: SidecarConfig, controller: AdmissionController | None = None) -> None:
-        import uvicorn
-
-        self.app = Sidecar(config, controller)
-        self.url = f"http://{config.host}:{config.port}"
-        self.server = uvicorn.Server(_uvicorn_config(self.app))
-        self.thread = threading.Thread(target=self.server.run, name="mars-sidecar", daemon=True)
-
-    def start(self, timeout: float = 30.0) -> SidecarThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("sidecar did not start")
-            time.sleep(0.02)
-        return self
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the sidecar's event loop and return its result (thread-safe)."""
-        loop = self.app._loop
-        assert loop is not None
-
-        async def run() -> Any:
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(run(), loop).result(10)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def config_dict(cfg: SidecarConfig) -> dict:

@@ -3,7 +3,8 @@
 * :class:`InProcessTelemetry`: straight from a ``MarsScheduler`` in this process
   (``free_blocks()`` = free + evictable cached blocks; blocks held by retention are referenced, so
   they are not free) plus an optional tool-plane source.
-* :class:`HttpTelemetry`: vLLM's Prometheus ``/metrics``: total = the ``num_gpu_blocks`` label of
+* :class:`HttpTelemetry`: vLLM's Prometheus ``/metrics`` (the one parser, also the driver's HTTP
+  backend's): total = the ``num_gpu_blocks`` label of
   ``vllm:cache_config_info`` minus vLLM's null block, free = ``(1 - vllm:kv_cache_usage_perc) x
   total`` (vLLM computes the usage from the same free count, so this is exact up to rounding),
   prefix hit rate from the deltas of ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``.
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.admission.base import Telemetry
+from vllm_mars.admission.base import Telemetry, ToolStats
 from vllm_mars.clock import Clock, MonotonicClock
 
 logger = logging.getLogger(__name__)
@@ -49,15 +50,6 @@ class TelemetryStatus:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class ToolStats:
-    """The CPU tool plane: calls in flight, workers, EMA of queue wait (s)."""
-
-    in_flight: int
-    workers: int
-    queue_wait_s: float | None = None
-
-
 class InProcessTelemetry:
     """Reads a MarsScheduler (anything with ``mars_stats()``) in this process."""
 
@@ -76,7 +68,7 @@ class InProcessTelemetry:
             ts=self.clock.now(), free_blocks=free, total_blocks=total, block_size=int(s["block_size"]),
             kv_usage=(1.0 - free / total) if total else None,
             tools_in_flight=ts.in_flight if ts else None, tool_workers=ts.workers if ts else None,
-            tool_queue_wait_s=ts.queue_wait_s if ts else None)
+            tool_queue_wait_s=ts.ema_queue_wait_s if ts else None)
 
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
@@ -101,22 +93,26 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
     return out
 
 
-def _sum(metrics: dict, *names: str) -> float | None:
+def metric_sum(metrics: dict, *names: str) -> float | None:
+    """The sum over labels (engines) of the first of ``names`` on the page; None when absent."""
     for n in names:
         if n in metrics:
             return sum(v for _, v in metrics[n])
     return None
 
 
+
 class MetricsError(ValueError):
     """A /metrics page without the series we need."""
 
 
-def telemetry_from_metrics(text: str, ts: float,
+def telemetry_from_metrics(text: str | dict, ts: float,
                            prev_counters: tuple[float, float] | None = None
                            ) -> tuple[Telemetry, tuple[float, float] | None]:
-    """One Telemetry from a vLLM /metrics page, and the (hits, queries) counters for the next delta."""
-    m = parse_prometheus(text)
+    """One Telemetry from a vLLM /metrics page (text, or already parsed by
+    :func:`parse_prometheus`), and the (hits, queries) counters for the next delta. ``preemptions``
+    is the server's cumulative counter; ``running``/``waiting`` sum over engines."""
+    m = parse_prometheus(text) if isinstance(text, str) else text
     usage_rows = m.get("vllm:kv_cache_usage_perc") or m.get("vllm:gpu_cache_usage_perc")
     info = m.get("vllm:cache_config_info")
     if not usage_rows:
@@ -133,16 +129,21 @@ def telemetry_from_metrics(text: str, ts: float,
     total = max(0, gpu_blocks - 1) * n_eng  # vLLM's usage excludes its null block
     usage = sum(v for _, v in usage_rows) / n_eng
     free = max(0, min(total, round((1.0 - usage) * total)))
-    hits = _sum(m, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
-    queries = _sum(m, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries")
+    hits = metric_sum(m, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+    queries = metric_sum(m, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries")
     hit_rate = None
     counters = None
     if hits is not None and queries is not None:
         counters = (hits, queries)
         if prev_counters is not None and queries > prev_counters[1]:
             hit_rate = (hits - prev_counters[0]) / (queries - prev_counters[1])
+    pre = metric_sum(m, "vllm:num_preemptions_total", "vllm:num_preemptions")
+    running = metric_sum(m, "vllm:num_requests_running")
+    waiting = metric_sum(m, "vllm:num_requests_waiting")
     tel = Telemetry(ts=ts, free_blocks=free, total_blocks=total, block_size=block_size, kv_usage=usage,
-                    prefix_hit_rate=hit_rate)
+                    prefix_hit_rate=hit_rate, preemptions=None if pre is None else int(pre),
+                    running=None if running is None else int(running),
+                    waiting=None if waiting is None else int(waiting))
     return tel, counters
 
 

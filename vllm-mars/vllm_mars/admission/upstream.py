@@ -5,14 +5,20 @@ Why not aiohttp here: the sidecar proxies every streamed chunk, and aiohttp's la
 multidict headers, per-request URL/timer/tracing objects) cost about as much CPU per chunk as the
 backend spends producing it. This client does only what a proxy to vLLM needs: one request at a
 time per connection, a body of known length, a response streamed as it arrives, connection reuse
-when the server keeps it alive. Errors are explicit: :class:`UpstreamUnreachable` (nothing was
-sent or received: safe to retry elsewhere) and :class:`UpstreamBroken` (the connection died or sent
-garbage mid-response).
+when the server keeps it alive. Errors are explicit: :class:`UpstreamUnreachable` (the connection
+could not be made, so the request provably never reached the server: safe to retry elsewhere) and
+:class:`UpstreamBroken` (the request was sent and the connection died, timed out or sent garbage,
+before or after the response head: never resent, a POST may have started generating).
+
+Kept-alive connections are reused only while younger than ``idle_ttl_s`` (below the server's own
+keep-alive timeout, 5 s in vLLM), so a request is not written into a connection the server is
+closing; one found closed before writing is dropped and the next tried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -24,20 +30,21 @@ _HIGH_WATER = 1 << 20
 
 
 class UpstreamUnreachable(Exception):
-    """Could not connect or send; no response byte was received."""
+    """Could not connect: the request was never sent (safe to retry)."""
 
 
 class UpstreamBroken(Exception):
-    """The response was cut off or malformed."""
+    """The request was sent, and the response never came, was cut off or was malformed."""
 
 
 class _Conn(asyncio.Protocol):
     __slots__ = ("_body", "_buffered", "_done", "_error", "_head", "_parser", "_paused", "_waiter", "closed",
-                 "headers", "keep_alive", "status", "transport")
+                 "headers", "idle_since", "keep_alive", "status", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.idle_since = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -67,7 +74,8 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self._done:
-            self._fail(UpstreamBroken(f"connection closed mid-response{': ' + str(exc) if exc else ''}"))
+            where = "mid-response" if self.status else "before the response head"
+            self._fail(UpstreamBroken(f"connection closed {where}{': ' + str(exc) if exc else ''}"))
 
     # -- httptools callbacks ----------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -181,7 +189,8 @@ class Response:
 class UpstreamPool:
     """Keep-alive connections to one ``http://host:port`` origin."""
 
-    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, max_idle: int = 256) -> None:
+    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, max_idle: int = 256,
+                 idle_ttl_s: float = 3.0) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"upstream URL must be http://host[:port], got {base_url!r}")
@@ -191,17 +200,23 @@ class UpstreamPool:
         self.host_header = (u.netloc or self.host).encode()
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.idle_ttl_s = idle_ttl_s
         self._idle: list[_Conn] = []
+        #: connection attempts and requests written (observability and tests)
+        self.connects = 0
+        self.requests = 0
 
     def _put(self, c: _Conn) -> None:
         if len(self._idle) < self.max_idle:
             c._reset()
+            c.idle_since = time.monotonic()
             self._idle.append(c)
         else:
             c.close()
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
+        self.connects += 1
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port),
                                              self.connect_timeout)
@@ -211,36 +226,37 @@ class UpstreamPool:
 
     async def request(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
                       body: bytes = b"") -> Response:
-        """Send one request; returns once the response head has arrived."""
+        """Send one request; returns once the response head has arrived. Raises
+        :class:`UpstreamUnreachable` only when no connection could be made (nothing was sent),
+        :class:`UpstreamBroken` when the connection failed after the request was written."""
         head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", self.host_header, b"\r\n"]
         for k, v in headers:
             head += [k, b": ", v, b"\r\n"]
         head += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body]
         payload = b"".join(head)
-        while True:
-            c = None
-            while self._idle:
-                cand = self._idle.pop()
-                if not cand.closed:
-                    c = cand
-                    break
-            reused = c is not None
-            if c is None:
-                c = await self._connect()
-            c._head = asyncio.get_running_loop().create_future()
-            assert c.transport is not None
-            c.transport.write(payload)
-            try:
-                await c._head
-            except UpstreamBroken as e:
-                c.close()
-                if reused and not c.status:
-                    continue  # a kept-alive connection the server had closed: try the next / a fresh one
-                raise UpstreamUnreachable(str(e)) from None
-            except asyncio.CancelledError:
-                c.close()
-                raise
-            return Response(c, self)
+        c = None
+        now = time.monotonic()
+        while self._idle:
+            cand = self._idle.pop()
+            if not cand.closed and now - cand.idle_since < self.idle_ttl_s:
+                c = cand
+                break
+            cand.close()  # closed by the server, or old enough that the server may be closing it
+        if c is None:
+            c = await self._connect()
+        c._head = asyncio.get_running_loop().create_future()
+        assert c.transport is not None
+        c.transport.write(payload)
+        self.requests += 1
+        try:
+            await c._head
+        except UpstreamBroken:
+            c.close()
+            raise  # the request went out: resending a POST could run it twice
+        except asyncio.CancelledError:
+            c.close()
+            raise
+        return Response(c, self)
 
     def close(self) -> None:
         for c in self._idle:

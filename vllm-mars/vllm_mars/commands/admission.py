@@ -65,7 +65,9 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                             "with the most KV budget)")
         g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
         g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
-    g.add_argument("--controller", choices=("mars", "concur", "none"), default="mars",
+    from vllm_mars.admission.base import available_controllers
+
+    g.add_argument("--controller", choices=available_controllers(), default="mars",
                    help="admission controller: mars (KV/CPU-aware AIMD + footprint selection), concur "
                         "(CONCUR AIMD on utilisation/hit rate), none (admit all) (default mars)")
     g.add_argument("--controller-option", action="append", metavar="KEY=VALUE",
@@ -73,16 +75,35 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                         "(fields: docs/admission.md, or the error message for an unknown one)")
     g.add_argument("--controller-config", metavar="FILE",
                    help="JSON or TOML file of controller config fields (flags override it)")
-    g.add_argument("--api-key", default=os.environ.get("MARS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' from clients (default: $MARS_API_KEY, else none)")
+    g.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' from clients (default: $MARS_API_KEY, else none); "
+                        "repeat for several clients: each key then has its own workflow ids, so no client can "
+                        "finish or join another's workflows (docs/admission.md, trust model)")
     g.add_argument("--backend-api-key", default=None,
                    help="send 'Authorization: Bearer KEY' to the backends (default: pass the client's header)")
     g.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="largest request body; larger gets 413 (default 16 MiB)")
     g.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
-                   help="a workflow without calls for S seconds ends and frees its slot (default 600)")
+                   help="the most a workflow waits without calls before it ends softly and frees its slot; "
+                        "the timeout in force is learned from the sessions' return gaps (p95 x 2, at least "
+                        "10 s) once 8 were seen (default 600)")
+    g.add_argument("--failed-idle-timeout", type=float, default=5.0, metavar="S",
+                   help="a workflow whose last call failed ends after S seconds without a call (default 5)")
+    g.add_argument("--max-queued-calls", type=int, default=1024, metavar="N",
+                   help="calls waiting for admission at once; more get 503 + Retry-After (default 1024)")
+    g.add_argument("--max-queued-bytes", type=int, default=1 << 30, metavar="B",
+                   help="request body bytes waiting for admission at once; more get 503 (default 1 GiB)")
+    g.add_argument("--spill-bytes", type=int, default=64 << 10, metavar="B",
+                   help="a waiting call's body above B bytes waits in a file, not in memory (default 64 KiB)")
+    g.add_argument("--spill-dir", default=None, metavar="DIR", help="directory for spilled bodies (default: temp)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="a request head must arrive within S seconds, else 408 and close (default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="longest wait between request body chunks, else 408 (default 30)")
+    g.add_argument("--max-connections", type=int, default=1000, metavar="N",
+                   help="client connections held at once; more get 503 and are closed (default 1000)")
     g.add_argument("--telemetry-interval", type=float, default=0.2, metavar="S",
-                   help="seconds between /metrics polls of each backend (default 0.2)")
+                   help="seconds between /metrics polls of each backend, 0.01..60 (default 0.2)")
     g.add_argument("--telemetry-stale", type=float, default=2.0, metavar="S",
                    help="a backend whose last good reading is older than S is not live (default 2)")
     g.add_argument("--retry-after", type=int, default=2, metavar="S",
@@ -97,21 +118,46 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add_argument("--events", metavar="PATH", help="append admission events (JSON lines) to PATH")
 
 
+#: SidecarConfig field -> the flag that sets it (errors name the flag)
+_FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeout",
+          "failed_idle_timeout_s": "--failed-idle-timeout", "telemetry_interval_s": "--telemetry-interval",
+          "telemetry_stale_s": "--telemetry-stale", "retry_after_s": "--retry-after",
+          "connect_timeout_s": "--connect-timeout", "read_timeout_s": "--read-timeout",
+          "backend_wait_s": "--backend-wait", "max_queued_calls": "--max-queued-calls",
+          "max_queued_bytes": "--max-queued-bytes", "spill_bytes": "--spill-bytes",
+          "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
+          "max_connections": "--max-connections", "port": "--port", "api_key": "--api-key",
+          "backends": "--backend"}
+
+
 def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: str, port: int):
+    from vllm_mars.admission.base import make_controller
     from vllm_mars.admission.sidecar import SidecarConfig
 
     options = {**_load_options(args.controller_config, "--controller-config"),
                **_kv(args.controller_option, "--controller-option")}
-    cfg = SidecarConfig(
-        backends=backends, controller=args.controller, controller_options=options, host=host, port=port,
-        api_key=args.api_key, backend_api_key=args.backend_api_key, max_body_bytes=args.max_body_bytes,
-        idle_timeout_s=args.idle_timeout, telemetry_interval_s=args.telemetry_interval,
-        telemetry_stale_s=args.telemetry_stale, retry_after_s=args.retry_after,
-        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
-        backend_wait_s=args.backend_wait, events_path=args.events)
-    from vllm_mars.admission.base import make_controller
-
-    make_controller(cfg.controller, dict(cfg.controller_options))  # validate before binding the port
+    keys = args.api_key or ([os.environ["MARS_API_KEY"]] if os.environ.get("MARS_API_KEY") else [])
+    try:
+        cfg = SidecarConfig(
+            backends=backends, controller=args.controller, controller_options=options, host=host, port=port,
+            api_key=keys[0] if keys else None, api_keys=tuple(keys[1:]), backend_api_key=args.backend_api_key,
+            max_body_bytes=args.max_body_bytes, idle_timeout_s=args.idle_timeout,
+            failed_idle_timeout_s=args.failed_idle_timeout, telemetry_interval_s=args.telemetry_interval,
+            telemetry_stale_s=args.telemetry_stale, retry_after_s=args.retry_after,
+            connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
+            backend_wait_s=args.backend_wait, events_path=args.events, max_queued_calls=args.max_queued_calls,
+            max_queued_bytes=args.max_queued_bytes, spill_bytes=args.spill_bytes, spill_dir=args.spill_dir,
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections)
+    except ValueError as e:
+        msg = str(e)
+        for fld, flag in _FLAGS.items():
+            msg = msg.replace(f"SidecarConfig.{fld} ", f"{flag} ").replace(f"SidecarConfig.{fld}:", f"{flag}:")
+        raise ValueError(msg) from None
+    try:
+        make_controller(cfg.controller, dict(cfg.controller_options))  # validate before binding the port
+    except ValueError as e:
+        raise ValueError(f"--controller {cfg.controller} / --controller-option: {e}") from None
     return cfg
 
 
@@ -143,17 +189,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a policy config field for additional_config['mars']; repeatable")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="max context length (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences (default 64)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
+    from vllm_mars.engine.local import SERVER_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
+
+    p.add_argument("--max-model-len", type=int, default=SERVER_MAX_MODEL_LEN,
+                   help="max context length (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
+                   help="max running sequences (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="engine platform: cpu uses MarsScheduler, gpu AsyncMarsScheduler (default auto)")
+                   help="engine platform for the engine defaults (cpu: bfloat16, 32-token blocks, 256 MiB KV; "
+                        "gpu: vLLM's own); the scheduler follows vLLM's async-scheduling choice (default auto)")
+    # -- engine arguments (issue 13) --
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                   help="a vLLM engine argument (repeatable; an EngineArgs field, value JSON or text), validated "
+                        "before vLLM starts, e.g. --engine-arg tensor_parallel_size=2 --engine-arg kv_offloading_size=4")
     p.add_argument("--vllm-args", default="", metavar="'ARGS'",
-                   help="extra arguments for the vLLM server, one shell-quoted string")
+                   help="extra arguments for the vLLM server, one shell-quoted string (not validated)")
     p.add_argument("--engine-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for the vLLM server to become healthy (default 900)")
     p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
     _add_sidecar_options(p, serve=True)
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME|none",
+                   help="vLLM tool-call parser; tool calling (tool_choice auto, which OpenCode and Codex send) "
+                        "is on by default with the parser that fits the model: qwen3_coder for Qwen3-Coder, "
+                        "hermes for Qwen2/Qwen3 and the tiny model, openai for gpt-oss (docs/frontends.md); "
+                        "'none' leaves it off")
     p.set_defaults(func=_serve)
 
 
@@ -183,28 +244,64 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
 
 
+def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """Tool calling on by default with the parser that fits the model (issue 12); logged."""
+    from vllm_mars.engine.tool_calling import choose_tool_parser, user_set_tool_calling, validate_parser
+
+    if args.tool_call_parser is not None:
+        validate_parser(args.tool_call_parser)
+    if user_set_tool_calling(cmd):
+        print("mars serve: tool calling as configured in --vllm-args", file=sys.stderr)
+        return []
+    choice = choose_tool_parser(args.model, args.served_model_name, args.tool_call_parser)
+    state = f"on, parser {choice.parser}" if choice.parser else "off"
+    print(f"mars serve: tool calling {state} ({choice.reason})", file=sys.stderr)
+    return choice.server_args()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
+    from vllm_mars.config import check_engine_options
     from vllm_mars.engine.local import server_args
+    from vllm_mars.policies import make_policy
 
+    check_engine_options(args.policy, _kv(args.policy_option, "--policy-option"))  # before vLLM starts
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
+    # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
+    make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
+    from vllm_mars.engine.local import parse_engine_arg_items
+
     cpu = None if args.device == "auto" else args.device == "cpu"
     kw: dict[str, Any] = {"policy": args.policy, "policy_options": _kv(args.policy_option, "--policy-option"),
                           "block_size": args.block_size, "max_model_len": args.max_model_len,
-                          "max_num_seqs": args.max_num_seqs, "cpu": cpu}
+                          "max_num_seqs": args.max_num_seqs, "cpu": cpu,
+                          "engine_args": parse_engine_arg_items(args.engine_arg)}
     if args.num_blocks is not None:
         kw["num_blocks"] = args.num_blocks
+    extra = shlex.split(args.vllm_args)
+    if not any(a.startswith(("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log")) for a in extra):
+        # the sidecar polls /metrics every --telemetry-interval: keep those polls (and /health)
+        # out of vLLM's access log, which otherwise is mostly them
+        extra += ["--disable-access-log-for-endpoints", "/metrics,/health"]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
-           *shlex.split(args.vllm_args)]
+           *extra]
+    cmd += _tool_calling_args(args, cmd)
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    # SIGTERM must run the cleanup below too (uvicorn re-raises the signal it caught once it has stopped;
+    # with the default action the vLLM server was left running)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _wait_healthy(f"http://127.0.0.1:{engine_port}", proc, args.engine_timeout)
         print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",

@@ -33,7 +33,9 @@ def _floats(s: str, flag: str) -> list[float]:
 
 
 def _common(p: argparse.ArgumentParser, compare: bool) -> None:
-    from vllm_mars.driver.runner import DEFAULT_WORKLOAD
+    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, ReplayConfig
+
+    d = ReplayConfig()  # the one place the driver's engine and tool defaults live
 
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
                    help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
@@ -47,15 +49,24 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--profile", default=None,
                    help="step-time profile for --backend sim (shipped name, e.g. h200-qwen3-coder-30b-a3b, or a "
                         "profile file); it sets the KV pool and the engine limits below")
+    from vllm_mars.engine import local
+
+    cpu_blocks = local.COMPARE_CPU_NUM_BLOCKS if compare else local.DRIVER_CPU_NUM_BLOCKS
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks of the in-process engine (small = KV pressure; 0 = vLLM's own sizing, "
-                        f"for GPUs; default {_engine_defaults(compare)['num_blocks']})")
-    p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens, a multiple of 32 on CPU "
-                                                                "(default 32)")
+                   help=f"KV blocks of the in-process engine (default: {cpu_blocks} on the CPU build, small = KV "
+                        "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (lowered to what the KV holds; default 2048)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 1024)")
+                   help=f"context limit (lowered to what the KV holds; default {local.DRIVER_MAX_MODEL_LEN})")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"engine batch limit (default {local.DRIVER_MAX_NUM_SEQS})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget per step (default {local.DRIVER_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                   help="a vLLM engine argument for the in-process engine (repeatable; an EngineArgs field, "
+                        "value JSON or text), e.g. --engine-arg kv_offloading_size=4 --engine-arg "
+                        "tensor_parallel_size=2")
     p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
                    help="scheduler policy option (repeatable; see `mars policies`)")
     p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
@@ -66,9 +77,13 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
                    help="tool cores, e.g. 0-3 (env CPU_TOOL); real tools pin one call per core")
     p.add_argument("--cpu-gpu", default=os.environ.get("CPU_GPU"),
                    help="cores for the driver and engine, e.g. 4-7 (env CPU_GPU)")
-    p.add_argument("--tool-timeout", type=float, default=300.0, help="real tool timeout in seconds (default 300)")
+    p.add_argument("--tool-timeout", type=float, default=d.tool_timeout_s,
+                   help="real tool timeout in seconds (default %(default)s)")
     p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
-                   help="real-tool write sandbox (default auto: bwrap, else Landlock)")
+                   help="real-tool sandbox: writes to the workspace only, reads to it and system dirs, no "
+                        "network (default auto: bwrap, else Landlock)")
+    p.add_argument("--tool-net-allow", action="append", type=int, default=[], metavar="PORT",
+                   help="TCP port real tools may connect to (repeatable; Landlock sandbox; default: none)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the cost-model calibration (no T_ideal, so no goodput)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -123,15 +138,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 
 
-def _engine_defaults(compare: bool) -> dict[str, int]:
-    from vllm_mars.driver.compare import DEFAULT_NUM_BLOCKS
-
-    return {"num_blocks": DEFAULT_NUM_BLOCKS if compare else 96, "block_size": 32, "max_model_len": 2048,
-            "max_num_seqs": 32, "max_num_batched_tokens": 1024}
-
-
-def _engine_shape(args: argparse.Namespace, backend: str, compare: bool) -> dict:
-    """The engine-shape flags: the CPU engine's defaults, or the sim profile's (which they may not override)."""
+def _engine_shape(args: argparse.Namespace, backend: str, num_blocks: int | None) -> dict:
+    """The engine-shape flags: the in-process engine's defaults, or none for the sim (its profile sets
+    them, and the flags may not override it)."""
     given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
     if backend == "sim":
         if not args.profile:
@@ -142,24 +151,41 @@ def _engine_shape(args: argparse.Namespace, backend: str, compare: bool) -> dict
         return {}
     if args.profile:
         raise ValueError("--profile applies to --backend sim only")
-    shape = {**_engine_defaults(compare), **given}
-    shape["num_blocks"] = shape["num_blocks"] or None
-    return shape
+    from vllm_mars.engine import local
+
+    return {"num_blocks": args.num_blocks if num_blocks is None else num_blocks, "block_size": args.block_size,
+            "max_model_len": given.get("max_model_len", local.DRIVER_MAX_MODEL_LEN),
+            "max_num_seqs": given.get("max_num_seqs", local.DRIVER_MAX_NUM_SEQS),
+            "max_num_batched_tokens": given.get("max_num_batched_tokens", local.DRIVER_MAX_NUM_BATCHED_TOKENS)}
 
 
-def _config(args: argparse.Namespace, compare: bool = False, **kw):
+def _config(args: argparse.Namespace, num_blocks: int | None = None, **kw):
     from vllm_mars.driver.runner import ReplayConfig
+    from vllm_mars.engine.local import parse_engine_arg_items
 
     backend = kw.get("backend", getattr(args, "backend", "inprocess"))
     kw.setdefault("backend", backend)
     return ReplayConfig(
         workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, profile=args.profile, **_engine_shape(args, backend, compare),
-        record_steps=args.record_steps, policy_options=_kv(args.policy_option, "--policy-option"),
+        model=args.model, profile=args.profile, **_engine_shape(args, backend, num_blocks),
+        engine_args=parse_engine_arg_items(args.engine_arg), record_steps=args.record_steps,
+        policy_options=_kv(args.policy_option, "--policy-option"),
         admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
         cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
+        tool_net_allow=args.tool_net_allow,
         calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
         **kw)
+
+
+def _check_engine(cfg, policies: list[str]) -> None:
+    """Refuse, before anything starts, a policy the in-process engine cannot serve as configured."""
+    if cfg.backend != "inprocess":
+        return
+    from vllm_mars.driver.control import check_policy
+    from vllm_mars.engine.local import check_policy_engine, on_cpu
+
+    for name in policies:
+        check_policy_engine(check_policy(name).scheduler_policy, on_cpu(), cfg.engine_args)
 
 
 def _check_workload(path: str) -> None:
@@ -183,6 +209,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     _check_workload(args.workload)
     cfg = _config(args, policy=args.policy, rps=args.rps, backend=args.backend, url=args.url)
+    _check_engine(cfg, [args.policy])
     out, _ = run_replay(cfg)
     summary = json.loads((out / "summary.json").read_text())
     print(summary_table([(args.policy, summary)]))
@@ -196,8 +223,11 @@ def _compare(args: argparse.Namespace) -> int:
     from vllm_mars.metrics.compare import format_table
 
     _check_workload(args.workload)
+    from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS, on_cpu
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    cfg = _config(args, compare=True)
+    cfg = _config(args, num_blocks=COMPARE_CPU_NUM_BLOCKS if args.num_blocks is None and on_cpu() else None)
+    _check_engine(cfg, policies)
     out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
     print(format_table(record))
     print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "

@@ -97,7 +97,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.model is not None and not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")
     base, model = _base_profile(args, args.model)
-    gpu = args.base is not None
+    gpu = args.base is not None and not base.hardware.name.upper().startswith("CPU")  # a GPU base profile
     grid = GRIDS[args.grid or ("gpu" if gpu else "cpu")]
     if args.repeats is not None:
         grid = replace(grid, repeats=args.repeats)
@@ -125,6 +125,12 @@ def _profile(args: argparse.Namespace) -> int:
         source = (f"fitted by `mars profile --from-steps` to {len(args.from_steps)} recorded run(s) at "
                   f"{t0:%Y-%m-%d %H:%M} UTC")
     else:
+        if gpu:
+            from vllm_mars.engine.local import on_cpu
+
+            if on_cpu():
+                raise ValueError(f"--base {args.base}: profiling a GPU profile ({base.hardware.name}) needs a CUDA build of vLLM on a GPU "
+                                 "host (this vLLM runs on CPU); --from-steps fits recorded steps anywhere")
         print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
               f"(repeats {grid.repeats})", file=sys.stderr)
         samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed, clock=args.clock,
@@ -136,8 +142,8 @@ def _profile(args: argparse.Namespace) -> int:
     prof = result.profile
     if args.name:
         prof = prof.with_efficiency(prof.efficiency, name=args.name)
-    if not prof.description:
-        prof = prof.with_efficiency(prof.efficiency, description=f"{base.hardware.name}; {source}")
+    desc = base.description.replace(" (efficiency priors, not fitted)", "") or base.hardware.name
+    prof = prof.with_efficiency(prof.efficiency, description=f"{desc}; efficiency {source}")
     out = Path(args.out or f"{prof.name}.toml")
     prof.write(out)
     if args.samples_out:

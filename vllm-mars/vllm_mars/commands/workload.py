@@ -57,6 +57,8 @@ def _convert_weka(args: argparse.Namespace) -> int:
     from vllm_mars.workload.schema import write_workload
     from vllm_mars.workload.weka import convert_dir
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     wfs = convert_dir(args.src, scale=args.scale, max_tool_s=args.max_tool_s, limit=args.limit)
     n = write_workload(args.output, wfs)
     kids = sum(len(list(w.walk())) - 1 for w in wfs)

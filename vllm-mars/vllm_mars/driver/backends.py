@@ -20,12 +20,15 @@ import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
+
+from vllm_mars.admission.base import Telemetry
+from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +43,10 @@ class CallResult:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class EngineSample:
-    """One reading of engine state; ``None`` fields are unknown to this backend."""
-
-    ts: float
-    free_blocks: int | None = None
-    num_blocks: int | None = None
-    block_size: int | None = None
-    kv_usage: float | None = None
-    retained_blocks: int | None = None
-    preemptions: int | None = None
-    recomputed_tokens: int | None = None
-    #: cached KV blocks evicted for reuse so far (vLLM KV cache events)
-    kv_blocks_removed: int | None = None
-    running: int | None = None
-    waiting: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
+    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
+    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
+    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
 
 
 def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
@@ -85,8 +73,14 @@ class Backend(Protocol):
         """Replays pass ``ignore_eos`` (exact output lengths); live agents let the model stop."""
         ...
 
-    def sample(self) -> EngineSample:
-        """The latest engine state (cheap; called by the telemetry loop)."""
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` in the engine and free its KV (a call the driver gave up on, e.g. timed
+        out); a no-op for a request that already finished. ``generate`` calls it when cancelled."""
+        ...
+
+    def sample(self) -> Telemetry:
+        """The latest engine state (cheap; called by the telemetry loop). ``ts`` is when it was read
+        from the engine, so a reader can tell a stale sample (a stuck or dead engine) from a fresh one."""
         ...
 
     def engine_stats(self) -> dict[str, Any]:
@@ -102,10 +96,11 @@ class InProcessBackend:
     name = "inprocess"
 
     def __init__(self, model: str, clock: Callable[[], float], *, policy: str = "fcfs",
-                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = 96,
-                 block_size: int = 32, max_model_len: int = 4096, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, seed: int = 0, record_steps: bool = False,
-                 **engine_extra: Any) -> None:
+                 policy_options: Mapping[str, Any] | None = None, num_blocks: int | None = None,
+                 block_size: int | None = None, max_model_len: int = DRIVER_MAX_MODEL_LEN,
+                 max_num_seqs: int = DRIVER_MAX_NUM_SEQS, max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS,
+                 seed: int = 0, record_steps: bool = False, **engine_extra: Any) -> None:
+        """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
         #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
@@ -171,6 +166,9 @@ class InProcessBackend:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         break
+                    if cmd[0] == "abort":
+                        engine.abort_request([cmd[1]])
+                        continue
                     rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
@@ -181,6 +179,7 @@ class InProcessBackend:
                         pending = None
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    self._snapshot()  # idle but alive: the sample stays fresh
                     continue
                 t0 = time.perf_counter()
                 if pending is not None:
@@ -239,12 +238,22 @@ class InProcessBackend:
         self._pending[request_id] = (fut, {"ids": [], "first": None, "cached": None, "prompt": len(prompt_ids)})
         self._cmds.put((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
         self._wake.set()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # timed out or abandoned: the engine must not keep it
+            await self.abort(request_id)
+            raise
 
-    def sample(self) -> EngineSample:
-        # Scheduler state only changes inside a step, and the snapshot is taken after every step:
-        # it is current now (a step in flight shows up when it ends).
-        return replace(self._sample, ts=self.clock())
+    async def abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is None:
+            return  # finished (or never sent)
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def sample(self) -> Telemetry:
+        # Taken by the stepper thread after every step and every idle wait (50 ms): its ts is when
+        # the engine was last seen alive, so a dead or stuck stepper shows up as stale telemetry.
+        return self._sample
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -268,36 +277,16 @@ class InProcessBackend:
             self.scheduler = None
 
 
-_METRIC_RE = re.compile(r'^(vllm:[a-zA-Z_]+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of each ``vllm:*`` sample over its labels; ``num_gpu_blocks``/``block_size`` from cache_config_info."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if name == "vllm:cache_config_info" and labels:
-            for key in ("num_gpu_blocks", "block_size"):
-                lm = re.search(rf'{key}="(\d+)"', labels)
-                if lm:
-                    out[key] = float(lm.group(1))
-            continue
-        out[name] = out.get(name, 0.0) + v
-    return out
+#: counters the HTTP backend reports as deltas since its start
+_COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
 
 class HTTPBackend:
     """An OpenAI-compatible vLLM server: ``/v1/completions`` with token-id prompts and ``vllm_xargs``.
 
     Telemetry comes from the server's ``/metrics`` (KV usage, running/waiting, preemptions), polled
-    every ``poll_s``; free blocks are derived from usage and ``cache_config_info``'s ``num_gpu_blocks``.
+    every ``poll_s``, read by the sidecar's parser (:func:`telemetry_from_metrics`): the same total
+    blocks (vLLM's null block excluded) and the same usage over data-parallel engines.
     """
 
     name = "http"
@@ -314,9 +303,11 @@ class HTTPBackend:
         self.vocab_size = vocab_size
         self._client = None
         self._poller: asyncio.Task | None = None
-        self._sample = EngineSample(0.0)
+        self._streams: dict[str, asyncio.Task] = {}
+        self._sample = Telemetry(0.0)
         self._metrics: dict[str, float] = {}
         self._metrics0: dict[str, float] | None = None
+        self._hit_counters: tuple[float, float] | None = None
 
     async def start(self) -> None:
         import httpx
@@ -328,8 +319,10 @@ class HTTPBackend:
         try:
             r = await self._client.get("/v1/models")
             r.raise_for_status()
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"HTTP backend {self.url}: cannot list models ({e})") from e
+        except (httpx.HTTPError, OSError) as e:
+            await self._client.aclose()
+            raise ConnectionError(f"--backend http --url {self.url}: cannot reach the server's /v1/models "
+                                  f"({type(e).__name__}: {e})") from None
         models = [m["id"] for m in r.json().get("data", [])]
         if self.model is None:
             if not models:
@@ -351,17 +344,19 @@ class HTTPBackend:
             logger.debug("metrics poll failed: %s", e)
             return
         m = parse_prometheus(r.text)
-        self._metrics = m
-        base = self._metrics0 or {}
-        usage = m.get("vllm:kv_cache_usage_perc")
-        total = int(m["num_gpu_blocks"]) if "num_gpu_blocks" in m else None
-        free = round(total * (1.0 - usage)) if total is not None and usage is not None else None
-        pre = m.get("vllm:num_preemptions")
-        self._sample = EngineSample(
-            ts=self.clock(), free_blocks=free, num_blocks=total,
-            block_size=int(m["block_size"]) if "block_size" in m else None, kv_usage=usage,
-            preemptions=int(pre - base.get("vllm:num_preemptions", 0.0)) if pre is not None else None,
-            running=int(m.get("vllm:num_requests_running", 0)), waiting=int(m.get("vllm:num_requests_waiting", 0)))
+        try:
+            tel, self._hit_counters = telemetry_from_metrics(m, self.clock(), self._hit_counters)
+        except MetricsError as e:
+            logger.debug("metrics poll: %s", e)
+            return
+        self._metrics = {name: v for name in _COUNTERS
+                         if (v := metric_sum(m, name + "_total", name)) is not None}
+        if self._metrics0 is None:  # the first reading is the baseline
+            self._metrics0 = dict(self._metrics)
+        base = self._metrics0
+        if tel.preemptions is not None:
+            tel = replace(tel, preemptions=int(tel.preemptions - base.get("vllm:num_preemptions", 0.0)))
+        self._sample = tel
 
     async def _poll(self) -> None:
         while True:
@@ -370,6 +365,26 @@ class HTTPBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                        extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
+        # The stream runs as its own task so abort() can cancel it: closing the connection is how
+        # vLLM's server learns to abort the request (and free its KV).
+        task = asyncio.ensure_future(self._stream(request_id, prompt_ids, max_tokens, extra_args, ignore_eos))
+        self._streams[request_id] = task
+        try:
+            return await task
+        finally:
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        task = self._streams.pop(request_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - it is being thrown away
+                logger.debug("aborted %s: %r", request_id, e)
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                      extra_args: Mapping[str, Any], ignore_eos: bool) -> CallResult:
         xargs = {k: (int(v) if isinstance(v, bool) else v) for k, v in extra_args.items() if v is not None}
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
                 "ignore_eos": ignore_eos, "temperature": 0.0, "stream": True, "return_token_ids": True,
@@ -404,7 +419,7 @@ class HTTPBackend:
         return CallResult(ids, int(usage.get("prompt_tokens", len(prompt_ids))), details.get("cached_tokens"),
                           first, self.clock(), finish)
 
-    def sample(self) -> EngineSample:
+    def sample(self) -> Telemetry:
         return self._sample
 
     def engine_stats(self) -> dict[str, Any]:

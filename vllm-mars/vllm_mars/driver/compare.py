@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_mars.driver.control import check_policy
 from vllm_mars.driver.runner import ReplayConfig, run_replay
+from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
 from vllm_mars.metrics.ideal import CostModel
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 #: with the mars scheduler alone (no admission) beside them to separate the two halves of MARS.
 DEFAULT_POLICIES = ("mars", "mars-no-admission", "fcfs")
 DEFAULT_RPS = (4.0,)
-DEFAULT_NUM_BLOCKS = 48
+DEFAULT_NUM_BLOCKS = COMPARE_CPU_NUM_BLOCKS  # CPU build only: GPUs use vLLM's sizing
 
 
 def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | None = None, **kw: Any) -> ReplayConfig:

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.admission.base import AdmissionController, NoneController
+from vllm_mars.admission.base import AdmissionController
+from vllm_mars.admission.base import make_controller as _make_controller
 
 _SPECIAL = {
     "mars": ("mars", "mars"),
@@ -58,13 +59,8 @@ def check_policy(name: str) -> DriverPolicy:
 
 
 def make_controller(name: str, options: Mapping[str, Any] | None = None) -> AdmissionController:
-    if name == "none" and not options:
-        return NoneController()
-    try:
-        from vllm_mars.admission.base import make_controller as _make
-    except ImportError:  # the concrete controllers are not in this tree
-        raise ValueError(f"admission controller {name!r} is not available in this build") from None
-    return _make(name, dict(options or {}))
+    """A registered admission controller (see :func:`vllm_mars.admission.base.make_controller`)."""
+    return _make_controller(name, options)
 
 
 def finish_root(ctrl: AdmissionController, workflow: str, now: float, final_tokens: int | None) -> None:

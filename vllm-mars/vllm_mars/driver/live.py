@@ -136,7 +136,7 @@ async def run_live(replay: Any, plan: LivePlan, tokenizer: Any, opts: LiveOption
         ev.emit("call_submit", ts=submit, workflow=wid, root=wid, turn=k, request_id=rid,
                 prompt_tokens=len(prompt), max_tokens=opts.max_tokens)
         res = await asyncio.wait_for(replay.backend.generate(rid, prompt, opts.max_tokens, extra, ignore_eos=False),
-                                     replay.cfg.call_timeout_s)
+                                     replay.call_timeout)
         ttft = None if res.first_token_ts is None else res.first_token_ts - submit
         if ttft is not None:
             ev.emit("call_first_token", ts=res.first_token_ts, workflow=wid, root=wid, turn=k, request_id=rid,

@@ -28,6 +28,7 @@ from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
 from vllm_mars.driver.control import check_policy, finish_root, make_controller
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
+from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
 from vllm_mars.metrics.ideal import CostModel, ideal_time
 
@@ -37,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 BACKENDS = ("inprocess", "http", "sim")
 #: kv_sample periods: real engines, and the sim (hours of virtual time; 1 s keeps the log small)
 SAMPLE_INTERVAL_S = 0.1
+CALL_TIMEOUT_S = 600.0
 SIM_SAMPLE_INTERVAL_S = 1.0
 #: the long solo prompt of the sim's calibration (tokens)
 SIM_CALIBRATE_PROMPT = 8192
@@ -70,13 +72,17 @@ class ReplayConfig:
     url: str | None = None
     #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
     model: str | None = None
-    #: KV blocks of the in-process engine (small = real KV pressure)
-    num_blocks: int | None = 96
-    block_size: int = 32
-    #: context limit of the engine (<= num_blocks * block_size)
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    #: KV blocks of the in-process engine: None = engine.local's default (a small pool on the CPU
+    #: build, so the tiny model meets real KV pressure; vLLM's sizing on GPU), 0 = vLLM's sizing
+    num_blocks: int | None = None
+    #: KV block size in tokens: None = 32 on the CPU build, vLLM's choice on GPU
+    block_size: int | None = None
+    #: context limit of the engine (lowered to what num_blocks * block_size holds)
+    max_model_len: int = DRIVER_MAX_MODEL_LEN
+    max_num_seqs: int = DRIVER_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DRIVER_MAX_NUM_BATCHED_TOKENS
+    #: further vLLM engine arguments (validated EngineArgs fields), e.g. {"kv_offloading_size": 4}
+    engine_args: dict[str, Any] = field(default_factory=dict)
     #: scheduler policy options (additional_config["mars"] fields)
     policy_options: dict[str, Any] = field(default_factory=dict)
     #: admission controller options (its config fields)
@@ -90,13 +96,16 @@ class ReplayConfig:
     tool_timeout_s: float = 300.0
     #: auto, bwrap, landlock or none
     sandbox: str = "auto"
+    #: TCP ports real tools may connect to (Landlock); none by default: no network
+    tool_net_allow: list[int] = field(default_factory=list)
     #: kv_sample period in seconds of the run clock (None: 0.1 s, or 1 s of virtual time for sim,
     #: whose runs last hours of virtual time)
     sample_interval_s: float | None = None
     #: calibrate the cost model for T_ideal at start (False: no T_ideal, no goodput)
     calibrate: bool = True
-    #: seconds a single LLM call may take before the workflow fails
-    call_timeout_s: float = 600.0
+    #: seconds a single LLM call may take before the workflow fails (None: 600 s on real engines, no
+    #: limit in the sim, where a call queued for more than 10 virtual minutes is overload, not a hang)
+    call_timeout_s: float | None = None
     #: in-process engine: time every engine step and write steps.jsonl (what `mars profile --from-steps` fits)
     record_steps: bool = False
     #: output directory (None: runs/<timestamp>_<policy>)
@@ -106,13 +115,29 @@ class ReplayConfig:
     #: PNG plots in the run dir's report.md (an experiment grid turns them off: ~1 s of CPU a run)
     plots: bool = True
 
+    def engine_num_blocks(self) -> int | None:
+        """The in-process engine's KV blocks on this platform (None: vLLM sizes the pool)."""
+        from vllm_mars.engine.local import DRIVER_CPU_NUM_BLOCKS, on_cpu, resolve_num_blocks
+
+        return resolve_num_blocks(self.num_blocks, DRIVER_CPU_NUM_BLOCKS, on_cpu())
+
     def effective_max_model_len(self) -> int:
         """``max_model_len``, lowered to what ``num_blocks`` can hold (one block is vLLM's null block)."""
-        if self.backend in ("inprocess", "sim") and self.num_blocks:
+        if self.backend == "inprocess":
+            from vllm_mars.engine.local import kv_capacity_tokens, on_cpu
+
+            cap = kv_capacity_tokens(self.engine_num_blocks(), self.block_size, on_cpu())
+            if cap is not None:
+                return min(self.max_model_len, cap)
+        if self.backend == "sim" and self.num_blocks:  # the profile's pool (with_profile)
             return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         return self.max_model_len
 
     def validate(self) -> None:
+        """Every option, before anything starts (one-line ValueErrors naming the option)."""
+        from vllm_mars.config import REPLAY_RANGES, check_fields
+
+        check_fields(self, REPLAY_RANGES)
         if self.arrival not in ARRIVAL_PROCESSES:
             raise ValueError(f"arrival {self.arrival!r} unknown; allowed: {', '.join(ARRIVAL_PROCESSES)}")
         if self.arrival != "trace" and not self.rps > 0:
@@ -131,8 +156,25 @@ class ReplayConfig:
             raise ValueError(f"num_workflows must be >= 1, got {self.num_workflows}")
         if self.tools not in ("simulated", "real"):
             raise ValueError(f"tools {self.tools!r} unknown; allowed: simulated, real")
+        if self.engine_args and self.backend != "inprocess":
+            raise ValueError("engine arguments configure the in-process engine; with --backend http pass them to "
+                             "the server (mars serve --engine-arg ...); the sim takes its engine from --profile")
         if self.sample_interval_s is not None and not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        from vllm_mars.config import check_engine_options
+        from vllm_mars.driver.tools import SANDBOX_MODES
+
+        if self.sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox {self.sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
+        p = check_policy(self.policy)
+        if self.backend == "inprocess":
+            check_engine_options(p.scheduler_policy, self.policy_options)
+        make_controller(p.controller, self.admission_options)
+
+    def call_timeout(self) -> float | None:
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return None if self.backend == "sim" else CALL_TIMEOUT_S
 
     def sample_interval(self) -> float:
         if self.sample_interval_s is not None:
@@ -260,9 +302,10 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
 
         model = str(build_tiny_model())
     return backends.InProcessBackend(
-        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options, num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(), max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed, record_steps=cfg.record_steps)
+        model, clock, policy=scheduler_policy, policy_options=cfg.policy_options,
+        num_blocks=cfg.engine_num_blocks(), block_size=cfg.block_size, max_model_len=cfg.effective_max_model_len(),
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed,
+        engine_args=cfg.engine_args, record_steps=cfg.record_steps)
 
 
 class _Progress:
@@ -309,11 +352,12 @@ class Replay:
         self.ctrl = make_controller(self.policy.controller, cfg.admission_options)
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
-                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+                                     timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
         self.events = EventLog(out / "events.jsonl", clock)
         self.traces = open(out / "traces.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in run()
         self.progress = _Progress(len(plans), cfg.policy, cfg.progress)
         self.sample_interval = cfg.sample_interval()
+        self.call_timeout = cfg.call_timeout()
         self.tasks: set[asyncio.Task] = set()
         self.remaining = len(plans)
         self.all_done = asyncio.Event()
@@ -411,7 +455,7 @@ class Replay:
             self.events.emit("workflow_done", workflow=wid, root=wid, root_done=True,
                              e2e_s=round(self.clock() - self.arrivals_actual[wid], 6))
         except Exception as e:  # noqa: BLE001 - one workflow's failure is recorded, the run goes on
-            logger.warning("workflow %s failed: %s", wid, e)
+            logger.warning("workflow %s failed: %r", wid, e)
             self.events.emit("workflow_error", workflow=wid, root=wid, root_done=True, error=repr(e)[:500])
         finally:
             finish_root(self.ctrl, wid, self.clock(), final_tokens)
@@ -453,7 +497,7 @@ class Replay:
                 self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
                                  prompt_tokens=len(prompt), max_tokens=turn.output_tokens)
                 res = await asyncio.wait_for(self.backend.generate(rid, prompt, turn.output_tokens, extra),
-                                             self.cfg.call_timeout_s)
+                                             self.call_timeout)
                 ttft = None if res.first_token_ts is None else res.first_token_ts - submit
                 if res.first_token_ts is not None:
                     self.events.emit("call_first_token", ts=res.first_token_ts, workflow=wid, root=root, turn=k,
@@ -517,15 +561,23 @@ class Replay:
                          backend=self.cfg.backend, workload=self.cfg.workload, rps=self.cfg.rps,
                          arrival=self.cfg.arrival, workflows=len(self.order), tools=self.cfg.tools,
                          sandbox=getattr(self.tools, "sandbox", None),
+                         sandbox_protections=getattr(self.tools, "protections", None),
                          t_ideal_source=self.cost.source if self.cost else None,
                          cost_model=self.cost.as_dict() if self.cost else None)
         self._sample()
         workers = [asyncio.create_task(c) for c in (self._arrivals(), self._control(), self._sampler())]
+        done_wait = asyncio.create_task(self.all_done.wait())
         try:
-            await self.all_done.wait()
+            # A worker that raises ends the run with its error (waiting on all_done alone would hang).
+            pending: set[asyncio.Task] = {done_wait, *workers}
+            while not self.all_done.is_set():
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in finished:
+                    if t is not done_wait and t.exception() is not None:
+                        raise t.exception()
             await asyncio.gather(*workers)
         finally:
-            for w in workers:
+            for w in (*workers, done_wait):
                 w.cancel()
             for t in list(self.tasks):
                 t.cancel()
@@ -549,7 +601,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         plans = select_plans(load_live_plans(cfg.workload, tokenizer), cfg.num_workflows)
         live = (tokenizer, LiveOptions())
     else:
-        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed), cfg.num_workflows)
+        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed, max_model_len=cfg.effective_max_model_len()),
+                             cfg.num_workflows)
     check_context(plans, cfg.effective_max_model_len())
     arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
                              trace=[p.arrival_s for p in plans])

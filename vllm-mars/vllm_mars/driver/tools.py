@@ -1,8 +1,11 @@
 """The CPU tool plane: simulated (sleep the recorded tool time; the default) or real execution.
 
 Real mode runs one subprocess per tool call, pinned to one free core of ``CPU_TOOL`` (calls queue
-for a core, as tools on a real tool host do), in a per-workflow workspace, inside a write sandbox:
-bubblewrap where it works, else Landlock, else none (with a warning). Each call has a timeout after
+for a core, as tools on a real tool host do), in a per-workflow workspace, inside a sandbox:
+bubblewrap where it works, else Landlock, else none (with a warning). Both confine writes to the
+workspace and reads to the workspace plus read-only system directories and the Python environment,
+and deny the network unless allowed (``net``: all of it; ``net_allow``: TCP ports, Landlock only);
+``protections`` says what is in force (``_sandbox_exec.describe``). Each call has a timeout after
 which its whole process group is killed (rc 124).
 """
 
@@ -20,6 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_mars.admission.base import ToolStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +55,6 @@ class ToolResult:
     @property
     def duration_s(self) -> float:
         return self.end_ts - self.start_ts
-
-
-@dataclass(frozen=True)
-class ToolStats:
-    in_flight: int           # queued + running
-    workers: int | None      # None: unlimited (simulated tools do not queue)
-    ema_queue_wait_s: float | None
 
 
 def parse_cpu_list(spec: str | None) -> list[int]:
@@ -132,6 +130,22 @@ def detect_sandbox() -> str:
     return "none"
 
 
+def _port(p: object) -> int:
+    if isinstance(p, bool) or not isinstance(p, (int, str)) or not str(p).isdigit() or not 0 < int(p) < 65536:
+        raise ValueError(f"tool network allow-list: {p!r} is not a TCP port (1-65535)")
+    return int(p)
+
+
+def _strip_marker(err: bytes) -> str:
+    """The tool's stderr without the sandbox's ``MARS_SANDBOX {...}`` line."""
+    from vllm_mars.driver._sandbox_exec import MARKER
+
+    text = err.decode(errors="replace")
+    if text.startswith(MARKER):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+    return text
+
+
 def _safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", s)[:120] or "_"
 
@@ -146,7 +160,8 @@ class RealTools(_Plane):
     mode = "real"
 
     def __init__(self, clock: Callable[[], float], root: str | Path, cores: Sequence[int] | None = None,
-                 timeout_s: float = 300.0, sandbox: str = "auto", network: bool = False) -> None:
+                 timeout_s: float = 300.0, sandbox: str = "auto", network: bool = False,
+                 net_allow: Sequence[int] = (), read_paths: Sequence[str] | None = None) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ValueError(f"tool sandbox {sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
         cores = list(cores) if cores else sorted(os.sched_getaffinity(0))
@@ -161,9 +176,19 @@ class RealTools(_Plane):
         self.root.mkdir(parents=True, exist_ok=True)
         self.timeout_s = timeout_s
         self.network = network
+        self.net_allow = sorted({_port(p) for p in net_allow})
         self.sandbox = detect_sandbox() if sandbox == "auto" else sandbox
         if self.sandbox == "none":
             logger.warning("real tools run WITHOUT a sandbox (no usable bwrap or Landlock here)")
+        if self.sandbox == "bwrap" and self.net_allow and not network:
+            raise ValueError("bubblewrap cannot allow single ports; use --sandbox landlock for a port allow-list")
+        #: Extra read-only dirs: by default the Python environment, so tools can run python/pytest.
+        self.read_paths = [str(Path(p).resolve()) for p in (
+            read_paths if read_paths is not None else dict.fromkeys((sys.base_prefix, sys.prefix)))]
+        from vllm_mars.driver._sandbox_exec import SYSTEM_READ_DIRS, describe
+
+        self.protections = describe(self.sandbox, [str(self.root.resolve() / "<workflow>")],
+                                    [*SYSTEM_READ_DIRS, *self.read_paths], network, self.net_allow)
         self._free = asyncio.Queue()
         for c in cores:
             self._free.put_nowait(c)
@@ -194,6 +219,10 @@ class RealTools(_Plane):
     async def _exec(self, workflow: str, core: int, cmd: str) -> tuple[int, bool, str, str]:
         ws = self.workspace(workflow)
         argv = [sys.executable, "-I", _EXEC, "--cpus", str(core), "--workspace", str(ws), "--mode", self.sandbox]
+        for p in self.read_paths:
+            argv += ["--read", p]
+        for port in self.net_allow:
+            argv += ["--net-allow", str(port)]
         if self.network:
             argv.append("--net")
         argv += ["--", "bash", "-c", cmd]
@@ -207,11 +236,11 @@ class RealTools(_Plane):
         self._procs.add(proc)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
-            return proc.returncode or 0, False, out.decode(errors="replace"), err.decode(errors="replace")
+            return proc.returncode or 0, False, out.decode(errors="replace"), _strip_marker(err)
         except TimeoutError:
             self._kill(proc)
             out, err = await proc.communicate()
-            return 124, True, out.decode(errors="replace"), err.decode(errors="replace")
+            return 124, True, out.decode(errors="replace"), _strip_marker(err)
         finally:
             self._procs.discard(proc)
 
@@ -229,11 +258,11 @@ class RealTools(_Plane):
 
 def make_tool_plane(mode: str, clock: Callable[[], float], *, root: str | Path | None = None,
                     cores: Sequence[int] | None = None, timeout_s: float = 300.0,
-                    sandbox: str = "auto") -> SimulatedTools | RealTools:
+                    sandbox: str = "auto", net_allow: Sequence[int] = ()) -> SimulatedTools | RealTools:
     if mode == "simulated":
         return SimulatedTools(clock, len(cores) if cores else None)
     if mode == "real":
         if root is None:
             raise ValueError("real tools need a workspace root")
-        return RealTools(clock, root, cores, timeout_s, sandbox)
+        return RealTools(clock, root, cores, timeout_s, sandbox, net_allow=net_allow)
     raise ValueError(f"tool mode {mode!r} unknown; allowed: simulated, real")

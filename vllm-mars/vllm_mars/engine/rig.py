@@ -14,8 +14,11 @@ output of a step, and checks that nothing leaked.
 from __future__ import annotations
 
 import functools
+import queue
 import tempfile
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,11 @@ from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -74,6 +79,11 @@ class PrefixReusingHasher:
     def hint(self, request_id: str, tokens: Sequence[int], hashes: list) -> None:
         self._hints[request_id] = (tokens, hashes)
 
+    @staticmethod
+    def prefix_of(request: Request) -> tuple[Sequence[int], list]:
+        """(token ids, block hashes) of a finished request: the hint for the call that continues it."""
+        return request.all_token_ids, request.block_hashes
+
     def __call__(self, request: Request) -> list:
         hint = self._hints.pop(request.request_id, None)
         if (hint is None or request.block_hashes or request.lora_request is not None or request.mm_features
@@ -106,13 +116,16 @@ def enable_engine_core_env_cache() -> None:
 def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
                      block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
-                     long_prefill_token_threshold: int = 0, model_dir: str | None = None,
+                     long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
+                     async_scheduling: bool = False, model_dir: str | None = None,
                      kv_events: bool = False) -> VllmConfig:
-    """A VllmConfig over a config-only model dir (default: the tiny model's config.json).
+    """A VllmConfig over a config-only model dir (``model_dir``; default: the tiny model's config.json).
 
+    ``num_spec_tokens > 0`` adds an n-gram speculative config (no draft model); vLLM's Scheduler
+    reads it as ``vllm_config.num_speculative_tokens``. ``async_scheduling`` is set after the
+    platform hook (which turns it off on CPU), as vLLM would have decided it on GPU.
     ``kv_events=True`` turns on vLLM's KV cache events with the null publisher, as the in-process
-    backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals.
-    """
+    backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals."""
     model_config = ModelConfig(model=model_dir or config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -122,12 +135,21 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
         policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     mars = {"policy": policy, **dict(policy_options or {})}
+    spec = None
+    if num_spec_tokens:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
+                                 prompt_lookup_min=1, target_model_config=model_config,
+                                 target_parallel_config=ParallelConfig())
     kw: dict[str, Any] = {}
     if kv_events:
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                      cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
-                      additional_config={"mars": mars}, **kw)
+    cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                     cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
+                     speculative_config=spec, additional_config={"mars": mars}, **kw)
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    return cfg
 
 
 def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
@@ -135,18 +157,24 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
                    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                    policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
                    scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
+                   num_spec_tokens: int = 0, async_scheduling: bool | None = None,
                    model_dir: str | None = None, kv_events: bool = False, log_stats: bool = True) -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
+    ``async_scheduling`` is vLLM's engine decision (default: whether ``scheduler_cls`` is an
+    AsyncScheduler); MarsScheduler builds the variant that matches it.
     ``model_dir``/``kv_events``: see :func:`make_vllm_config`. No KV tensors exist: the pool is
     bookkeeping only, so its size costs no memory beyond one small Python object per block.
     """
+    if async_scheduling is None:
+        async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     vllm_config = make_vllm_config(
         policy=policy, policy_options=policy_options, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        long_prefill_token_threshold=long_prefill_token_threshold, model_dir=model_dir, kv_events=kv_events)
+        long_prefill_token_threshold=long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
+        async_scheduling=async_scheduling, model_dir=model_dir, kv_events=kv_events)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
                                                       head_size=64, dtype=torch.bfloat16))])
@@ -166,7 +194,8 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                  turn: int | None = None, last_step: bool | None = None, tool: str | None = None,
                  extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
                  seed: int | None = None, hash_name: str = DEFAULT_HASH, ignore_eos: bool = True,
-                 block_hasher: Callable[[Request], list] | None = None) -> Request:
+                 block_hasher: Callable[[Request], list] | None = None,
+                 stop_token_ids: Sequence[int] | None = None) -> Request:
     """A vLLM Request (``ignore_eos`` by default) with workflow metadata in ``extra_args``.
 
     Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
@@ -180,7 +209,8 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                        ("mars_turn", turn), ("mars_last_step", last_step), ("mars_tool", tool)):
         if value is not None:
             xargs[key] = value
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=xargs or None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=xargs or None,
+                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
     kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
                    pooling_params=None, priority=priority,
@@ -247,6 +277,12 @@ def abort_request(s: Scheduler, request_id: str) -> None:
         s.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
 
+def abort_all(s: Scheduler) -> None:
+    """Abort every request still in the scheduler."""
+    for rid in list(s.requests):
+        abort_request(s, rid)
+
+
 def step(s: Scheduler, token: int = 42):
     """schedule() + update_from_output() with a fake model. Returns (scheduler_output, outputs)."""
     so = s.schedule()
@@ -262,6 +298,78 @@ def run_to_completion(s: Scheduler, max_steps: int = 100_000) -> int:
         if n >= max_steps:
             raise RuntimeError(f"not finished after {max_steps} steps")
     return n
+
+
+class _FakeExecutor:
+    """The model executor calls EngineCore makes, answered at once with ``output_fn(s, so)``.
+
+    The output is computed when the step is launched (``execute_model``), as a GPU would, so a
+    later ``schedule()`` cannot change it; with tokens scheduled it is returned by ``sample_tokens``
+    (vLLM's async path), otherwise by ``execute_model``.
+    """
+
+    def __init__(self, s: Scheduler, output_fn: Callable[[Scheduler, Any], ModelRunnerOutput]) -> None:
+        self.s = s
+        self.output_fn = output_fn
+        self._pending: ModelRunnerOutput | None = None
+
+    @staticmethod
+    def _done(value: Any, non_block: bool) -> Any:
+        if not non_block:
+            return value
+        f: Future = Future()
+        f.set_result(value)
+        return f
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self._done(EMPTY_MODEL_RUNNER_OUTPUT, non_block)
+        self._pending = self.output_fn(self.s, scheduler_output)
+        return self._done(None, non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        out, self._pending = self._pending, None
+        return self._done(out, non_block)
+
+
+class RigEngineCore(EngineCore):
+    """vLLM's own ``EngineCore.step`` / ``step_with_batch_queue`` over a rig scheduler, no model.
+
+    ``EngineCore.__init__`` (executor, KV profiling) is deliberately skipped: only the members
+    those two methods read are set. ``depth`` is the number of steps in flight while the next one
+    is scheduled (``batch_queue_size = depth + 1``; vLLM's async scheduling runs depth 1).
+    Aborts put on ``aborts_queue`` land right before the next output is processed, as in vLLM.
+    """
+
+    def __init__(self, s: Scheduler, depth: int = 1,
+                 output_fn: Callable[[Scheduler, Any], ModelRunnerOutput] | None = None) -> None:
+        self.scheduler = s
+        self.vllm_config = s.vllm_config
+        self.log_stats = False
+        self.batch_queue_size = depth + 1
+        self.batch_queue = deque(maxlen=self.batch_queue_size)
+        self.model_executor = _FakeExecutor(s, output_fn or fake_model_output)
+        self.is_mm_encoder_only = False
+        self.is_pooling_model = False
+        self.check_for_draft_tokens = False
+        self.aborts_queue = queue.Queue()
+        self._weight_version = "default"
+
+    def in_flight_tokens(self) -> dict[str, int]:
+        """Tokens per request of the steps launched and not yet processed."""
+        out: dict[str, int] = {}
+        for _future, so, _exec in self.batch_queue:
+            for rid, n in so.num_scheduled_tokens.items():
+                out[rid] = out.get(rid, 0) + n
+        return out
+
+    def run_step(self) -> list[Any]:
+        """One engine-loop iteration (``step_with_batch_queue``); the EngineCoreOutput items."""
+        outputs, _ = self.step_with_batch_queue()
+        return [o for eco in (outputs or {}).values() for o in eco.outputs]
+
+    def busy(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
 
 def kv_block_accounting(s: Scheduler) -> dict[str, int]:

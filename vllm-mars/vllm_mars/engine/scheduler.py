@@ -1,9 +1,10 @@
 """MarsScheduler: vLLM's own Scheduler with a pluggable Policy applied at vLLM's seams.
 
 Select it with ``scheduler_cls="vllm_mars.engine.scheduler.MarsScheduler"`` (``--scheduler-cls``)
-and configure it with ``additional_config={"mars": {"policy": ...}}``. On GPU, where vLLM runs
-async scheduling, use ``AsyncMarsScheduler`` (a plain Scheduler subclass silently loses the
-async overlap there). ``schedule()`` itself is never copied; the policy acts through:
+and configure it with ``additional_config={"mars": {"policy": ...}}``. Where vLLM runs async
+scheduling (GPU by default) it builds ``AsyncMarsScheduler`` instead (a plain Scheduler subclass
+would silently lose the async overlap there). ``schedule()`` itself is never copied; the policy
+acts through:
 
 * order: ``self.running`` is sorted by the policy's ``running_key`` before each step and each
   request's ``priority`` set to its victim rank, with vLLM in PRIORITY mode, so vLLM's own
@@ -33,7 +34,7 @@ from vllm_mars.config import parse_engine_config
 from vllm_mars.engine.compat import check_vllm_version
 from vllm_mars.engine.retention import RetentionStore
 from vllm_mars.policies import CallView, make_policy
-from vllm_mars.workflow import WorkflowInfo, workflow_from_extra_args
+from vllm_mars.workflow import WorkflowInfo, short_id, workflow_from_extra_args
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,20 @@ ENV_SCHED_LOG = "MARS_SCHED_LOG"
 
 _RUNNING = RequestStatus.RUNNING
 _ABORTED = RequestStatus.FINISHED_ABORTED
+#: Bound of the set of workflows already warned about a malformed tag (cleared when full).
+_MAX_WARNED = 10_000
+
+
+def _untagged(request_id: str) -> WorkflowInfo:
+    """The workflow of a call served without (or despite) its tags: itself alone."""
+    return WorkflowInfo(request_id, request_id, last_step=True, tagged=False)
+
+
+def _safe_str(v: Any) -> str:
+    try:
+        return short_id(str(v))
+    except ValueError:
+        return f"<{type(v).__name__}>"
 
 
 class PolicyQueue(RequestQueue):
@@ -50,9 +65,11 @@ class PolicyQueue(RequestQueue):
 
     Kept in reverse order so the head pops from the end of the list. With a gate, the queue
     reports itself empty while the policy holds its head, which is how vLLM's waiting loop stops.
+    Otherwise it behaves like vLLM's own queues: ``len``, iteration and indexing (``q[0]`` is the
+    head, ``q[-1]`` the tail, slices too) all follow scheduling order, ``in`` finds a request.
     """
 
-    def __init__(self, owner: "MarsSchedulerMixin", gated: bool = False) -> None:
+    def __init__(self, owner: MarsSchedulerMixin, gated: bool = False) -> None:
         self._owner = owner
         self._items: list[Request] = []
         self._dirty = False
@@ -109,7 +126,16 @@ class PolicyQueue(RequestQueue):
         return len(self._items)
 
     def __iter__(self) -> Iterator[Request]:
-        return reversed(self._sorted())
+        return iter(self._sorted()[::-1])
+
+    def __getitem__(self, index: int | slice) -> Request | list[Request]:
+        return self._sorted()[::-1][index]
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._items
+
+    def __repr__(self) -> str:
+        return f"PolicyQueue({[r.request_id for r in self]!r}, gated={self._gated})"
 
 
 class _CountingPublisher:
@@ -161,6 +187,10 @@ class MarsSchedulerMixin:
         self.clock = MonotonicClock()
         policy = make_policy(cfg.policy, cfg.policy_options, self.clock)
         policy.check_platform(str(current_platform.device_type))
+        if policy.needs_kv_connector and self.connector is None:
+            raise ValueError(
+                f"policy {cfg.policy!r} needs a KV offloading connector and none is configured: start vLLM "
+                "with --kv-offloading-size <GiB> (mars: --engine-arg kv_offloading_size=<GiB>)")
         self.mars_policy = policy
         self._calls: dict[str, CallView] = {}
         self._seq = 0
@@ -183,7 +213,8 @@ class MarsSchedulerMixin:
             self._kv_events = self.kv_event_publisher = _CountingPublisher(self.kv_event_publisher)
         policy.bind(self)
         path = os.environ.get(ENV_SCHED_LOG)
-        self._sched_log = open(path, "a", buffering=1) if path else None
+        self._sched_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in shutdown()
+        self._warned: set[str] = set()
         logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
 
     # -- injectable clock -------------------------------------------------------------------------
@@ -221,6 +252,8 @@ class MarsSchedulerMixin:
 
     # -- seams ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Admit a request to the policy. Nothing a client sends raises out of here: a malformed
+        tag (or a policy that rejects the tagged call) makes it an untagged one-call workflow."""
         rid = request.request_id
         if rid not in self.requests:
             now = self.clock.now()
@@ -229,24 +262,43 @@ class MarsSchedulerMixin:
             wf = self._workflow_of(request)
             call = CallView(request, wf, now, self._seq)
             self._seq += 1
+            try:
+                self.mars_policy.on_arrival(call)
+            except Exception as e:  # a client value the policy cannot take
+                if not wf.tagged:
+                    raise
+                self._warn_bad_tag(request, wf.workflow, f"policy rejected the tags ({e!r})")
+                wf = _untagged(rid)
+                call = CallView(request, wf, now, call.seq)
+                self.mars_policy.on_arrival(call)
             self._calls[rid] = call
             if wf.workflow in self.retention:
                 self._returning[rid] = wf.workflow
-            self.mars_policy.on_arrival(call)
             if self._sched_log is not None:
                 self._log_event("arrive", call, prompt_tokens=request.num_prompt_tokens,
                                 extra_args=request.sampling_params.extra_args if request.sampling_params else None)
         super().add_request(request)
 
-    @staticmethod
-    def _workflow_of(request: Request) -> WorkflowInfo:
+    def _workflow_of(self, request: Request) -> WorkflowInfo:
         sp = request.sampling_params
+        extra = sp.extra_args if sp is not None else None
         try:
-            return workflow_from_extra_args(sp.extra_args if sp is not None else None, request.request_id)
-        except ValueError as e:
-            # A bad tag must not take the engine down: serve the call as a one-call workflow.
-            logger.warning("request %s: %s; serving it as a one-call workflow", request.request_id, e)
-            return WorkflowInfo(request.request_id, request.request_id, last_step=True, tagged=False)
+            return workflow_from_extra_args(extra, request.request_id)
+        except Exception as e:  # noqa: BLE001 - any bad tag: serve the call untagged
+            claimed = extra.get("mars_workflow") if isinstance(extra, dict) else None
+            self._warn_bad_tag(request, claimed if isinstance(claimed, str) else None, str(e))
+            return _untagged(request.request_id)
+
+    def _warn_bad_tag(self, request: Request, workflow: str | None, why: str) -> None:
+        """Log a malformed tag once per claimed workflow (once per request when none is claimed)."""
+        key = workflow if workflow is not None else request.request_id
+        if key in self._warned:
+            return
+        if len(self._warned) >= _MAX_WARNED:
+            self._warned.clear()
+        self._warned.add(key)
+        logger.warning("request %s (workflow %s): %s; serving it as an untagged one-call workflow",
+                       short_id(request.request_id), short_id(workflow), why)
 
     def schedule(self, throttle_prefills: bool = False):
         policy = self.mars_policy
@@ -297,14 +349,22 @@ class MarsSchedulerMixin:
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:
-        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        """The policy's chunk cap, then vLLM's own prefill-lookahead guard on the capped chunk.
+
+        Only prefill chunks are capped: a step with at most one known token left (a decode step,
+        with or without draft tokens) passes untouched, so speculative decoding keeps its
+        ``1 + num_spec_tokens`` rows. The cap comes first so that vLLM's guard (never end a chunk
+        within ``num_prefill_lookahead`` of the prefill end) sees the chunk that will run.
+        """
         policy = self.mars_policy
-        if policy.caps_chunks and n > 1:
-            n = max(0, min(n, policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, n)))
-        return n
+        if policy.caps_chunks and request.num_tokens - num_computed_tokens > 1 and num_new_tokens > 1:
+            cap = policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, num_new_tokens)
+            num_new_tokens = max(0, min(num_new_tokens, cap))
+        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
-        recomputed = request.num_computed_tokens
+        # Tokens of steps still in flight (async scheduling) were never computed: not recomputed work.
+        recomputed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
         super()._preempt_request(request, timestamp, drop_stale_output)
         self.mars_num_preemptions += 1
         self.mars_recomputed_tokens += recomputed
@@ -332,12 +392,28 @@ class MarsSchedulerMixin:
         super()._free_blocks(request)
 
     def _log_event(self, event: str, call: CallView, **fields: Any) -> None:
+        """One JSON line per arrival/end; ids are capped (:func:`short_id`) and a value that cannot be
+        written (e.g. an int beyond Python's str limit in extra_args) never fails the call."""
         wf = call.workflow
         rec = {"ts": self.clock.now(), "event": event, "policy": self.mars_config.policy,
-               "request_id": call.request_id,
-               "workflow": wf.workflow, "root": wf.root, "parent": wf.parent, "turn": wf.turn,
-               "last_step": wf.last_step, "tool": wf.tool, "tagged": wf.tagged, **fields}
-        self._sched_log.write(json.dumps(rec, default=str) + "\n")
+               "request_id": short_id(call.request_id),
+               "workflow": short_id(wf.workflow), "root": short_id(wf.root), "parent": short_id(wf.parent),
+               "turn": wf.turn, "last_step": wf.last_step, "tool": short_id(wf.tool), "tagged": wf.tagged,
+               **fields}
+        if isinstance(rec.get("extra_args"), dict):
+            rec["extra_args"] = {short_id(str(k)): short_id(v) for k, v in rec["extra_args"].items()}
+        try:
+            line = json.dumps(rec, default=str)
+        except (TypeError, ValueError):
+            rec["extra_args"] = "<not serialisable>"
+            line = json.dumps(rec, default=_safe_str)
+        self._sched_log.write(line + "\n")
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        log, self._sched_log = getattr(self, "_sched_log", None), None
+        if log is not None:
+            log.close()
 
     def _maybe_retain(self, request: Request, call: CallView) -> None:
         blocks = [b for group in self.kv_cache_manager.get_blocks(request.request_id).blocks
@@ -409,6 +485,14 @@ class MarsSchedulerMixin:
         pool._emit_block_removed_events = counting_emit
         self._kv_events = counter
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's reset, after dropping retained KV: a retained block is referenced, so vLLM's
+        reset (and every pause/sleep that clears caches) would fail while any is held."""
+        if self.retention:
+            self.release_retention()
+        self._returning.clear()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
+
     def release_retention(self, now: float | None = None) -> int:
         """Drop every retained entry (shutdown, tests). Returns the blocks released."""
         return self.retention.release_all(self.clock.now() if now is None else now)
@@ -434,20 +518,47 @@ class MarsSchedulerMixin:
         }
 
 
+def _chosen_class(named: type, async_scheduling: bool) -> type:
+    """The class vLLM should run for ``async_scheduling``: ours pick each other, subclasses stay."""
+    if named in (MarsScheduler, AsyncMarsScheduler):
+        return AsyncMarsScheduler if async_scheduling else MarsScheduler
+    return named
+
+
 class MarsScheduler(MarsSchedulerMixin, Scheduler):
-    """vLLM's synchronous Scheduler with a MARS policy (the CPU platform always uses this path)."""
+    """vLLM's Scheduler with a MARS policy; builds an :class:`AsyncMarsScheduler` when async is on.
+
+    vLLM decides ``scheduler_config.async_scheduling`` (VllmConfig's post-init, then the platform
+    hook: on by default on CUDA, always off on CPU) before the engine core constructs the
+    ``scheduler_cls``. Construction reads that decision, the way vLLM itself picks
+    ``AsyncScheduler`` when no class is named, so either class name gives the variant that
+    matches the engine: a synchronous scheduler under an async engine loses the overlap, and an
+    async one under a synchronous engine carries placeholders nobody drains.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MarsScheduler:  # noqa: PYI034 - may build the other class
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        target = _chosen_class(cls, bool(vllm_config.scheduler_config.async_scheduling))
+        obj = super().__new__(target)
+        if not isinstance(obj, cls):
+            # AsyncMarsScheduler named for a synchronous engine: Python skips __init__ here.
+            obj.__init__(*args, **kwargs)
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mars_init()
+        async_on = bool(self.scheduler_config.async_scheduling)
+        logger.info("%s built (async_scheduling=%s)", type(self).__name__, async_on)
+        if isinstance(self, AsyncScheduler) != async_on:
+            # Only a user subclass can get here (ours pick the matching variant in __new__).
+            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
+                           "variant (degraded performance or stale placeholders otherwise)",
+                           type(self).__name__, async_on)
 
 
-class AsyncMarsScheduler(MarsSchedulerMixin, AsyncScheduler):
-    """vLLM's AsyncScheduler with a MARS policy: use this on GPU, where async scheduling is on."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._mars_init()
+class AsyncMarsScheduler(MarsScheduler, AsyncScheduler):
+    """vLLM's AsyncScheduler with a MARS policy (what :class:`MarsScheduler` builds under async)."""
 
 
 # Policies read the live running state without importing vllm.

@@ -47,7 +47,7 @@ def series(events: Sequence[dict]) -> dict[str, Any]:
         elif ev == "kv_sample":
             kv_t.append(e["ts"])
             kv_u.append(e.get("kv_usage"))
-            total = e.get("num_blocks")
+            total = e.get("total_blocks", e.get("num_blocks"))  # num_blocks: runs before the one Telemetry
             ret.append((e["retained_blocks"] / total) if total and e.get("retained_blocks") is not None else None)
             act.append(e.get("active"))
             que.append(e.get("queued"))

@@ -168,6 +168,9 @@ class Policy:
     orders: ClassVar[bool] = False
     gates: ClassVar[bool] = False
     caps_chunks: ClassVar[bool] = False
+    #: True when the policy's decisions need vLLM's KV offloading connector (the engine refuses
+    #: to start without one, rather than silently dropping what the policy meant to swap).
+    needs_kv_connector: ClassVar[bool] = False
     retains: ClassVar[bool] = False
     tracks_service: ClassVar[bool] = False
     #: True when victim order is not simply the reverse of running order.
@@ -265,17 +268,12 @@ def config_fields(cls: type[Policy]) -> list[str]:
 
 def make_policy(name: str, options: Mapping[str, Any] | None = None, clock: Clock | None = None) -> Policy:
     """Build a policy from its name and its config options (unknown keys are a ValueError)."""
+    from vllm_mars.config import check_options  # config imports this package
+
     cls = get_policy_class(name)
-    options = dict(options or {})
-    known = config_fields(cls)
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {unknown} for policy {name!r}; "
-            f"valid keys: {', '.join(known) if known else '(none)'}"
-        )
     try:
-        config = cls.Config(**options)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"invalid config for policy {name!r}: {e}") from None
+        config = check_options(cls.Config, options, owner="config", context=f" for policy {name!r}")
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith("unknown") else f"invalid config for policy {name!r}: {msg}") from None
     return cls(config, clock)

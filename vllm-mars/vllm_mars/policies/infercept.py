@@ -37,8 +37,11 @@ Our choices where the paper is open
   (``waste_discard - mean_gap * C``) is released first.
 * The preview halves the discard waste (``/ 2``); the paper does not, and neither do we.
 
-``infercept_swap`` swaps to host memory through vLLM's CPU KV offloading (start the engine with
-``--kv-offloading-size <GiB>``, backend ``native`` or ``lmcache``). With the connector on, every
+``infercept_swap`` swaps to host memory through vLLM's native CPU KV offloading connector: start
+the engine with ``--kv-offloading-size <GiB>`` (``mars replay|compare|serve --engine-arg
+kv_offloading_size=<GiB>``); without a connector the scheduler refuses to start. (vLLM's
+``lmcache`` offloading backend needs a separate LMCache server and package; it is not tested
+here.) With the connector on, every
 computed block also has a host copy, so "swap" and "discard" are the same engine action (free the
 GPU blocks now; the next turn loads what the host tier still holds); the swap option changes the
 decision by making preservation worth less. On the CPU build it refuses to start.
@@ -210,6 +213,7 @@ class InferceptSwapPolicy(InferceptPolicy):
     name = "infercept_swap"
     Config = InferceptSwapConfig
     swap = True
+    needs_kv_connector = True
 
     def check_platform(self, platform: str) -> None:
         if platform == "cpu":

@@ -141,6 +141,7 @@ class SimBackend:
         loop = self._loop
         profile = self.profile
         block_size = self.profile.block_size
+        advance = loop.advance_if_idle
         try:
             while True:
                 if self._aborts:
@@ -173,7 +174,8 @@ class SimBackend:
                                            f"non-empty batch")
                     self.steps += 1
                     self.busy_s += dt
-                    await asyncio.sleep(dt)
+                    if not advance(dt):  # others run during the step: sleep through the loop
+                        await asyncio.sleep(dt)
                     outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
                 else:
                     outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
@@ -212,8 +214,7 @@ class SimBackend:
                 if call.last_step:
                     self._prefix.pop(call.workflow, None)
                 else:
-                    r = call.request
-                    self._prefix[call.workflow] = (r.all_token_ids, r.block_hashes)
+                    self._prefix[call.workflow] = self._hasher.prefix_of(call.request)
             if not call.future.done():
                 call.future.set_result(CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now,
                                                   o.finish_reason))
@@ -254,7 +255,7 @@ class SimBackend:
 
     async def close(self) -> None:
         """Stop the engine, release retention, and check that nothing leaked (raises if it did)."""
-        from vllm_mars.engine.rig import abort_request, assert_no_leaks
+        from vllm_mars.engine.rig import abort_all, assert_no_leaks
 
         if self._task is not None:
             self._task.cancel()
@@ -266,9 +267,7 @@ class SimBackend:
         s = self.scheduler
         if s is None:
             return
-        left = [rid for rid in s.requests]
-        for rid in left:  # a cancelled run: abort what is still in flight, as a client disconnect would
-            abort_request(s, rid)
+        abort_all(s)  # a cancelled run: abort what is still in flight, as a client disconnect would
         s.release_retention()
         self._stats = s.mars_stats()
         try:

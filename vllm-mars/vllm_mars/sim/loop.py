@@ -42,7 +42,7 @@ class _VirtualSelector(selectors.DefaultSelector):
         if timeout is None:
             # No timer at all: only another thread can wake the loop (as on a real loop).
             return super().select(None)
-        self.loop._advance(timeout)
+        self.loop._jump_to_next_timer(timeout)
         return events
 
 
@@ -61,9 +61,28 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._virtual_now
 
-    def _advance(self, dt: float) -> None:
-        if dt > 0:
-            self._virtual_now += dt
+    def _jump_to_next_timer(self, timeout: float) -> None:
+        # asyncio pops cancelled timers off the heap before it selects, so the head is live; jump
+        # exactly to its deadline (timeout was computed from it and may be clamped to a day).
+        scheduled = self._scheduled
+        target = scheduled[0]._when if scheduled else self._virtual_now + timeout
+        self._virtual_now = max(self._virtual_now, target)
+
+    def advance_if_idle(self, dt: float) -> bool:
+        """Advance the clock by ``dt`` now if nothing would run before then: no callback ready, no
+        timer due by then, no I/O. Returns False (clock untouched) otherwise.
+
+        ``await asyncio.sleep(dt)`` in that situation reaches the same instant with the same float
+        value (``time() + dt``) after a trip through the loop; the simulated engine uses this to
+        skip the trip for consecutive steps while the rest of the run sleeps.
+        """
+        t = self._virtual_now + dt
+        if self._ready or (self._scheduled and self._scheduled[0]._when <= t):
+            return False
+        if self._selector.get_map() and super(_VirtualSelector, self._selector).select(0):
+            return False
+        self._virtual_now = t
+        return True
 
 
 class LoopClock:

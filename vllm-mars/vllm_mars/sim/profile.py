@@ -11,8 +11,8 @@ read from a config-only Hugging Face model dir, and a few efficiency coefficient
 - :meth:`Profile.kv_capacity_tokens`: the KV pool vLLM would allocate:
   ``(memory x gpu_memory_utilization - weights - activation reserve) / KV bytes per token``.
 
-Files: TOML or JSON with the sections of :data:`_SCHEMA`; the shipped ones live in ``profiles/``
-beside this module (``available_profiles()``). No vllm or torch import. Formulas and sources:
+Files: TOML or JSON with the fields of :data:`_TOP` and the tables of :data:`_SECTIONS`; the shipped
+ones live in ``profiles/`` beside this module (``available_profiles()``). No vllm or torch import. Formulas and sources:
 docs/sim.md.
 """
 

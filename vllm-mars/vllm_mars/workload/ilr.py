@@ -99,13 +99,11 @@ FIELDS = {f.name: f for f in dataclasses.fields(IlrConfig)}
 
 def config_from_mapping(raw: dict[str, Any], where: str = "<preset>") -> IlrConfig:
     """Build an IlrConfig from a TOML/JSON mapping; unknown keys are an error naming the valid ones."""
-    unknown = sorted(set(raw) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(FIELDS)}")
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    from vllm_mars.config import check_options
+
     try:
-        return IlrConfig(**kw)
-    except (TypeError, ValueError) as e:
+        return check_options(IlrConfig, raw, convert_lists=True)
+    except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
 

@@ -170,6 +170,8 @@ def parse_action(text: str) -> Action | ParseFailure:
         obj = json.loads(blob)
     except json.JSONDecodeError as e:
         return ParseFailure(f"invalid JSON: {e.msg}", blob[:200])
+    except RecursionError:
+        return ParseFailure("JSON nested too deeply", blob[:200])
     if not isinstance(obj, dict):
         return ParseFailure("not a JSON object", blob[:200])
     kind = obj.get("action") or ("tool" if "tool" in obj else "final")

@@ -152,6 +152,21 @@ def materialize_all(workflows: list[Workflow], vocab_size: int = 4096, seed: int
     return [materialize(wf, tokens) for wf in workflows]
 
 
-def load_plans(path: str | Path, vocab_size: int = 4096, seed: int = 0) -> list[WorkflowPlan]:
-    """Load a schema-v1 JSONL workload (errors name file, line, field) and materialize token ids."""
-    return materialize_all(load_workload(path), vocab_size=vocab_size, seed=seed)
+def check_context(path: str | Path, workflows: list[Workflow], max_model_len: int) -> None:
+    """Every call of every workflow must fit ``max_model_len`` (checked before any id is drawn)."""
+    for root in workflows:
+        for w in root.walk():
+            need = w.final_prompt_tokens() + w.turns[-1].output_tokens
+            if need > max_model_len:
+                raise ValueError(f"{path}: workflow {w.workflow_id!r} reaches {need} tokens of context, above "
+                                 f"max_model_len={max_model_len}; raise --max-model-len or scale the workload down")
+
+
+def load_plans(path: str | Path, vocab_size: int = 4096, seed: int = 0,
+               max_model_len: int | None = None) -> list[WorkflowPlan]:
+    """Load a schema-v1 JSONL workload (errors name file, line, field) and materialize token ids;
+    with ``max_model_len``, a workflow that cannot fit is an error before anything is materialised."""
+    workflows = load_workload(path)
+    if max_model_len is not None:
+        check_context(path, workflows, max_model_len)
+    return materialize_all(workflows, vocab_size=vocab_size, seed=seed)

@@ -34,6 +34,13 @@ from pydantic_core import PydanticCustomError
 SCHEMA_V1 = "mars_workload_v1"
 #: The preview's live-agent task format (read by :mod:`vllm_mars.workload.mas_task`).
 MAS_TASK_V1 = "mas_task_v1"
+#: Sanity bounds, checked before anything is materialised: a token count above MAX_TOKENS, a tool
+#: time above MAX_TOOL_S (one day), an arrival beyond MAX_ARRIVAL_S or children nested deeper than
+#: MAX_DEPTH is a typo or an attack, not a workload.
+MAX_TOKENS = 1 << 24
+MAX_TOOL_S = 86_400.0
+MAX_ARRIVAL_S = 1e7
+MAX_DEPTH = 32
 
 
 class WorkloadError(ValueError):
@@ -57,7 +64,7 @@ class _Strict(BaseModel):
 class Segment(_Strict):
     """A run of prompt tokens. Same ``key`` (and token count) -> same token ids everywhere."""
 
-    tokens: int = Field(ge=1, description="number of tokens in the segment")
+    tokens: int = Field(ge=1, le=MAX_TOKENS, description="number of tokens in the segment")
     key: str | None = Field(default=None, min_length=1,
                             description="sharing key; None makes the segment unique to its workflow")
 
@@ -65,10 +72,12 @@ class Segment(_Strict):
 class Turn(_Strict):
     """One LLM call of a workflow and the tool that runs after it."""
 
-    append_tokens: int = Field(default=0, ge=0,
+    append_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS,
                                description="tool-output tokens appended before this call (0 on turn 0)")
-    output_tokens: int = Field(ge=1, description="tokens this call generates (ignore_eos, max_tokens)")
-    tool_s: float = Field(default=0.0, ge=0.0, description="simulated tool time after this call, s")
+    output_tokens: int = Field(ge=1, le=MAX_TOKENS,
+                               description="tokens this call generates (ignore_eos, max_tokens)")
+    tool_s: float = Field(default=0.0, ge=0.0, le=MAX_TOOL_S, allow_inf_nan=False,
+                          description="simulated tool time after this call, s")
     tool: str | None = Field(default=None, description="name of the tool called after this call")
     tool_cmd: str | None = Field(default=None, description="shell command for real tool execution")
 
@@ -77,10 +86,10 @@ class Workflow(_Strict):
     """A workflow (root session or child sub-agent)."""
 
     workflow_id: str = Field(min_length=1)
-    arrival_s: float | None = Field(default=None, ge=0.0,
+    arrival_s: float | None = Field(default=None, ge=0.0, le=MAX_ARRIVAL_S, allow_inf_nan=False,
                                     description="offset from the run start; None lets the driver decide")
     prefix: list[Segment] = Field(default_factory=list, description="shared prompt segments, in order")
-    prompt_tokens: int = Field(default=0, ge=0, description="task-specific tokens after the prefix")
+    prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS, description="task-specific tokens after the prefix")
     turns: list[Turn] = Field(min_length=1)
     children: list[Child] = Field(default_factory=list)
     source: str | None = Field(default=None, description="where the workflow came from (preset, trace)")
@@ -180,19 +189,43 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such workload file")
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
-            s = raw.strip()
+            try:
+                s = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise WorkloadError(path, lineno, None, f"invalid UTF-8 at byte {e.start} of the line") from None
             if not s or s.startswith("#"):
                 continue
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise WorkloadError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}") from None
+            obj = load_json(s, path, lineno)
             if not isinstance(obj, dict):
                 raise WorkloadError(path, lineno, None,
                                     f"each line must be a JSON object, got {type(obj).__name__}")
             yield lineno, obj
+
+
+def load_json(text: str, path: str | Path, line: int | None = None) -> Any:
+    """``json.loads`` whose every failure (syntax, nesting deeper than Python recurses) is a
+    WorkloadError naming file and line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(path, line if line is not None else e.lineno, None,
+                            f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise WorkloadError(path, line, None, "JSON nested too deeply") from None
+
+
+def _depth(obj: dict[str, Any]) -> int:
+    """How deep ``children`` nest below ``obj`` (iterative: safe on hostile input)."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        kids = node.get("children") if isinstance(node, dict) else None
+        if isinstance(kids, list) and d <= MAX_DEPTH:
+            stack.extend((c.get("workflow"), d + 1) for c in kids if isinstance(c, dict))
+    return deepest
 
 
 def parse_line(obj: dict[str, Any], path: str | Path = "<memory>", line: int | None = None) -> WorkloadLine:
@@ -207,6 +240,8 @@ def parse_line(obj: dict[str, Any], path: str | Path = "<memory>", line: int | N
     if schema != SCHEMA_V1:
         raise WorkloadError(path, line, "schema",
                             f"unsupported schema {schema!r}; allowed: {SCHEMA_V1!r}, {MAS_TASK_V1!r}")
+    if _depth(obj) > MAX_DEPTH:
+        raise WorkloadError(path, line, "children", f"sub-agents nested more than {MAX_DEPTH} levels deep")
     try:
         return WorkloadLine.model_validate(obj)
     except ValidationError as e:

@@ -21,9 +21,12 @@ Errors name the file, the line and the column.
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
-from vllm_mars.workload.schema import Segment, Turn, Workflow, WorkloadError
+from pydantic import ValidationError
+
+from vllm_mars.workload.schema import Segment, Turn, Workflow, WorkloadError, error_from_validation
 
 REQUIRED = ("arrival_time", "round_idx", "prefix_len", "input_len", "output_len", "tool_wait_after_ms")
 ID_COLUMNS = ("session_id", "id")
@@ -33,11 +36,14 @@ def _num(path: Path, line: int, col: str, raw: str | None, kind: type, minimum: 
     if raw is None or raw.strip() == "":
         raise WorkloadError(path, line, col, "missing value")
     try:
-        v = kind(float(raw)) if kind is int else kind(raw)
+        f = float(raw)
     except ValueError:
-        raise WorkloadError(path, line, col, f"expected a number, got {raw!r}") from None
-    if kind is int and float(raw) != int(float(raw)):
+        raise WorkloadError(path, line, col, f"expected a number, got {raw[:40]!r}") from None
+    if not math.isfinite(f) or abs(f) > 1e15:
+        raise WorkloadError(path, line, col, f"expected a finite number, got {raw[:40]!r}")
+    if kind is int and f != int(f):
         raise WorkloadError(path, line, col, f"expected an integer, got {raw!r}")
+    v = int(f) if kind is int else f
     if v < minimum:
         raise WorkloadError(path, line, col, f"must be >= {minimum}, got {raw!r}")
     return v
@@ -46,6 +52,15 @@ def _num(path: Path, line: int, col: str, raw: str | None, kind: type, minimum: 
 def convert_csv(path: str | Path, scale: float = 1.0, shared_first_prefix: bool = True) -> list[Workflow]:
     """Every session of a TraceLab CSV as a root workflow, in order of first appearance."""
     path = Path(path)
+    try:
+        return _convert_csv(path, scale, shared_first_prefix)
+    except UnicodeDecodeError as e:
+        raise WorkloadError(path, None, None, f"invalid UTF-8 at byte {e.start} of a block") from None
+    except ValidationError as e:
+        raise error_from_validation(path, None, e) from None
+
+
+def _convert_csv(path: Path, scale: float, shared_first_prefix: bool) -> list[Workflow]:
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     if not path.is_file():

@@ -27,11 +27,25 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.workload.schema import Child, Segment, Turn, Workflow, WorkloadError
+from pydantic import ValidationError
+
+from vllm_mars.workload.schema import (
+    MAX_DEPTH,
+    MAX_TOKENS,
+    MAX_TOOL_S,
+    Child,
+    Segment,
+    Turn,
+    Workflow,
+    WorkloadError,
+    error_from_validation,
+    load_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +67,44 @@ def _need(r: dict[str, Any], key: str, path: Path, where: str) -> Any:
     if key not in r:
         raise WorkloadError(path, None, f"{where}.{key}", "missing")
     return r[key]
+
+
+def _num(r: dict[str, Any], key: str, path: Path, where: str, default: float | None = None) -> float:
+    """A finite, non-negative number field (``default`` when absent or null, if given)."""
+    v = r.get(key)
+    if v is None:
+        if default is not None:
+            return default
+        raise WorkloadError(path, None, f"{where}.{key}".lstrip("."),
+                            "missing" if key not in r else "must be a number, got null")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or v > 1e15:
+        raise WorkloadError(path, None, f"{where}.{key}".lstrip("."),
+                            f"must be a finite number >= 0, got {str(v)[:40]!r}")
+    return v
+
+
+def _check_requests(requests: Any, path: Path, where: str, depth: int = 0) -> None:
+    """Shape and types of a session's requests (and its sub-agents'), before anything is converted."""
+    if not isinstance(requests, list):
+        raise WorkloadError(path, None, where, f"must be a list, got {type(requests).__name__}")
+    if depth > MAX_DEPTH:
+        raise WorkloadError(path, None, where, f"sub-agents nested more than {MAX_DEPTH} levels deep")
+    for i, r in enumerate(requests):
+        at = f"{where}[{i}]"
+        if not isinstance(r, dict):
+            raise WorkloadError(path, None, at, f"must be an object, got {type(r).__name__}")
+        _num(r, "t", path, at)
+        if r.get("type") == "subagent":
+            _num(r, "duration_ms", path, at, default=0.0)
+            if r.get("requests"):
+                _check_requests(r["requests"], path, f"{at}.requests", depth + 1)
+            continue
+        for key in ("in", "out"):
+            _num(r, key, path, at)
+        _num(r, "api_time", path, at, default=0.0)
+        hashes = r.get("hash_ids", [])
+        if not isinstance(hashes, list) or len(hashes) > MAX_TOKENS:
+            raise WorkloadError(path, None, f"{at}.hash_ids", "must be a list of block ids")
 
 
 def _convert_session(path: Path, trace_id: str, wid: str, requests: list[dict[str, Any]],
@@ -114,17 +166,24 @@ def _convert_session(path: Path, trace_id: str, wid: str, requests: list[dict[st
 def convert_trace(path: str | Path, scale: float = 1.0, max_tool_s: float = DEFAULT_MAX_TOOL_S) -> Workflow:
     """One trace file as one root workflow (sub-agents as children)."""
     path = Path(path)
-    if scale <= 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if not (math.isfinite(max_tool_s) and 0 <= max_tool_s <= MAX_TOOL_S):
+        raise ValueError(f"max_tool_s must be in [0, {MAX_TOOL_S:g}], got {max_tool_s}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise WorkloadError(path, e.lineno, None, f"invalid JSON: {e.msg}") from None
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkloadError(path, None, None, f"invalid UTF-8 at byte {e.start}") from None
+    data = load_json(text, path)
     if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
         raise WorkloadError(path, None, "requests", "expected a JSON object with a 'requests' list")
+    _check_requests(data["requests"], path, "requests")
     trace_id = str(data.get("id") or path.stem)
-    block = int(data.get("block_size") or TRACE_BLOCK_SIZE)
-    return _convert_session(path, trace_id, trace_id, data["requests"], block, scale, max_tool_s, "requests")
+    block = int(_num(data, "block_size", path, "", default=TRACE_BLOCK_SIZE) or TRACE_BLOCK_SIZE)
+    try:
+        return _convert_session(path, trace_id, trace_id, data["requests"], block, scale, max_tool_s, "requests")
+    except ValidationError as e:
+        raise error_from_validation(path, None, e) from None
 
 
 def trace_files(src: str | Path) -> list[Path]:

@@ -1,0 +1,253 @@
+"""One proxied call, from the client's body to the backend's answer (the sidecar's data path).
+
+* :func:`read_body`: the request body, bounded in size (413) and in time between chunks (408).
+* :func:`parse_call`: JSON object, identity and a body that can be re-encoded (lone surrogates,
+  out-of-range numbers in the ``mars_*`` keys: 400, never a 500).
+* :class:`Forwarder`: sends an admitted call to its root's backend and answers the client.
+  Statuses outside 200-599 from upstream become 502. A non-streaming answer is read whole before
+  the client sees its status, so a body cut off upstream is a 502, never a truncated 200. A
+  streaming (SSE) answer is passed through chunk by chunk; cut off mid-stream it ends with an SSE
+  ``error`` event. A call is resent only when its backend provably never got it (the connection
+  could not be made): it then waits up to ``backend_wait_s`` for a live backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm_mars.admission.identity import Identity, identify
+from vllm_mars.admission.placement import Backend, Placement
+from vllm_mars.admission.roots import RootState
+from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
+
+logger = logging.getLogger(__name__)
+
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding",
+        b"date", b"server"}
+_DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", b"accept-encoding",
+            b"expect", b"upgrade"}
+#: the largest token count a client may claim (``mars_prefill_tokens``); larger is a 400
+MAX_CLAIMED_TOKENS = 1 << 31
+#: the longest workflow / root / parent / tool id accepted (ids are kept per workflow and logged)
+MAX_ID_CHARS = 1024
+
+
+class HTTPError(Exception):
+    """Answer the client with ``status`` and a JSON error body."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or []
+
+
+class Unreachable(Exception):
+    """The backend could not be reached; nothing was sent to it or to the client."""
+
+
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          408: "RequestTimeout", 409: "Conflict", 413: "RequestTooLarge", 502: "BadGateway",
+          503: "ServiceUnavailable"}
+
+
+def err_body(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": _KINDS.get(status, "Error"), "code": status}}).encode()
+
+
+async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float) -> bytes:
+    """The whole request body; 413 over ``limit`` bytes, 408 when no chunk comes for ``timeout_s``,
+    CancelledError when the client disconnects."""
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            try:
+                n = int(v)
+            except ValueError:
+                raise HTTPError(400, "bad Content-Length") from None
+            if n > limit:
+                raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    while True:
+        try:
+            msg = await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError:
+            raise HTTPError(408, f"request body not received within {timeout_s} s") from None
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
+    """The JSON body and the call's identity; HTTPError(400) naming the problem."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise HTTPError(400, "request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if b"\\ud" in raw or b"\\uD" in raw:  # a \uXXXX surrogate escape: is every one paired?
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise HTTPError(400, f"request body has an unpaired UTF-16 surrogate ({e.reason})") from None
+    try:
+        ident = identify(headers, body)
+    except (ValueError, OverflowError, TypeError) as e:
+        msg = str(e) if isinstance(e, ValueError) else f"a mars_* value is out of range: {e}"
+        raise HTTPError(400, msg) from None
+    for what, v in (("workflow", ident.workflow), ("root", ident.root), ("parent", ident.parent),
+                    ("tool", ident.tool)):
+        if v is not None and len(v) > MAX_ID_CHARS:
+            raise HTTPError(400, f"the {what} id is {len(v)} characters; at most {MAX_ID_CHARS}")
+    if ident.prefill_tokens is not None and ident.prefill_tokens > MAX_CLAIMED_TOKENS:
+        raise HTTPError(400, f"mars_prefill_tokens = {ident.prefill_tokens}: must be <= {MAX_CLAIMED_TOKENS}")
+    if ident.turn is not None and ident.turn > MAX_CLAIMED_TOKENS:
+        raise HTTPError(400, f"mars_turn = {ident.turn}: must be <= {MAX_CLAIMED_TOKENS}")
+    return body, ident
+
+
+def down_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k not in _HOP]
+
+
+def upstream_headers(scope: dict, strip_auth: bool, backend_api_key: str | None) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in scope["headers"]
+           if k not in _DROP_UP and k != b"content-type" and not (strip_auth and k == b"authorization")]
+    if backend_api_key:
+        out.append((b"authorization", b"Bearer " + backend_api_key.encode()))
+    out.append((b"content-type", b"application/json"))
+    return out
+
+
+class Forwarder:
+    """Sends admitted calls upstream (see the module docstring)."""
+
+    def __init__(self, config: Any, placement: Placement, counters: dict[str, int],
+                 backend_failed: Callable[[Backend, str], None], end_root: Callable[[str], Any],
+                 still_current: Callable[[RootState], bool], up_event: Callable[[], asyncio.Event]) -> None:
+        self.config = config
+        self.placement = placement
+        self.counters = counters
+        self._backend_failed = backend_failed
+        self._end_root = end_root
+        self._still_current = still_current
+        self._up_event = up_event
+
+    def _retry_after(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.config.retry_after_s).encode())]
+
+    async def forward_with_wait(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+                                send: Any) -> bool:
+        """Forward; when the root's backend cannot be connected to (nothing was sent), mark it
+        down, wait up to ``backend_wait_s`` for a live backend (the root keeps its slot) and retry
+        there. True when the answer was a success."""
+        deadline = time.monotonic() + self.config.backend_wait_s
+        while True:
+            try:
+                return await self.forward(r, path, body, headers, send)
+            except Unreachable as e:
+                b = r.backend
+                self._backend_failed(b, str(e))
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._still_current(r):
+                    self._end_root(r.root)
+                    raise HTTPError(503, f"backend unreachable: {e}", self._retry_after()) from None
+                logger.warning("backend %s unreachable for workflow %s; waiting for a live backend", b.url, r.root)
+                try:
+                    await asyncio.wait_for(self._up_event().wait(), left)
+                except TimeoutError:
+                    continue
+                self.placement.release(r.root, b)
+                r.backend = self.placement.place(r.root)
+
+    async def forward(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+                      send: Any) -> bool:
+        """Send the call to the root's backend and answer the client. True on success."""
+        b: Backend = r.backend
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        try:
+            resp = await b.pool.request("POST", path, headers, data)
+        except UpstreamUnreachable as e:
+            raise Unreachable(str(e)) from None
+        except UpstreamBroken as e:
+            return self._broken(r, b, str(e), started=False)
+        if not 200 <= resp.status <= 599:
+            resp.close()
+            self.counters["upstream_errors"] += 1
+            raise HTTPError(502, f"backend {b.url} answered with HTTP status {resp.status}")
+        if not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return await self._whole(r, b, resp, send)
+        return await self._stream(r, b, resp, send)
+
+    def _note_tokens(self, r: RootState, tail: bytes) -> None:
+        # usage sits at the end of a response (and in the last SSE event with include_usage)
+        if b'"total_tokens"' in tail:
+            m = _TOTAL_TOKENS.findall(tail)
+            if m:
+                r.tokens = max(r.tokens, int(m[-1]))
+
+    async def _whole(self, r: RootState, b: Backend, resp: Any, send: Any) -> bool:
+        try:
+            payload = b"".join([c async for c in resp.chunks(self.config.read_timeout_s)])
+        except UpstreamBroken as e:
+            resp.close()
+            return self._broken(r, b, str(e), started=False)
+        resp.release()
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": [*down_headers(resp.headers), (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+        self._note_tokens(r, payload[-4096:])
+        return resp.status < 400
+
+    async def _stream(self, r: RootState, b: Backend, resp: Any, send: Any) -> bool:
+        done = False
+        try:
+            await send({"type": "http.response.start", "status": resp.status, "headers": down_headers(resp.headers)})
+            prev = last = b""
+            try:
+                async for chunk in resp.chunks(self.config.read_timeout_s):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    prev, last = last, chunk
+            except UpstreamBroken as e:
+                self._broken(r, b, str(e), started=True)
+                err = err_body(502, f"backend {b.url} failed mid-stream: {e}")
+                await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                return False
+            await send({"type": "http.response.body", "body": b""})
+            done = True
+            self._note_tokens(r, prev[-2048:] + last[-2048:])
+            return resp.status < 400
+        finally:
+            if done:
+                resp.release()  # back to the pool
+            else:
+                resp.close()  # drop the connection: vLLM aborts the request
+
+    def _broken(self, r: RootState, b: Backend, msg: str, *, started: bool) -> bool:
+        """The request reached the backend and the answer failed: never resent. The backend counts
+        as down until its next good poll, and the root ends (its KV may be gone with the engine;
+        its next call queues anew)."""
+        self.counters["upstream_errors"] += 1
+        logger.warning("backend %s failed %s for workflow %s: %s", b.url,
+                       "mid-response" if started else "before answering", r.root, msg)
+        self._backend_failed(b, msg)
+        self._end_root(r.root)
+        if not started:
+            raise HTTPError(502, f"backend {b.url} failed: {msg}")
+        return False
