@@ -195,12 +195,13 @@ def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[
             ax.set_title(w.name)
             ax.set_xlabel("arrival rate (roots/s)")
             ax.set_ylabel(label)
-            if logy:
-                from matplotlib.ticker import NullFormatter, ScalarFormatter
+            ys = [y for line in ax.get_lines() for y in line.get_ydata() if y and y > 0]
+            if logy and ys and max(ys) > 3 * min(ys):  # log only where it spans a wide range
+                from matplotlib.ticker import ScalarFormatter
 
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(ScalarFormatter())
-                ax.yaxis.set_minor_formatter(NullFormatter())
+                ax.yaxis.set_minor_formatter(ScalarFormatter())
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize="x-small", loc="best")
         files.append(_save(fig, out / fname, plt))
