@@ -357,6 +357,72 @@ def test_none_controller_admits_everything():
     assert c.num_active == 49
 
 
+# -- MARS: cost-aware admission --------------------------------------------------------------------
+def _cost_scenario(cost, admit="cost"):
+    """Two active roots (one finished after 4 s, so a root's active time is known); a 48-block pool
+    with the budget spent; three more roots of 10 blocks each wait. Returns the ones admitted."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=8, admit=admit)
+    if cost is not None:
+        c.set_cost_model(CostModel(prefill_s_per_token=cost, source="test"))
+    c.observe(tel(0, free=48, total=48, bs=32))
+    for i in range(3):
+        offer(c, f"a{i}", tokens=32 * 10)
+    first = c.tick(0.0)
+    c.finish(first[0], 4.0)
+    c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    for i in range(3):
+        offer(c, f"q{i}", t=4.0, tokens=32 * 10)
+    return first, c.tick(4.0), c
+
+
+def test_cost_admission_is_work_conserving_when_rebuilds_are_cheap():
+    # CPU tiny model: 7e-6 s/token, a 320-token overflow rebuilds in 2 ms per turn: far below the
+    # ~2 s a queued root would wait for a slot. Every waiting root goes in.
+    first, admitted, c = _cost_scenario(7e-6)
+    assert len(first) == 3  # the window starts at window_max with a cost model (fits: 30 blocks)
+    assert admitted == ["q0", "q1", "q2"], admitted
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["mode"] == "cost_overflow"]
+    assert ev and ev[0].data["expected_rebuild_s"] < ev[0].data["expected_queue_s"]
+    # Off (the footprint rules, mars-no-cost-admission): the same roots wait for the budget.
+    _, held, _ = _cost_scenario(7e-6, admit="footprint")
+    assert held == [], held
+
+
+def test_cost_admission_holds_roots_when_rebuilds_are_expensive():
+    # 2e-3 s/token: the same overflow costs 0.64 s per turn per stalled call, above the wait.
+    _, admitted, _ = _cost_scenario(2e-3)
+    assert admitted == []
+
+
+def test_cost_admission_without_a_model_says_so_and_uses_footprints():
+    _, admitted, c = _cost_scenario(None)
+    assert admitted == []
+    kinds = [e for e in c.take_events() if e.event == "admission_cost_model"]
+    assert kinds and kinds[0].data["rule"] == "footprint" and kinds[0].data["calibrated"] is False
+
+
+def test_cost_rule_window_shrinks_on_measured_rebuilds_only():
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=10, interval_s=0.2)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-4, source="test"))
+    assert c.window == 10
+    # Full KV, no rebuilds: the window stays open (KV usage alone is no pressure).
+    for k in range(5):
+        c.observe(Telemetry(ts=k * 0.2, free_blocks=0, total_blocks=100, block_size=16,
+                            recomputed_tokens=0, kv_blocks_removed=0))
+        c.tick(k * 0.2)
+    assert c.limit() == 10
+    # Rebuilding 4000 tokens per 0.2 s at 1e-4 s/token = 2 engine-seconds per second: thrashing.
+    for k in range(5, 10):
+        c.observe(Telemetry(ts=k * 0.2, free_blocks=0, total_blocks=100, block_size=16,
+                            recomputed_tokens=4000 * (k - 4), kv_blocks_removed=0))
+        c.tick(k * 0.2)
+    assert c.window < 10 and c.limit() < 10
+
 def test_registry_a_controller_is_only_its_rules_and_bool_options_work():
     """A controller registered with the decorator gets the queue, active set, events, promises and
     option validation from the base; bool options can be set (before: 'must be bool' for True)."""

@@ -37,10 +37,23 @@ def test_engine_config_reads_additional_config_then_env_then_default():
     assert parse_engine_config({"mars": {"policy": "fcfs"}}, environ={"MARS_POLICY": "nope"}).policy == "fcfs"
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         parse_engine_config({}, environ={"MARS_POLICY": "nope"})
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['polcy'\].*valid keys: policy"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['polcy'\].*valid keys: .*policy"):
         parse_engine_config({"mars": {"polcy": "fcfs"}}, environ={})
     with pytest.raises(ValueError, match="must be a JSON object"):
         parse_engine_config({"mars": "fcfs"}, environ={})
+
+
+def test_engine_config_carries_a_validated_cost_model():
+    cfg = parse_engine_config({"mars": {"policy": "mars", "cost_model": {"prefill_s_per_token": 1e-5,
+                                                                          "source": "profile x"}}}, environ={})
+    assert cfg.cost_model.prefill_s_per_token == 1e-5 and cfg.cost_model.calibrated
+    assert "cost_model" not in cfg.policy_options
+    with pytest.raises(ValueError, match=r'\["cost_model"\].*prefill_s_per_tokn'):
+        parse_engine_config({"mars": {"cost_model": {"prefill_s_per_tokn": 1}}}, environ={})
+    with pytest.raises(ValueError, match=r"decode_s.*finite number >= 0"):
+        parse_engine_config({"mars": {"cost_model": {"decode_s": -1}}}, environ={})
+    with pytest.raises(ValueError, match="online_cost"):
+        parse_engine_config({"mars": {"online_cost": "yes"}}, environ={})
 
 
 def test_workflow_tags_parse_and_default():

@@ -85,7 +85,7 @@ def mars_engine(tiny_model):
     # 48 blocks x 32 tokens = 1504 usable tokens for 8 workflows growing to ~400 tokens each.
     args = EngineArgs(**engine_kwargs(tiny_model, policy="mars", num_blocks=48, max_model_len=1024,
                                       max_num_seqs=16, max_num_batched_tokens=512, disable_log_stats=True,
-                                      policy_options={"reload_per_token_s": 1e-3}))
+                                      policy_options={"cost_model": {"prefill_s_per_token": 1e-3, "source": "test"}}))
     engine = LLMEngine.from_engine_args(args)
     yield engine
     del engine

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 from vllm.v1.request import RequestStatus
 from vllm_mars.clock import VirtualClock
+from vllm_mars.config import ENGINE_KEYS
 from vllm_mars.engine.rig import assert_block_invariants, assert_no_leaks, make_request, make_scheduler, step
 from vllm_mars.policies import available_policies, config_fields, get_policy_class
 
@@ -38,7 +39,8 @@ EPISODES_PER_POLICY = math.ceil(TOTAL_EPISODES / max(sum(_cpu_refusal(p) is None
 STEP_S = 0.05  # virtual seconds per engine step
 
 # Make retention likely where a policy has these knobs (small contexts are otherwise not worth it).
-_RETENTION_FRIENDLY = {"reload_per_token_s": 2e-3, "cold_start_tau_s": 1.0, "max_retention_s": 3.0}
+_RETENTION_FRIENDLY = {"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}, "cold_start_tau_s": 1.0,
+                       "max_retention_s": 3.0}
 
 
 @dataclass
@@ -131,7 +133,7 @@ def test_random_episodes_conserve_blocks_and_leak_nothing(policy: str):
     refusal = _cpu_refusal(policy)
     if refusal is not None:
         pytest.skip(f"{policy} does not run on CPU: {refusal}")
-    options = {k: v for k, v in _RETENTION_FRIENDLY.items() if k in config_fields(cls)}
+    options = {k: v for k, v in _RETENTION_FRIENDLY.items() if k in config_fields(cls) or k in ENGINE_KEYS}
     clock = VirtualClock()
     s = make_scheduler(policy, num_blocks=40, block_size=16, max_num_batched_tokens=256, max_num_seqs=8,
                        max_model_len=2048, policy_options=options, clock=clock)

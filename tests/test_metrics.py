@@ -105,13 +105,14 @@ class _Plan:
 
 
 def test_cost_model_fit_and_critical_path():
-    cost = CostModel.fit((100, 0.02), (500, 0.06), (11, 0.16))
+    cost = CostModel.from_solo_calls((100, 0.02), (500, 0.06), (11, 0.16))
     assert cost.prefill_s_per_token == pytest.approx(1e-4)
     assert cost.call_overhead_s == pytest.approx(0.01)
-    assert cost.decode_s_per_token == pytest.approx(0.01)
+    assert cost.decode_s == pytest.approx(0.01)
+    assert cost.calibrated
     with pytest.raises(ValueError):
-        CostModel.fit((500, 0.1), (100, 0.2), (11, 0.3))
-    c = CostModel(0.0, 0.001, 0.01)
+        CostModel.from_solo_calls((500, 0.1), (100, 0.2), (11, 0.3))
+    c = CostModel(prefill_s_per_token=0.001, decode_s=0.01, source="test")
     # turn 0: 100 new tokens + 4 decode steps = 0.14; tool 1 s; turn 1: 9 + 1 new tokens + 0 decode = 0.01
     plan = _Plan([0] * 100, [_Turn([], 5, 1.0), _Turn([0] * 9, 1, 0.0)])
     assert ideal_time(plan, c) == pytest.approx(0.14 + 1.0 + 0.01)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 from vllm_mars.clock import VirtualClock
+from vllm_mars.costmodel import CostModel
 from vllm_mars.engine.rig import (
     assert_block_invariants,
     assert_no_leaks,
@@ -20,7 +21,7 @@ from vllm_mars.engine.rig import (
     step,
 )
 from vllm_mars.policies import available_policies, make_policy
-from vllm_mars.policies.mars import MarsConfig, MarsPolicy, PrefillCostModel
+from vllm_mars.policies.mars import MarsConfig, MarsPolicy
 
 
 def _sched(policy: str = "mars", clock: VirtualClock | None = None, **kw):
@@ -55,7 +56,8 @@ def _record_preemptions(s) -> list[tuple[int, str, int]]:
 # -- registry and config -------------------------------------------------------------------------
 def test_mars_and_ablations_are_registered_with_their_switches():
     names = available_policies()
-    for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention"):
+    for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention", "mars-no-cost-reclaim",
+              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve"):
         assert n in names
     assert make_policy("mars-no-mlfq").config.mlfq is False
     assert make_policy("mars-no-elastic").config.elastic is False
@@ -74,13 +76,15 @@ def test_mars_and_ablations_are_registered_with_their_switches():
 
 
 def test_reload_cost_model_calibration():
-    m = PrefillCostModel.fit([(100, 0.03), (1000, 0.21), (2000, 0.41)])
-    assert m.per_token_s == pytest.approx(2e-4, rel=1e-6) and m.fixed_s == pytest.approx(0.01, abs=1e-9)
+    m = CostModel.fit_prefill([(100, 0.03), (1000, 0.21), (2000, 0.41)])
+    assert m.prefill_s_per_token == pytest.approx(2e-4, rel=1e-6)
+    assert m.step_overhead_s == pytest.approx(0.01, abs=1e-9)
     p = MarsPolicy(MarsConfig())
+    assert not p.cost.calibrated  # the default says so
     p.calibrate_reload([(0, 0.0), (1000, 1.0)])
-    assert p.reload.seconds(500) == pytest.approx(0.5)
+    assert p.cost.rebuild_s(500) == pytest.approx(0.5) and p.cost.calibrated and p.cost_pinned
     with pytest.raises(ValueError, match="samples"):
-        PrefillCostModel.fit([(1, 1.0)])
+        CostModel.fit_prefill([(1, 1.0)])
 
 
 # -- MLFQ ----------------------------------------------------------------------------------------
@@ -168,16 +172,44 @@ def _chunks(policy: str, options: dict | None = None) -> list[int]:
 
 def test_demotion_after_a_spent_quantum():
     # Level 1 (3000 <= 8192): quantum 1024, then demoted to level 2 (512), then 3 (256).
-    sizes = _chunks("mars")
+    sizes = _chunks("mars", {"scaled_mlfq": False})
     assert sizes[:4] == [1024, 512, 256, 256], sizes
     assert sum(sizes) == 3000
     assert _chunks("mars-no-mlfq")[:2] == [2048, 952]
 
 
-def _first_service_of_starved(aging_s: float, horizon_s: float) -> float | None:
+def _contended_chunks(options: dict) -> list[dict[str, int]]:
+    s = _sched(options=options, num_blocks=700, max_num_batched_tokens=2048)
+    s.add_request(make_request("L", prompt_len=3000, max_tokens=1))
+    s.add_request(make_request("M", prompt_len=6000, max_tokens=1))  # competes for the step
+    out = []
+    while s.has_requests():
+        so, _ = step(s)
+        if so.num_scheduled_tokens:
+            out.append(dict(so.num_scheduled_tokens))
+    _finish(s)
+    return out
+
+
+def test_quanta_never_idle_the_step_budget():
+    # Alone, a prefill takes the whole step budget (no idle tokens while it has work left) ...
+    assert _chunks("mars")[:2] == [2048, 952]
+    # ... and with fixed quanta it leaves most of the budget idle.
+    assert _chunks("mars-no-scaled-mlfq")[:2] == [1024, 512]
+    # Against competing work the quantum still binds: L gets its level's quantum first, and the
+    # step budget is filled by the other prefill.
+    steps = _contended_chunks({})
+    assert steps[0]["L"] == 1024 and sum(steps[0].values()) == 2048, steps
+    # Every step until the last one uses the whole budget.
+    assert all(sum(d.values()) == 2048 for d in steps[:-1]), steps
+    fixed = _contended_chunks({"scaled_mlfq": False})
+    assert any(sum(d.values()) < 2048 for d in fixed[:-1]), fixed
+
+
+def _first_service_of_starved(aging_s: float, horizon_s: float, scaled: bool = False) -> float | None:
     """Virtual time at which a level-3 call is first scheduled under continuous short arrivals."""
     clock = VirtualClock()
-    s = _sched(clock=clock, options={"level_thresholds": [16, 32, 64], "aging_s": aging_s},
+    s = _sched(clock=clock, options={"level_thresholds": [16, 32, 64], "aging_s": aging_s, "scaled_mlfq": scaled},
                num_blocks=3000, max_num_batched_tokens=64, max_num_seqs=64)
     s.add_request(make_request("starved", prompt_len=200, max_tokens=2))
     first, i = None, 0
@@ -200,6 +232,14 @@ def test_aging_bounds_the_wait_of_a_bottom_level_call():
     assert t is not None and t <= 3 * aging + 1.0, t
     # Without aging it starves for the whole horizon.
     assert _first_service_of_starved(0.0, horizon_s=60) is None
+
+
+def test_aging_scales_with_observed_turn_times():
+    # Turns here take seconds; a fixed 30 s aging leaves the bottom-level call waiting > 60 s,
+    # aging per four observed mean turn times serves it well within that.
+    t = _first_service_of_starved(30.0, horizon_s=60, scaled=True)
+    assert t is not None and t < 60, t
+    assert _first_service_of_starved(30.0, horizon_s=60, scaled=False) is None
 
 
 # -- elastic prefill -----------------------------------------------------------------------------
@@ -229,9 +269,9 @@ def test_elastic_prefill_shrinks_the_chunk_instead_of_preempting():
 
 
 # -- priority-aware reclamation -----------------------------------------------------------------
-def _reclaim_scenario(options: dict) -> list[tuple[int, str, int]]:
-    s = _sched(options={"level_thresholds": [16, 32, 48], **options}, num_blocks=200,
-               max_num_batched_tokens=512, max_num_seqs=16)
+def _reclaim_scenario(options: dict, policy: str = "mars") -> list[tuple[int, str, int]]:
+    options = {"level_thresholds": [16, 32, 48], "scaled_mlfq": False, "reserve_prefills": False, **options}
+    s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
     events = _record_preemptions(s)
     for i in range(4):
         s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=200))
@@ -249,12 +289,68 @@ def _reclaim_scenario(options: dict) -> list[tuple[int, str, int]]:
 
 
 def test_reclamation_order_and_early_stop():
-    # Two level-3 prefills and four decodes; the pool runs out once. The victim is the prefill
-    # holding the most KV (Pa, started first), decodes are spared, and one victim is enough.
-    events = _reclaim_scenario({})
+    # Two level-3 prefills and four decodes; the pool runs out once. SPEC's rule (cost_reclaim off)
+    # takes the prefill holding the most KV (Pa, started first), spares decodes, stops after one.
+    events = _reclaim_scenario({"cost_reclaim": False})
     assert [e[1] for e in events] == ["Pa"], events
     # Without priority reclamation vLLM takes the last of the running order: the smaller Pb.
     assert [e[1] for e in _reclaim_scenario({"priority_reclaim": False})] == ["Pb"]
+
+
+def _decoders_vs_late_arrival(policy: str, options: dict | None = None) -> list[tuple[str, int]]:
+    """Three short decoders and a later 300-token call all grow until the 47-block pool runs out."""
+    s = _sched(policy, options=options, num_blocks=48, max_num_batched_tokens=512, max_num_seqs=16)
+    events = _record_preemptions(s)
+    for i in range(3):
+        s.add_request(make_request(f"d{i}", prompt_len=31, max_tokens=160))
+    step(s)
+    s.add_request(make_request("L", prompt_len=300, max_tokens=160))
+    while s.has_requests():
+        step(s)
+        assert_block_invariants(s)
+    _finish(s)
+    return [(e[1], e[2]) for e in events]
+
+
+def test_cost_reclaim_never_recomputes_more_than_fcfs():
+    # fcfs preempts the latest arrival (L, 380 tokens computed); the cost rule preempts the calls
+    # cheapest to rebuild (the short decoders), recomputing fewer tokens for the blocks it needs.
+    recomputed = {}
+    for name, policy, options in (("fcfs", "fcfs", None), ("mars", "mars", {}),
+                                  ("no-cost", "mars-no-cost-reclaim", {})):
+        victims = _decoders_vs_late_arrival(policy, options)
+        assert victims, name
+        recomputed[name] = sum(n for _, n in victims)
+    assert recomputed["mars"] < recomputed["fcfs"], recomputed
+    # Off, the largest-KV rule throws away L's context like fcfs does.
+    assert recomputed["no-cost"] > recomputed["mars"], recomputed
+
+
+def _late_short_calls(policy: str, options: dict | None = None) -> list[tuple[str, int]]:
+    """A long prefill (demoted to the bottom level) while short calls keep arriving: does anyone
+    get preempted when the long prefill needs its remaining blocks?"""
+    s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
+    events = _record_preemptions(s)
+    s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
+    k = 0
+    while s.has_requests():
+        if k in (2, 3, 4, 5):
+            s.add_request(make_request(f"s{k}", prompt_len=300, max_tokens=60))
+        step(s)
+        assert_block_invariants(s)
+        k += 1
+    _finish(s)
+    return [(e[1], e[2]) for e in events]
+
+
+def test_admission_reserves_the_running_prefills_kv():
+    # vLLM admits a short call when its own prompt fits; MLFQ then serves it before the demoted long
+    # prefill, which later finds its blocks taken: a preemption fcfs never makes. Reserving the
+    # running prefills' remaining KV at admission keeps mars at fcfs's zero.
+    options = {"level_thresholds": [512, 1024, 2048]}
+    assert _late_short_calls("fcfs") == []
+    assert _late_short_calls("mars", options) == []
+    assert _late_short_calls("mars-no-prefill-reserve", options), "the scenario must preempt without it"
 
 
 # -- retention -----------------------------------------------------------------------------------
@@ -328,8 +424,10 @@ def test_retention_is_released_on_abort():
 
 def test_retention_goes_first_under_pressure_and_not_when_scarce():
     clock = VirtualClock()
+    # (without the prefill reserve, which keeps a new call waiting while retained KV is held)
     s = _sched(clock=clock, num_blocks=65, max_num_batched_tokens=2048,
-               options={"reload_per_token_s": 2e-3})  # both contexts worth keeping
+               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"},  # both worth keeping
+                        "reserve_prefills": False})
     events = _record_preemptions(s)
     s.add_request(make_request("a-0", prompt_len=160, max_tokens=1, workflow="a", last_step=False))
     s.add_request(make_request("b-0", prompt_len=320, max_tokens=1, workflow="b", last_step=False))
@@ -354,6 +452,39 @@ def test_retention_goes_first_under_pressure_and_not_when_scarce():
     step(s)
     assert "c-0" not in s.requests and "c" not in s.retention
     _finish(s, clock)
+
+
+def _returning_prefix_under_pressure(policy: str) -> int:
+    """W's turn ends with under 10 % of the pool free; a finished workflow's context is freed after
+    it; a new call then needs 12 blocks. How much of W's context does its next turn find cached?"""
+    clock = VirtualClock()
+    s = _sched(policy, clock=clock, num_blocks=65, max_num_batched_tokens=2048,
+               options={"cost_model": {"prefill_s_per_token": 2e-3, "source": "test"}, "reserve_prefills": False})
+    s.add_request(make_request("hog", prompt_len=480, max_tokens=60))
+    w0 = make_request("w-0", prompt_len=320, max_tokens=1, workflow="w", turn=0, last_step=False)
+    s.add_request(w0)
+    s.add_request(make_request("d-0", prompt_len=160, max_tokens=2, workflow="d", turn=0, last_step=True))
+    for _ in range(3):
+        step(s)
+        clock.advance(0.05)
+    s.add_request(make_request("n", prompt_len=192, max_tokens=1))
+    for _ in range(2):
+        step(s)
+        clock.advance(0.05)
+    ids = list(w0.prompt_token_ids) + [42] + list(range(500, 520))
+    s.add_request(make_request("w-1", prompt_token_ids=ids, max_tokens=2, workflow="w", turn=1, last_step=True))
+    step(s)
+    cached = s.call("w-1").num_cached_tokens
+    _finish(s, clock)
+    return cached
+
+
+def test_value_retention_pays_under_pressure():
+    # Value rule: the rebuild saving beats the memory cost, so W is kept although free blocks are
+    # scarce; the new call takes the finished workflow's dead cache instead of W's context.
+    assert _returning_prefix_under_pressure("mars") >= 320
+    # The free-share cut-off refuses below 10 % free: LRU evicts W's tail before the dead cache.
+    assert _returning_prefix_under_pressure("mars-no-value-retention") < 320
 
 
 def test_retention_tau_is_learned_from_return_gaps():
@@ -387,7 +518,9 @@ def test_retention_tau_is_learned_from_return_gaps():
 def test_a_preempted_call_remembers_its_likely_cached_prefix():
     # The reclamation scenario preempts Pa with 1792 of 2000 tokens computed: its blocks went to the
     # prefix cache, so its entry level is estimated from the ~208 tokens it probably has to redo.
-    s = _sched(options={"level_thresholds": [16, 32, 48]}, num_blocks=200,
+    s = _sched(options={"level_thresholds": [16, 32, 48], "cost_reclaim": False, "scaled_mlfq": False,
+                        "reserve_prefills": False},
+               num_blocks=200,
                max_num_batched_tokens=512, max_num_seqs=16)
     seen: dict[str, tuple[int, int]] = {}
     original = s._preempt_request
@@ -415,7 +548,8 @@ def _preempted_vs_older(options: dict) -> tuple[list[str], list[str]]:
     """P (level 2) starts before the older X (level 3), spends its quanta down to level 3 and is
     preempted when decoding A needs a block; then P and X wait at the same level for one slot."""
     s = _sched(options={"level_thresholds": [256, 512, 1024], "quanta": [32, 32, 32, 32],
-                        "elastic": False, **options},
+                        "elastic": False, "cost_reclaim": False, "scaled_mlfq": False, "reserve_prefills": False,
+                        **options},
                num_blocks=90, max_num_batched_tokens=512, max_num_seqs=2)
     s.add_request(make_request("A", prompt_len=500, max_tokens=100))
     s.add_request(make_request("X", prompt_len=1100, max_tokens=2))

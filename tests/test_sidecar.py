@@ -339,7 +339,7 @@ def test_backend_faults_with_restart(tiny_model, tmp_path):
                 it = r.iter_lines()
                 lines += [next(it) for _ in range(4)]
                 queued = Call(sc.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "Q"})
-                assert wait_until(lambda: ctl.num_queued == 1, 5)
+                assert wait_until(lambda: ctl.num_queued == 1, 20)
                 os.killpg(srv.proc.pid, signal.SIGKILL)
                 lines += list(it)
             data = [x[6:] for x in lines if x.startswith("data: ")]

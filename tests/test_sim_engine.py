@@ -125,8 +125,8 @@ def _requests(wave: int):
     return out
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "mars"])
-def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(policy):
+@pytest.mark.parametrize(("policy", "options"), [("fcfs", None), ("mars", {"reserve_prefills": False})])
+def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(policy, options):
     """The rig steps vLLM's scheduler with a fixed step time; the sim charges the same constant step
     from its profile: scheduled tokens per step, preemptions and finish order must be identical."""
     prof = ConstantProfile(capacity_tokens=48 * 16, max_num_batched_tokens=256, max_num_seqs=8)
@@ -134,9 +134,11 @@ def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(polic
 
     # the rig: the real scheduler, a virtual clock, fake outputs
     clock = VirtualClock()
+    # (mars without its prefill reserve: with it, this pool forces no preemption at all)
     s = make_scheduler(policy, num_blocks=prof.num_kv_blocks(), block_size=prof.block_size,
                        max_num_seqs=prof.max_num_seqs, max_num_batched_tokens=prof.max_num_batched_tokens,
-                       max_model_len=prof.max_model_len, clock=clock, kv_events=True, log_stats=False)
+                       max_model_len=prof.max_model_len, clock=clock, kv_events=True, log_stats=False,
+                       policy_options=options)
     rig_steps, rig_done, step_no = [], [], 0
     pending = {0: _requests(0), wave2_step: _requests(1)}
     while s.has_requests() or pending:
@@ -156,7 +158,7 @@ def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(polic
     # the sim: the same requests at the same step boundaries, on the virtual-time loop
     async def main():
         loop = asyncio.get_running_loop()
-        backend = SimBackend(prof, loop.time, policy=policy)
+        backend = SimBackend(prof, loop.time, policy=policy, policy_options=options)
         await backend.start()
         steps, sched = [], backend.scheduler
         schedule = sched.schedule

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_mars.costmodel import CostModel
 from vllm_mars.policies import config_fields, get_policy_class
 
 ENV_POLICY = "MARS_POLICY"
@@ -29,13 +30,18 @@ class EngineConfig:
     policy: str = DEFAULT_POLICY
     #: The policy's own config fields, validated by ``make_policy``.
     policy_options: Mapping[str, Any] = field(default_factory=dict)
+    #: A calibrated cost model (``CostModel.as_dict()``) for policies that price work (None: the
+    #: scheduler fits one online from its step times, and the policy says it is uncalibrated until then).
+    cost_model: CostModel | None = None
+    #: Fit the cost model online from the engine's step times while none is given.
+    online_cost: bool = True
 
     @property
     def engine_keys(self) -> tuple[str, ...]:
         return ENGINE_KEYS
 
 
-ENGINE_KEYS = ("policy",)
+ENGINE_KEYS = ("policy", "cost_model", "online_cost")
 
 
 def parse_engine_config(additional_config: Mapping[str, Any] | None,
@@ -59,7 +65,13 @@ def parse_engine_config(additional_config: Mapping[str, Any] | None,
             f"valid keys: {', '.join(sorted(known))}"
         )
     options = {k: v for k, v in raw.items() if k not in ENGINE_KEYS}
-    return EngineConfig(policy=policy, policy_options=options)
+    cost = raw.get("cost_model")
+    if cost is not None:
+        cost = CostModel.from_dict(cost, where='additional_config["mars"]["cost_model"]')
+    online = raw.get("online_cost", True)
+    if not isinstance(online, bool):
+        raise ValueError(f'additional_config["mars"]["online_cost"] must be true or false, got {online!r}')  # noqa: TRY004
+    return EngineConfig(policy=policy, policy_options=options, cost_model=cost, online_cost=online)
 
 
 def check_value(name: str, annotation: Any, value: Any, *, minimum: float | None = None,

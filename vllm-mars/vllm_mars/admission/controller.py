@@ -29,6 +29,20 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   pressure (the window shrinks, the KV cap drops to ``window_min``) and the last budget minus
   promises is still enforced.
 
+* **Cost-aware admission** (``admit = "cost"``, the default, with a cost model): in arrival order,
+  a root is admitted when its footprint fits the budget, or when the expected rebuild cost its
+  overflow would cause, ``turns * rebuild_s(overflow tokens) * (1 + running calls)`` (contexts
+  evicted during tool gaps are rebuilt once per turn, and a rebuild stalls the running batch), is
+  below the expected cost of its queueing (the learned mean active time of a root over the number
+  active: the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
+  *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
+  priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
+  when rebuilds are cheap.
+  Without a cost model the controller says so in an ``admission_cost_model`` event and applies
+  the footprint rules (``admit = "footprint"``).
+* **Charging** (``charge``): ``all`` roots count against the budget (ours), or only ``long`` ones
+  (the preview: short roots go in arrival order while KV is not overloaded).
+
 The controller ticks on its feeder's clock: ``tick`` is called every ``interval_s`` and after each
 offer/finish, so a slot freed between arrivals is refilled at once (the preview only refilled on
 arrivals). Each decision is an :class:`AdmissionEvent` carrying its inputs.
@@ -44,9 +58,11 @@ from vllm_mars.admission.base import (
     AdmissionEvent,
     ControllerBase,
     PendingRoot,
+    Telemetry,
     WindowConfig,
     register_controller,
 )
+from vllm_mars.costmodel import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +106,20 @@ class MarsAdmissionConfig(WindowConfig):
     #: Seconds after admission until telemetry is trusted to include a root's first prefill; until
     #: then its footprint counts as promised and is subtracted from the budget.
     promise_s: float = 1.0
+    #: Admission rule: "cost" (fits, or its rebuild cost is below its queueing cost; needs a cost
+    #: model) or "footprint" (fits the budget only).
+    admit: str = "cost"
+    #: Roots charged against the KV budget: "all" or "long" (only above ``long_prefill_tokens``).
+    charge: str = "all"
+    #: Share of engine time spent recomputing (measured) at which the window shrinks ("cost" rule).
+    rebuild_share_high: float = 0.25
+    #: ... and at or below which it may grow again.
+    rebuild_share_low: float = 0.1
+    #: LLM calls assumed per root that reports none (until learned from finished roots).
+    default_turns: int = 4
+    #: A cost model file (``CostModel`` JSON or a step-time profile) for the "cost" rule; the driver
+    #: hands its calibrated model instead (``set_cost_model``).
+    cost_model: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,6 +148,14 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("turn_growth_max_tokens", ">= 0")
         if self.promise_s < 0:
             raise bad("promise_s", ">= 0")
+        if self.admit not in ("cost", "footprint"):
+            raise bad("admit", "'cost' or 'footprint'")
+        if self.charge not in ("all", "long"):
+            raise bad("charge", "'all' or 'long'")
+        if not 0 <= self.rebuild_share_low <= self.rebuild_share_high:
+            raise bad("rebuild_share_low", f"in [0, rebuild_share_high={self.rebuild_share_high}]")
+        if self.default_turns < 1:
+            raise bad("default_turns", ">= 1")
 
 
 @dataclass
@@ -141,22 +179,75 @@ class MarsAdmissionController(ControllerBase):
 
     def __init__(self, config: MarsAdmissionConfig | None = None) -> None:
         super().__init__(config)
+        cfg = self.config
+        self.cost: CostModel | None = None
+        self._service_s = 0.0  # EMA of a root's active time (admission to finish)
+        self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
+        self._rebuild_share: float | None = None  # measured share of engine time spent rebuilding
+        self._prev_rebuild: tuple[float, int] | None = None  # (ts, cumulative rebuilt tokens)
+        self._cost_warned = False
         self._last_window_update: float | None = None
         self._kv_overloaded = False
         self._cpu_overloaded = False
         self._stale = False
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
+        if cfg.cost_model:
+            self.set_cost_model(CostModel.load(cfg.cost_model))
+
+    def set_cost_model(self, model: CostModel | None) -> None:
+        """Price rebuilds with ``model`` (the "cost" rule; None: the footprint rules)."""
+        self.cost = model
+        if model is not None and self.config.admit == "cost" and self.config.window_init is None:
+            self.window = self.config.window_max  # work-conserving start; AIMD is the safety net
+        self._emit(self._tel.ts if self._tel else 0.0, "admission_cost_model", {
+            "rule": self._rule(), "source": None if model is None else model.source,
+            "calibrated": None if model is None else model.calibrated})
+
+    def _rule(self) -> str:
+        return "cost" if self.config.admit == "cost" and self.cost is not None else "footprint"
+
+    def _cost_mode(self) -> bool:
+        """The cost rule with a measured rebuild share (else KV usage drives the window)."""
+        return self._rule() == "cost" and self._rebuild_share is not None
 
     # -- feeding ----------------------------------------------------------------------------------
     def _on_finish(self, act: _Active, now: float, final_tokens: int | None, turns: int | None) -> None:
         """An admitted root ended. ``final_tokens``, when known, is its last call's prompt+output
         size and ``turns`` its number of LLM calls (else the ``turns`` key of the root's
         ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
+        a = self.config.growth_alpha
+        took = max(now - act.admitted_at, 0.0)
+        self._service_s = took if self._service_s <= 0 else (1 - a) * self._service_s + a * took
         n = turns if turns is not None else act.turns
+        if n is not None and n > 0:
+            self._turns = (1 - a) * self._turns + a * n
         if final_tokens is not None and final_tokens > 0 and n is not None and n > 0:
             per_turn = min(self.config.turn_growth_max_tokens, max(0.0, (final_tokens - act.prefill_tokens) / n))
-            a = self.config.growth_alpha
             self._turn_growth = (1 - a) * self._turn_growth + a * per_turn
+
+    def observe(self, telemetry: Telemetry) -> None:
+        super().observe(telemetry)
+        if self._tel is telemetry:
+            self._measure_rebuilds(telemetry)
+
+    def _measure_rebuilds(self, t: Telemetry) -> None:
+        """Share of engine time spent recomputing lost KV (preempted tokens + evicted blocks,
+        priced per token by the cost model), an EMA over readings at least ``interval_s`` apart."""
+        if self.cost is None or t.recomputed_tokens is None:
+            return
+        tokens = t.recomputed_tokens + (t.kv_blocks_removed or 0) * (t.block_size or self._block_size())
+        prev = self._prev_rebuild
+        if prev is None:
+            self._prev_rebuild = (t.ts, tokens)
+            self._rebuild_share = 0.0  # measurable from now on; nothing rebuilt yet
+            return
+        dt = t.ts - prev[0]
+        if dt < self.config.interval_s:
+            return
+        share = min(1.0, max(0, tokens - prev[1]) * self.cost.prefill_s_per_token / dt)
+        old = self._rebuild_share
+        self._rebuild_share = share if old is None else 0.7 * old + 0.3 * share
+        self._prev_rebuild = (t.ts, tokens)
 
     def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
         # growth is measured from the agent's context, not from a short side call it was offered on
@@ -235,6 +326,8 @@ class MarsAdmissionController(ControllerBase):
         usage = self._usage()
         if self._stale:
             kv_cap = lo
+        elif self._cost_mode():
+            kv_cap = hi  # the AIMD window reacts to measured rebuilds
         elif usage is None or usage <= cfg.kv_low:
             kv_cap = hi
         elif usage >= cfg.kv_target:
@@ -272,7 +365,14 @@ class MarsAdmissionController(ControllerBase):
         stale = t is not None and now - t.ts > cfg.stale_s
         kv = self._kv_overloaded
         usage = self._usage()
-        if usage is not None and not stale:
+        if self._cost_mode():
+            # Full KV is fine while rebuilds are cheap: pressure is measured rebuild time.
+            share = self._rebuild_share
+            if share >= cfg.rebuild_share_high:
+                kv = True
+            elif share <= cfg.rebuild_share_low:
+                kv = False
+        elif usage is not None and not stale:
             if usage >= cfg.kv_target:
                 kv = True
             elif usage <= cfg.kv_low:
@@ -280,7 +380,7 @@ class MarsAdmissionController(ControllerBase):
         _, cpu, _ = self._cpu_state()
         if (stale, kv, cpu) == (self._stale, self._kv_overloaded, self._cpu_overloaded):
             return  # the hot path: nothing changed, build no event
-        inputs = self._inputs(now)
+        inputs = {**self._inputs(now), "rebuild_share": self._rebuild_share}
         self._set_pressure(now, "telemetry", stale, inputs)
         self._set_pressure(now, "kv", kv, inputs)
         self._set_pressure(now, "cpu", cpu, inputs)
@@ -298,8 +398,14 @@ class MarsAdmissionController(ControllerBase):
         budget = self.budget_blocks()
         overloaded = self._kv_overloaded or cpu_over or self._stale
         if overloaded:
-            w = max(cfg.window_min, math.floor(self.window * cfg.dec_factor))
-        elif cpu_healthy and (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0):
+            base = self.window
+            if self._cost_mode() and self._kv_overloaded:
+                # Measured thrashing: decrease from what is in flight (a window above the active
+                # count would not stop a single admission).
+                base = min(base, max(len(self._active), 1))
+            w = max(cfg.window_min, math.floor(base * cfg.dec_factor))
+        elif cpu_healthy and (self._cost_mode() or (
+                (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0))):
             w = min(cfg.window_max, self.window + cfg.inc)
         else:
             w = self.window
@@ -321,6 +427,12 @@ class MarsAdmissionController(ControllerBase):
         return max(self.config.window_min, min(self.window, cpu_cap, kv_cap))
 
     def tick(self, now: float) -> list[str]:
+        if not self._cost_warned and self.config.admit == "cost" and self.cost is None:
+            self._cost_warned = True
+            logger.warning("mars admission: no cost model, so no cost-aware admission (footprint rules)")
+            self._events.append(AdmissionEvent(now, "admission_cost_model", {
+                "controller": self.name, "rule": "footprint", "source": None, "calibrated": False,
+                "note": "no cost model: the footprint rules apply (pass cost_model, or run under the driver)"}))
         self._update_pressure(now)
         self._update_window(now)
         if not self._queue:
@@ -329,14 +441,15 @@ class MarsAdmissionController(ControllerBase):
         slots = limit - len(self._active)
         budget = self.budget_blocks()
         # limit >= window_min >= 1, so an empty active set always has a slot
-        admitted = self._select(slots, budget) if slots > 0 else []
+        admitted = self._select(slots, budget, now) if slots > 0 else []
         if not admitted:
             return []
         ctx = {"controller": self.name, "limit": limit, "window": self.window, "kv_budget_blocks": budget,
-               "turn_growth_tokens": round(self._turn_growth, 1), **self._inputs(now)}
+               "turn_growth_tokens": round(self._turn_growth, 1), "rule": self._rule(),
+               "rebuild_share": self._rebuild_share, **self._inputs(now)}
         remaining = budget
         out = []
-        for root, mode, blocks in admitted:
+        for root, mode, blocks, why in admitted:
             tokens = self._est_tokens(root)
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
@@ -348,47 +461,82 @@ class MarsAdmissionController(ControllerBase):
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
                 "footprint_blocks": blocks, "long": self._is_long(tokens), "kv_budget_remaining": remaining,
-                "active": len(self._active), "queued": len(self._queue), "waited_s": round(now - root.arrival, 6)}))
+                "active": len(self._active), "queued": len(self._queue), "waited_s": round(now - root.arrival, 6),
+                **why}))
         logger.debug("admitted %s (limit %s, budget %s)", out, limit, budget)
         return out
 
-    def _select(self, slots: int, budget: int | None) -> list[tuple[PendingRoot, str, int]]:
-        """Pick up to ``slots`` roots: (root, mode, footprint blocks)."""
+    def _select(self, slots: int, budget: int | None, now: float) -> list[tuple[PendingRoot, str, int, dict]]:
+        """Pick up to ``slots`` roots: (root, mode, footprint blocks, decision inputs)."""
         queue = list(self._queue.values())
         if budget is None:  # missing telemetry: a small fixed window in arrival order
-            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r)) for r in queue[:slots]]
+            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r), {}) for r in queue[:slots]]
+        cfg = self.config
         foot = {r.workflow: self.footprint_blocks(r) for r in queue}
+        cost_rule = self._rule() == "cost"
         short = [r for r in queue if not self._is_long(self._est_tokens(r))]
-        if not short:
+        if not short and not cost_rule:
             return self._drain(queue, slots, budget, foot)
         _, cpu_over, cpu_healthy = self._cpu_state()
         usage = self._usage()
         light = (not (self._kv_overloaded or cpu_over or self._stale) and cpu_healthy
-                 and (usage is None or usage <= self.config.kv_low) and budget > 0
+                 and (usage is None or usage <= cfg.kv_low) and budget > 0
                  and len(queue) <= slots and sum(foot.values()) <= budget)
-        if light:
-            order, mode = queue, "light_fcfs"
-        elif cpu_over:
+        if cpu_over:
             order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
             mode = "cpu_overloaded_large_first"
+        elif cost_rule:
+            order, mode = queue, "cost_fit"
+        elif light:
+            order, mode = queue, "light_fcfs"
         else:
             order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
             mode = "smallest_fit"
+        queue_s = self._queue_cost_s(now) if cost_rule else None
         out, remaining = [], budget
         for r in order:
             if len(out) >= slots:
                 break
             b = foot[r.workflow]
+            if cfg.charge == "long" and not self._is_long(self._est_tokens(r)) and not self._kv_overloaded:
+                out.append((r, "short_uncharged", b, {}))  # the preview: short roots are not charged
+                continue
             if b <= remaining:
-                out.append((r, mode, b))
+                out.append((r, mode, b, {}))
                 remaining -= b
+            elif cost_rule and not cpu_over:
+                rebuild_s = self._rebuild_cost_s(r, b - max(remaining, 0))
+                if rebuild_s < queue_s:
+                    out.append((r, "cost_overflow", b, {"expected_rebuild_s": round(rebuild_s, 6),
+                                                        "expected_queue_s": round(queue_s, 6)}))
+                    remaining -= b
         if not out and not self._active:
             oldest = queue[0]
-            out.append((oldest, "oldest_alone", foot[oldest.workflow]))
+            out.append((oldest, "oldest_alone", foot[oldest.workflow], {}))
         return out
 
+    def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int) -> float:
+        """Expected engine-time cost (call-seconds) of admitting ``root`` with ``overflow_blocks``
+        beyond the budget: that much context is evicted during tool gaps and rebuilt once per turn,
+        and each rebuild stalls the running batch."""
+        assert self.cost is not None
+        turns = root.meta.get("turns") if root.meta else None
+        if not isinstance(turns, int) or turns < 1:
+            turns = self._turns
+        t = self._tel
+        running = t.running if t is not None and t.running is not None else len(self._active)
+        return turns * self.cost.rebuild_s(overflow_blocks * self._block_size()) * (1 + running)
+
+    def _queue_cost_s(self, now: float) -> float:
+        """Expected wait for the next slot: a root's mean active time over the roots active (before
+        any root finished, the longest one active so far)."""
+        if not self._active:
+            return math.inf
+        service = self._service_s or max(now - a.admitted_at for a in self._active.values())
+        return service / len(self._active)
+
     def _drain(self, queue: list[PendingRoot], slots: int, budget: int,
-               foot: dict[str, int]) -> list[tuple[PendingRoot, str, int]]:
+               foot: dict[str, int]) -> list[tuple[PendingRoot, str, int, dict]]:
         """Only long roots wait: arrival order within the live budget, one at a time while any
         earlier admission is active; the oldest alone when none fits and nothing is active."""
         cap = 1 if self._active else slots
@@ -398,10 +546,10 @@ class MarsAdmissionController(ControllerBase):
                 break
             b = foot[r.workflow]
             if b <= remaining:
-                out.append((r, "drain_fit", b))
+                out.append((r, "drain_fit", b, {}))
                 remaining -= b
         if not out and not self._active:
-            out.append((queue[0], "drain_oldest_alone", foot[queue[0].workflow]))
+            out.append((queue[0], "drain_oldest_alone", foot[queue[0].workflow], {}))
         return out
 
     def snapshot(self) -> dict:
@@ -409,4 +557,5 @@ class MarsAdmissionController(ControllerBase):
         return {**super().snapshot(),
                 "kv_budget_blocks": self.budget_blocks(), "turn_growth_tokens": self._turn_growth,
                 "kv_overloaded": self._kv_overloaded, "cpu_overloaded": self._cpu_overloaded,
-                "stale": self._stale}
+                "stale": self._stale, "rule": self._rule(), "rebuild_share": self._rebuild_share,
+                "cost_model": None if self.cost is None else self.cost.as_dict()}

@@ -209,6 +209,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for the vLLM server to become healthy (default 900)")
     p.add_argument("--engine-log", metavar="PATH", help="write the vLLM server's output here (default: inherit)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="the engine's cost model for the policy and the mars controller: a CostModel JSON "
+                        "or a step-time profile (name or `mars profile` output). Without it the policy fits "
+                        "one online from step times and the controller uses its footprint rules")
     _add_sidecar_options(p, serve=True)
     p.add_argument("--tool-call-parser", default=None, metavar="NAME|none",
                    help="vLLM tool-call parser; tool calling (tool_choice auto, which OpenCode and Codex send) "
@@ -273,13 +277,22 @@ def _serve(args: argparse.Namespace) -> int:
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
+    if args.cost_model:
+        from vllm_mars.costmodel import CostModel
+
+        cost = CostModel.load(args.cost_model)  # ValueError naming the file or the bad field
+        if args.controller == "mars" and "cost_model=" not in " ".join(args.controller_option or []):
+            args.controller_option = [*(args.controller_option or []), f"cost_model={args.cost_model}"]
     # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
     make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
     from vllm_mars.engine.local import parse_engine_arg_items
 
     cpu = None if args.device == "auto" else args.device == "cpu"
-    kw: dict[str, Any] = {"policy": args.policy, "policy_options": _kv(args.policy_option, "--policy-option"),
+    policy_options = _kv(args.policy_option, "--policy-option")
+    if args.cost_model:
+        policy_options["cost_model"] = cost.as_dict()
+    kw: dict[str, Any] = {"policy": args.policy, "policy_options": policy_options,
                           "block_size": args.block_size, "max_model_len": args.max_model_len,
                           "max_num_seqs": args.max_num_seqs, "cpu": cpu,
                           "engine_args": parse_engine_arg_items(args.engine_arg)}

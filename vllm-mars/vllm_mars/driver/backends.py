@@ -250,6 +250,12 @@ class InProcessBackend:
         self._cmds.put(("abort", request_id))
         self._wake.set()
 
+    def set_cost_model(self, cost: Any) -> None:
+        """Hand the calibrated cost model to the scheduler's policy (pinned: no online refits)."""
+        setter = getattr(self.scheduler, "set_cost_model", None)
+        if setter is not None:
+            setter(cost)
+
     def sample(self) -> Telemetry:
         # Taken by the stepper thread after every step and every idle wait (50 ms): its ts is when
         # the engine was last seen alive, so a dead or stuck stepper shows up as stale telemetry.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mars.admission.base import AdmissionController
@@ -19,6 +19,11 @@ _SPECIAL = {
     "mars": ("mars", "mars"),
     "concur": ("fcfs", "concur"),
     "mars-no-admission": ("mars", "none"),
+    "mars-no-cost-admission": ("mars", "mars"),
+}
+#: Admission options an ablation sets (the user's --admission-option still wins).
+_CONTROLLER_OPTIONS: dict[str, dict[str, Any]] = {
+    "mars-no-cost-admission": {"admit": "footprint"},
 }
 
 
@@ -27,11 +32,13 @@ class DriverPolicy:
     name: str
     scheduler_policy: str
     controller: str
+    #: controller options this driver policy implies (an ablation's switch)
+    controller_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def resolve_policy(name: str) -> DriverPolicy:
     sched, ctrl = _SPECIAL.get(name, (name, "none"))
-    return DriverPolicy(name, sched, ctrl)
+    return DriverPolicy(name, sched, ctrl, dict(_CONTROLLER_OPTIONS.get(name, {})))
 
 
 def driver_policy_names() -> list[str]:

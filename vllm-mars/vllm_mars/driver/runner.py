@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mars.admission.base import PendingRoot, Telemetry
+from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
 from vllm_mars.driver.control import check_policy, finish_root, make_controller
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
-from vllm_mars.metrics.ideal import CostModel, ideal_time
+from vllm_mars.metrics.ideal import ideal_time
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,8 @@ async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, 
     t1 = min([await solo(p1, 1, i) for i in range(repeats)])
     t2 = min([await solo(p2, 1, i) for i in range(repeats)])
     t3 = min([await solo(p2, n, i) for i in range(repeats)])
-    return CostModel.fit((p1, t1), (p2, t2), (n, t3), source="cost model calibrated by solo calls on the idle engine")
+    return CostModel.from_solo_calls((p1, t1), (p2, t2), (n, t3),
+                                     source="cost model calibrated by solo calls on the idle engine")
 
 
 #: per-step timings of a run with record_steps
@@ -349,7 +351,10 @@ class Replay:
         self.clock = clock
         self.cost = cost
         self.policy = check_policy(cfg.policy)
-        self.ctrl = make_controller(self.policy.controller, cfg.admission_options)
+        self.ctrl = make_controller(self.policy.controller,
+                                    {**self.policy.controller_options, **cfg.admission_options})
+        if cost is not None and hasattr(self.ctrl, "set_cost_model") and not getattr(self.ctrl, "cost", None):
+            self.ctrl.set_cost_model(cost)
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
                                      timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
@@ -398,7 +403,8 @@ class Replay:
                          total_blocks=s.num_blocks, block_size=s.block_size, kv_usage=s.kv_usage,
                          prefix_hit_rate=(cached / prompt) if prompt else None,
                          tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
-                         tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None)
+                         tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None, running=s.running,
+                         recomputed_tokens=s.recomputed_tokens, kv_blocks_removed=s.kv_blocks_removed)
 
     async def _arrivals(self) -> None:
         for wid in sorted(self.order, key=lambda w: self.arrivals[w]):
@@ -618,8 +624,21 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.
             long_prompt = SIM_CALIBRATE_PROMPT if cfg.backend == "sim" else 512
             cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=long_prompt)
+        policy_cost = cost
+        if cfg.backend == "sim":
+            from vllm_mars.sim.engine import get_profile
+
+            # The profile itself: its attention term prices long-context rebuilds, which a linear
+            # solo-call fit misses.
+            policy_cost = CostModel.from_profile(get_profile(cfg.profile))
+        setter = (getattr(backend, "set_cost_model", None)
+                  or getattr(getattr(backend, "scheduler", None), "set_cost_model", None))
+        if policy_cost is not None and setter is not None and "cost_model" not in cfg.policy_options:
+            setter(policy_cost)  # the policies price rebuilds with the engine's model
         clock.start()
         replay = Replay(cfg, out, backend, plans, arrivals, clock, cost)
+        if policy_cost is not cost and hasattr(replay.ctrl, "set_cost_model"):
+            replay.ctrl.set_cost_model(policy_cost)
         replay.live = live
         await replay.run()
     finally:

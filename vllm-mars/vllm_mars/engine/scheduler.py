@@ -31,6 +31,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_mars.clock import Clock, MonotonicClock
 from vllm_mars.config import parse_engine_config
+from vllm_mars.costmodel import OnlineCostFit
 from vllm_mars.engine.compat import check_vllm_version
 from vllm_mars.engine.retention import RetentionStore
 from vllm_mars.policies import CallView, make_policy
@@ -215,7 +216,66 @@ class MarsSchedulerMixin:
         path = os.environ.get(ENV_SCHED_LOG)
         self._sched_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in shutdown()
         self._warned: set[str] = set()
+        self._init_cost_model(cfg)
         logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
+
+    # -- the cost model -----------------------------------------------------------------------------
+    def _init_cost_model(self, cfg: Any) -> None:
+        """Hand a cost-pricing policy its model: the configured one, else an online fit of this
+        engine's step times (sync scheduling only: with async scheduling a step's output arrives
+        after the next schedule). Running on the uncalibrated default is logged as a warning."""
+        policy = self.mars_policy
+        self._cost_fit: OnlineCostFit | None = None
+        self._step_work: tuple[float, list[tuple[int, int]], int] | None = None
+        if not policy.uses_cost:
+            return
+        if cfg.cost_model is not None:
+            policy.set_cost_model(cfg.cost_model)
+        elif cfg.online_cost and not isinstance(self, AsyncScheduler):
+            self._cost_fit = OnlineCostFit()
+        if not policy.cost.calibrated:
+            logger.warning("MarsScheduler: policy %s prices rebuilds with the UNCALIBRATED default cost model "
+                           "(%s)%s; pass additional_config['mars']['cost_model'] (mars serve --cost-model)",
+                           cfg.policy, policy.cost.source,
+                           " until the online fit of step times has enough steps" if self._cost_fit else "")
+
+    def set_cost_model(self, model: Any) -> None:
+        """Pin a calibrated cost model (the driver's calibration); online fitting stops."""
+        self.mars_policy.set_cost_model(model)
+        self._cost_fit = None
+
+    def _record_step_work(self, out: Any) -> None:
+        requests = self.requests
+        prefill, decodes = [], 0
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is None:
+                continue
+            ctx = req.num_computed_tokens - n  # vLLM has advanced it by this step's tokens
+            if n == 1 and ctx >= req.num_tokens - 1:
+                decodes += 1
+            else:
+                prefill.append((n, max(ctx, 0)))
+        self._step_work = (self.clock.now(), prefill, decodes)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        work = self._step_work
+        if work is not None:
+            self._step_work = None
+            fit = self._cost_fit
+            if fit is not None:
+                fit.observe(self.clock.now() - work[0], work[1], work[2])
+                if fit.steps % 16 == 0 and (model := fit.model()) is not None:
+                    policy = self.mars_policy
+                    if policy.cost_pinned:
+                        self._cost_fit = None
+                    elif model is not policy.cost:
+                        first = not policy.cost.calibrated
+                        policy.set_cost_model(model, pinned=False)
+                        if first:
+                            logger.info("MarsScheduler: policy %s now prices rebuilds with %s",
+                                        self.mars_config.policy, model.source)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     # -- injectable clock -------------------------------------------------------------------------
     def set_clock(self, clock: Clock) -> None:
@@ -305,6 +365,8 @@ class MarsSchedulerMixin:
         now = self.clock.now()
         if self.retention:
             self.retention.release_expired(now)
+        if policy.orders or policy.caps_chunks:
+            policy.begin_step()
         if policy.orders:
             self._order_running()
             self.waiting.mark_dirty()
@@ -328,6 +390,8 @@ class MarsSchedulerMixin:
                     track(call, n)
         if self._returning:
             self._release_returned(out.num_scheduled_tokens, now)
+        if self._cost_fit is not None:
+            self._record_step_work(out)
         return out
 
     def _order_running(self) -> None:
@@ -512,6 +576,7 @@ class MarsSchedulerMixin:
             "prompt_tokens": self.mars_prompt_tokens,
             "prefix_hit_tokens": self.mars_prefix_hit_tokens,
             "retention": {k: v for k, v in vars(st).items() if not k.startswith("_")},
+            "cost_model": self.mars_policy.cost.as_dict() if self.mars_policy.uses_cost else None,
             # None unless vLLM's KV cache events are enabled (engine_kwargs(kv_events=True)).
             "kv_blocks_removed": self._kv_events.blocks_removed if self._kv_events else None,
             "kv_blocks_stored": self._kv_events.blocks_stored if self._kv_events else None,

@@ -1,50 +1,21 @@
-"""T_ideal: a workflow's time alone on an idle engine, from a calibrated cost model.
+"""T_ideal: a workflow's time alone on an idle engine, from the engine's cost model.
 
-The driver calibrates the model on the idle engine at run start (solo calls of two prompt lengths
-and two output lengths, best of ``repeats``): ``call_s = overhead + prefill_s_per_token * new_tokens
-+ decode_s_per_token * (output_tokens - 1)``. On an idle engine with prefix caching, turn k > 0
-only prefills what was appended since turn k-1 (its tool output) plus the last output token.
-The workflow's ideal time is its critical path: its own chain of calls and tools, and each child
-starting after its parent's turn (children and parents overlap as the plan allows).
+The driver calibrates :class:`~vllm_mars.costmodel.CostModel` on the idle engine at run start
+(solo calls, :meth:`CostModel.from_solo_calls`), or it comes from a step-time profile. A call
+alone costs ``CostModel.call_s(new_tokens, output_tokens, context)``. On an idle engine with prefix
+caching, turn k > 0 only prefills what was appended since turn k-1 (its tool output) plus the last
+output token, after the context already cached. The workflow's ideal time is its critical path:
+its own chain of calls and tools, and each child starting after its parent's turn (children and
+parents overlap as the plan allows).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_mars.costmodel import CostModel
 
-@dataclass(frozen=True)
-class CostModel:
-    """Solo-call latency model of one engine (seconds)."""
-
-    #: Fixed cost of a call (scheduling, the first step's overhead).
-    call_overhead_s: float
-    #: Prefill cost per new (uncached) prompt token.
-    prefill_s_per_token: float
-    #: Decode cost per output token after the first, at batch size 1.
-    decode_s_per_token: float
-    #: Where the numbers came from.
-    source: str = "calibrated"
-
-    def call_s(self, new_prompt_tokens: int, output_tokens: int) -> float:
-        return (self.call_overhead_s + self.prefill_s_per_token * max(new_prompt_tokens, 0)
-                + self.decode_s_per_token * max(output_tokens - 1, 0))
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def fit(cls, short: tuple[int, float], long: tuple[int, float], long_decode: tuple[int, float],
-            source: str = "calibrated") -> CostModel:
-        """From solo latencies: (prompt P1, t(P1, 1 token)), (P2, t(P2, 1)), (outputs N, t(P2, N))."""
-        (p1, t1), (p2, t2), (n, t3) = short, long, long_decode
-        if p2 <= p1 or n <= 1:
-            raise ValueError("CostModel.fit needs P2 > P1 and N > 1")
-        a = max((t2 - t1) / (p2 - p1), 0.0)
-        c = max(t1 - a * p1, 0.0)
-        b = max((t3 - t2) / (n - 1), 0.0)
-        return cls(c, a, b, source)
+__all__ = ["CostModel", "ideal_time"]
 
 
 def ideal_time(plan: Any, cost: CostModel) -> float:
@@ -53,12 +24,15 @@ def ideal_time(plan: Any, cost: CostModel) -> float:
     end = 0.0
     children = list(getattr(plan, "children", ()) or ())
     waits: list[float] = []
+    context = 0
     for k, turn in enumerate(plan.turns):
         if waits:  # the parent's next turn waits for its sub-agents
             t = max([t, *waits])
             waits = []
         new = len(plan.initial_ids) if k == 0 else len(turn.appended_ids) + 1
-        t += cost.call_s(new, turn.output_tokens)
+        cached = 0 if k == 0 else max(context - 1, 0)
+        t += cost.call_s(new, turn.output_tokens, cached)
+        context = cached + new + turn.output_tokens
         for after, child in children:
             if after == k:
                 child_end = t + ideal_time(child, cost)

@@ -21,11 +21,15 @@ costs nothing per step. All time comes from the injected clock (``self.clock.now
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 from vllm_mars.clock import Clock, MonotonicClock
+from vllm_mars.costmodel import CostModel, uncalibrated
 from vllm_mars.workflow import WorkflowInfo
+
+logger = logging.getLogger(__name__)
 
 
 class RequestLike(Protocol):
@@ -175,11 +179,28 @@ class Policy:
     tracks_service: ClassVar[bool] = False
     #: True when victim order is not simply the reverse of running order.
     custom_victims: ClassVar[bool] = False
+    #: True when decisions price (re)computation with ``self.cost``: the scheduler then hands the
+    #: policy a calibrated model (``additional_config["mars"]["cost_model"]``) or fits one online
+    #: from the engine's step times, and says so while the policy runs on the uncalibrated default.
+    uses_cost: ClassVar[bool] = False
 
     def __init__(self, config: Any = None, clock: Clock | None = None) -> None:
         self.config = config if config is not None else self.Config()
         self.clock: Clock = clock or MonotonicClock()
         self.engine: EngineView | None = None
+        #: The engine's cost model (:mod:`vllm_mars.costmodel`); the default until one is set.
+        self.cost: CostModel = uncalibrated()
+        #: True once a model was set from outside (calibration, profile): online fits stop.
+        self.cost_pinned = False
+
+    def set_cost_model(self, model: CostModel, pinned: bool = True) -> None:
+        """Price work with ``model`` from now on. ``pinned``: a calibrated model from outside (the
+        driver's solo-call calibration, a profile); the scheduler's online fit no longer replaces it."""
+        if pinned or not self.cost_pinned:
+            if model.source != self.cost.source:
+                logger.info("policy %s: cost model from %s", self.name, model.source)
+            self.cost = model
+            self.cost_pinned = self.cost_pinned or pinned
 
     def bind(self, engine: EngineView) -> None:
         """Called once by the scheduler before the first request."""
@@ -189,6 +210,9 @@ class Policy:
         """Raise ValueError when the policy cannot run on ``platform`` ("cpu", "cuda", ...)."""
 
     # bookkeeping -----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """At the start of each ``schedule()`` (when ``orders`` or ``caps_chunks``)."""
+
     def on_arrival(self, call: CallView) -> None:
         pass
 

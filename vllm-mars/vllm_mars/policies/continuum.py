@@ -51,7 +51,7 @@ from typing import Any
 
 from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker
-from vllm_mars.policies.infercept import prefill_seconds
+from vllm_mars.policies.infercept import config_cost_model, prefill_seconds
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class _ContinuumBase(Policy):
 
     def __init__(self, config: Any = None, clock=None) -> None:
         super().__init__(config, clock)
+        config_cost_model(self)
         self.gaps = GapTracker(window=self.config.gap_window)
         self._program_seq: OrderedDict[str, int] = OrderedDict()
         self._pinned: dict[str, float] = {}  # workflow -> pin expiry (policy's own record)
@@ -225,6 +226,7 @@ class ContinuumDyPolicy(_ContinuumBase):
     """Continuum's dynamic TTL from the utility over observed return gaps."""
 
     name = "continuum_dy"
+    uses_cost = True
     Config = ContinuumDyConfig
 
     def __init__(self, config: Any = None, clock=None) -> None:
@@ -279,8 +281,7 @@ class ContinuumDyPolicy(_ContinuumBase):
             return cfg.cold_start_s
         own = self.gaps.tool_samples(call.workflow.tool)
         records = own if own is not None and len(own) >= cfg.min_samples else everything
-        reload = prefill_seconds(call.num_tokens, cfg.prefill_s_per_token, cfg.prefill_s_per_token2,
-                                 cfg.prefill_s_const)
+        reload = prefill_seconds(self.cost, call.num_tokens)
         base = self.queue_delay_s * self.eta + reload
         if base <= 0:
             return 0.0

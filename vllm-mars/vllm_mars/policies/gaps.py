@@ -111,9 +111,11 @@ class GapTracker:
         self._by_workflow.pop(workflow, None)
 
     def samples(self, tool: str | None = None, workflow: str | None = None,
-                min_samples: int = 1) -> GapSamples | None:
-        """The most specific samples with at least ``min_samples``: workflow, then tool, then all."""
-        for table, key in ((self._by_workflow, workflow), (self._by_tool, tool)):
+                min_samples: int = 1, tool_first: bool = False) -> GapSamples | None:
+        """The most specific samples with at least ``min_samples``: workflow, then tool, then all
+        (``tool_first``: tool, then workflow, then all)."""
+        order = ((self._by_workflow, workflow), (self._by_tool, tool))
+        for table, key in (order[::-1] if tool_first else order):
             if key is not None:
                 s = table.get(key)
                 if s is not None and len(s) >= min_samples:

@@ -53,15 +53,29 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_mars.costmodel import CostModel, from_polynomial
 from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker
 
 
-def prefill_seconds(tokens: int, s_per_token: float, s_per_token2: float = 0.0, const: float = 0.0) -> float:
-    """The prefill (recompute) time of ``tokens`` from a quadratic cost model."""
+def prefill_seconds(cost: CostModel, tokens: int) -> float:
+    """T_fwd: the recompute time of ``tokens`` context tokens (one step's overhead plus the rebuild)."""
     if tokens <= 0:
         return 0.0
-    return s_per_token2 * tokens * tokens + s_per_token * tokens + const
+    return cost.step_overhead_s + cost.rebuild_s(tokens)
+
+
+def config_cost_model(policy: Policy) -> None:
+    """Give ``policy`` its config's ``prefill_s_*`` model: pinned when the fields were set (the
+    operator calibrated them), else as the uncalibrated default the engine may replace."""
+    cfg = policy.config
+    if not hasattr(cfg, "prefill_s_per_token"):
+        return
+    fields = (cfg.prefill_s_per_token, cfg.prefill_s_per_token2, cfg.prefill_s_const)
+    default = fields == (2e-4, 0.0, 0.0)
+    policy.set_cost_model(from_polynomial(*fields, source=f"{policy.name} config prefill_s_* fields"
+                                          + (" (default, uncalibrated)" if default else ""),
+                                          calibrated=not default), pinned=not default)
 
 
 @dataclass(frozen=True)
@@ -115,10 +129,12 @@ class InferceptPolicy(Policy):
     Config = InferceptConfig
     retains = True
     orders = True
+    uses_cost = True
     swap = False
 
     def __init__(self, config: Any = None, clock=None) -> None:
         super().__init__(config, clock)
+        config_cost_model(self)
         self.gaps = GapTracker(window=self.config.gap_window)
         self.last_decision: Interception | None = None
         self._first_seq: OrderedDict[str, int] = OrderedDict()
@@ -170,8 +186,7 @@ class InferceptPolicy(Policy):
             rid = call.request_id
             other = sum(o.num_tokens for o in self.engine.running_calls() if o.request_id != rid)
         batch = c + other
-        w_discard = prefill_seconds(c, cfg.prefill_s_per_token, cfg.prefill_s_per_token2,
-                                    cfg.prefill_s_const) * batch
+        w_discard = prefill_seconds(self.cost, c) * batch
         w_swap = self.swap_waste(c, batch)
         release = "discard" if w_swap is None or w_discard <= w_swap else "swap"
         w_release = w_discard if release == "discard" else w_swap

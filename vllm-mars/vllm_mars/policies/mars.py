@@ -8,18 +8,27 @@ Mechanisms, each switched by one config field (the ablation policies flip them):
   (level, decodes first, arrival) order, waiting calls in (level, preempted first, arrival) order.
 * **Decode promotion** (``promote_decodes``): a call that is generating is at level 0.
 * **Preempted first** (``preempted_first``) among the waiting calls of their level.
-* **Aging** (``aging_s``): the effective level drops by one per ``aging_s`` since the call was last
-  given tokens, so a waiting call reaches level 0 within ``3 * aging_s``.
+* **Aging** (``aging_s``): the effective level drops by one per aging period since the call was last
+  given tokens, so a waiting call reaches level 0 within three periods. The period is ``aging_s``,
+  or with ``scaled_mlfq`` ``aging_turns`` observed mean turn times (once a turn has finished).
+* **Work-conserving quanta** (``scaled_mlfq``): a quantum binds only against competing work; a
+  prefill may use the part of the step budget nobody else wants this step.
 * **Elastic prefill** (``elastic``): a prefill chunk that does not fit the free KV blocks shrinks to
   what fits (down to one block) instead of making vLLM preempt somebody.
-* **Priority-aware reclamation** (``priority_reclaim``): vLLM preempts our largest ``victim_key``
-  first: prefills before decodes, then the lowest level, then the largest KV holder, then the
-  latest arrival. vLLM stops preempting as soon as the allocation fits; the scheduler releases
-  retained KV (lowest ``retention_value`` first) before any preemption.
+* **Reclamation** (``priority_reclaim``): vLLM preempts our largest ``victim_key`` first. With
+  ``cost_reclaim``: the call whose computed KV is cheapest to rebuild (``self.cost``), then the
+  lowest level, then the latest arrival; without: prefills before decodes, lowest level, largest
+  KV. vLLM stops preempting as soon as the allocation fits; the scheduler releases retained KV
+  (lowest ``retention_value`` first) before any preemption.
 * **Adaptive retention** (``retention``): a finished, non-final turn keeps its KV for the tau that
-  maximises ``P(gap <= tau) * reload_s(context) - tau * memory_cost``, from learned return gaps
-  (per workflow, then per tool, then all; :mod:`vllm_mars.policies.gaps`). No retention when free
-  blocks are scarce.
+  maximises ``P(gap <= tau) * saving - tau * cost``, from learned return gaps (per previous tool,
+  then per workflow, then all; :mod:`vllm_mars.policies.gaps`). With ``value_retention`` the
+  saving is the rebuild time times the calls it stalls and, under pressure, the cost is the waiting
+  calls the blocks would serve; without it, a memory cost and no retention when free blocks are
+  scarce (``min_free_fraction``).
+
+Every cost comes from ``self.cost`` (:class:`vllm_mars.costmodel.CostModel`), which the scheduler
+sets from ``additional_config["mars"]["cost_model"]``, the driver's calibration, or an online fit.
 
 Pure decision logic: no vllm or torch import.
 """
@@ -33,54 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.clock import Clock
+from vllm_mars.costmodel import CostModel
 from vllm_mars.policies.base import CallView, Policy, register_policy
 from vllm_mars.policies.gaps import GapSamples, GapTracker
 
 _INF = float("inf")
-
-
-@dataclass(frozen=True)
-class PrefillCostModel:
-    """Seconds to (re)compute ``n`` context tokens: ``fixed_s + per_token_s * n + per_token2_s * n^2``.
-
-    Defaults are of the order of a 7-8B model on one datacenter GPU; :meth:`fit` calibrates from
-    measured (tokens, seconds) pairs (e.g. prefill timings of the served model).
-    """
-
-    fixed_s: float = 0.0
-    per_token_s: float = 2e-4
-    per_token2_s: float = 0.0
-
-    def seconds(self, tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
-
-    @classmethod
-    def fit(cls, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> PrefillCostModel:
-        """Least-squares fit to (tokens, seconds) samples; negative coefficients are clipped to 0."""
-        pts = [(float(n), float(t)) for n, t in samples]
-        if len(pts) < (3 if quadratic else 2):
-            raise ValueError(f"need at least {3 if quadratic else 2} (tokens, seconds) samples, got {len(pts)}")
-        cols = 3 if quadratic else 2
-        # Normal equations of [1, n, n^2] (small system, solved by Gaussian elimination).
-        a = [[0.0] * (cols + 1) for _ in range(cols)]
-        for n, t in pts:
-            row = [1.0, n, n * n][:cols]
-            for i in range(cols):
-                for j in range(cols):
-                    a[i][j] += row[i] * row[j]
-                a[i][cols] += row[i] * t
-        for i in range(cols):
-            p = max(range(i, cols), key=lambda r: abs(a[r][i]))
-            a[i], a[p] = a[p], a[i]
-            if abs(a[i][i]) < 1e-30:
-                raise ValueError("degenerate samples: need at least two distinct token counts")
-            for r in range(cols):
-                if r != i:
-                    f = a[r][i] / a[i][i]
-                    for c in range(i, cols + 1):
-                        a[r][c] -= f * a[i][c]
-        coef = [max(a[i][cols] / a[i][i], 0.0) for i in range(cols)]
-        return cls(coef[0], coef[1], coef[2] if quadratic else 0.0)
 
 
 @dataclass(frozen=True)
@@ -95,8 +61,12 @@ class MarsConfig:
     promote_decodes: bool = True
     #: Preempted calls go first among the waiting calls of their level.
     preempted_first: bool = True
-    #: Seconds of not being scheduled per one-level boost; 0 turns aging off.
+    #: Seconds of not being scheduled per one-level boost; 0 turns aging off. With ``scaled_mlfq``
+    #: only until a turn time has been observed.
     aging_s: float = 30.0
+    #: With ``scaled_mlfq``: one-level boost per this many observed mean turn times (call arrival to
+    #: finish, EMA), but never slower than ``aging_s``.
+    aging_turns: float = 4.0
     #: Shrink a prefill chunk to the free KV blocks (down to one block) instead of preempting
     #: (``mars-no-elastic`` turns it off).
     elastic: bool = True
@@ -105,6 +75,22 @@ class MarsConfig:
     priority_reclaim: bool = True
     #: Adaptive KV retention across tool calls (``mars-no-retention`` turns it off).
     retention: bool = True
+    #: Cost-aware reclamation: the victim is the running call whose computed KV is cheapest to
+    #: rebuild (cost model), ties to the lowest level and latest arrival. Off: the SPEC's rule
+    #: (prefills before decodes, lowest level, largest KV) (``mars-no-cost-reclaim``).
+    cost_reclaim: bool = True
+    #: Value-based retention: under pressure a retention is kept only while its expected rebuild
+    #: saving exceeds what its blocks would earn serving the waiting calls. Off: a memory cost and
+    #: no retention at all below ``min_free_fraction`` free (``mars-no-value-retention``).
+    value_retention: bool = True
+    #: A waiting call starts only when the free blocks (retained ones not counted) also hold the
+    #: remaining prefill of the running calls (vLLM's own gate reserves only the new call's prompt; a demoted long prefill
+    #: then finds its blocks taken and someone is preempted) (``mars-no-prefill-reserve``).
+    reserve_prefills: bool = True
+    #: Work-conserving quanta (a quantum binds only while other work competes for the step) and
+    #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
+    #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
+    scaled_mlfq: bool = True
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -131,17 +117,14 @@ class MarsConfig:
     #: Return gaps kept per key (tool, workflow) and keys kept (least recently used forgotten).
     gap_window: int = 256
     gap_max_keys: int = 4096
-    #: Reload cost model (PrefillCostModel): seconds = fixed + per_token * n + per_token2 * n^2.
-    reload_fixed_s: float = 0.0
-    reload_per_token_s: float = 2e-4
-    reload_per_token2_s: float = 0.0
 
     def __post_init__(self) -> None:
         def fail(name: str, allowed: str, value: Any) -> None:
             raise ValueError(f"mars config field {name!r} must be {allowed}, got {value!r}")
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
-                     "retention", "estimate_cached_prefix"):
+                     "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
+                     "reserve_prefills"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -152,8 +135,7 @@ class MarsConfig:
             object.__setattr__(self, name, tuple(v))
         if list(self.level_thresholds) != sorted(self.level_thresholds):
             fail("level_thresholds", "increasing", self.level_thresholds)
-        for name in ("aging_s", "max_retention_s", "memory_cost_weight", "cold_start_tau_s",
-                     "reload_fixed_s", "reload_per_token_s", "reload_per_token2_s"):
+        for name in ("aging_s", "aging_turns", "max_retention_s", "memory_cost_weight", "cold_start_tau_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == _INF:
                 fail(name, "a finite number >= 0", v)
@@ -163,10 +145,6 @@ class MarsConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 fail(name, "an integer >= 1", v)
-
-    @property
-    def reload_model(self) -> PrefillCostModel:
-        return PrefillCostModel(self.reload_fixed_s, self.reload_per_token_s, self.reload_per_token2_s)
 
 
 class _State:
@@ -204,6 +182,7 @@ class MarsPolicy(Policy):
     Config = MarsConfig
     orders = True
     gates = False
+    uses_cost = True
 
     def __init__(self, config: MarsConfig | None = None, clock: Clock | None = None) -> None:
         super().__init__(config, clock)
@@ -213,21 +192,27 @@ class MarsPolicy(Policy):
         self.tracks_service = cfg.mlfq
         self.custom_victims = cfg.priority_reclaim
         self.retains = cfg.retention
+        self.gates = cfg.reserve_prefills
         self.gaps = GapTracker(cfg.gap_window, cfg.gap_max_keys)
-        self.reload = cfg.reload_model
         self._thresholds = cfg.level_thresholds
         self._quanta = cfg.quanta
         self._max_level = len(cfg.quanta) - 1
         self._aging = cfg.aging_s if cfg.mlfq and cfg.aging_s > 0 else 0.0
+        self._scaled = cfg.mlfq and cfg.scaled_mlfq
+        self._turn_ema = 0.0  # observed mean turn time (call arrival to finish), seconds
+        self._step_demand: int | None = None  # other work's tokens this step (lazy, see chunk_tokens)
         self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
 
     # -- calibration hook -------------------------------------------------------------------------
-    def calibrate_reload(self, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> PrefillCostModel:
-        """Fit the reload cost model to measured (tokens, prefill seconds) and use it from now on."""
-        self.reload = PrefillCostModel.fit(samples, quadratic)
-        return self.reload
+    def calibrate_reload(self, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> CostModel:
+        """Fit the cost model to measured (tokens, prefill seconds) and use it from now on."""
+        self.set_cost_model(CostModel.fit_prefill(samples, quadratic))
+        return self.cost
+
+    def begin_step(self) -> None:
+        self._step_demand = None
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
@@ -256,6 +241,12 @@ class MarsPolicy(Policy):
 
     def on_finished(self, call: CallView, aborted: bool) -> None:
         wf = call.workflow
+        if not aborted and self._scaled:
+            turn = self.clock.now() - call.arrival
+            self._turn_ema = turn if self._turn_ema <= 0 else 0.9 * self._turn_ema + 0.1 * turn
+            if self._turn_ema > 0 and self.config.aging_s > 0:
+                # Never slower than aging_s: under overload turn times grow with the backlog.
+                self._aging = min(self.config.aging_s, max(self.config.aging_turns * self._turn_ema, 1e-3))
         if not wf.tagged:
             return
         key = wf.workflow
@@ -326,9 +317,14 @@ class MarsPolicy(Policy):
         return (lvl, first, call.seq)
 
     def victim_key(self, call: CallView) -> Any:
-        # Largest first: prefills before decodes, lowest level, largest KV, latest arrival.
-        # ``state`` was filled by running_key in this step's ordering pass.
+        # Largest first. ``state`` was filled by running_key in this step's ordering pass.
         st: _State = call.state
+        if self.config.cost_reclaim:
+            # Cheapest to rebuild first (the computed KV it loses, priced by the cost model), then
+            # the lowest level, the latest arrival. vLLM stops preempting as soon as the allocation
+            # fits, and with elastic prefill that is almost always one block, which any victim frees.
+            return (-self.cost.rebuild_s(call._req.num_computed_tokens), st.level, call.seq)
+        # SPEC rule: prefills before decodes, lowest level, largest KV, latest arrival.
         return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, call.seq)
 
     def chunk_tokens(self, call: CallView, num_computed: int, num_new: int) -> int:
@@ -339,9 +335,14 @@ class MarsPolicy(Policy):
             # The quantum of the level used in this step's order (waiting calls: computed now,
             # since the order key may predate this step's prefix-cache lookup).
             lvl = st.level if call.is_running else self.level(call, self.clock.now())
-            q = min(self._quanta[lvl], self.engine.token_budget)
+            budget = self.engine.token_budget
+            q = min(self._quanta[lvl], budget)
             if n >= q:
-                n = q
+                if self._scaled:
+                    # Work-conserving: the quantum binds only against competing work; a prefill
+                    # may take the step budget that nobody else would use.
+                    q = max(q, budget - self._other_demand(call, budget - q))
+                n = min(n, q)
                 st.quantum, st.quantum_level = q, lvl
             else:
                 st.quantum = 0
@@ -364,25 +365,87 @@ class MarsPolicy(Policy):
                     st.quantum = 0  # a chunk cut by memory is no spent quantum
         return n
 
+    def may_start(self, call: CallView) -> bool:
+        """Reserve the running prefills' remaining KV before a new call takes blocks."""
+        engine = self.engine
+        running = engine.running_calls()
+        if not running:
+            return True
+        bs = engine.block_size
+        # Its uncached part (the workflow's previous context is probably still cached or retained).
+        need = -(-max(call.remaining_prefill - call.state.known_prefix, 0) // bs)
+        for c in running:
+            rem = c.remaining_prefill
+            if rem > 0:
+                need += -(-rem // bs)
+        # Retained KV does not count as free: under pressure the value rule chose to keep it, and
+        # counting it let calls start that then preempted others (ILR-3 at 0.16 rps in the sim:
+        # 52 preemptions and 855 s mean E2E against 19 and 763 s).
+        return need <= engine.free_blocks()
+
+    def _other_demand(self, call: CallView, limit: int) -> int:
+        """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
+        their quantum), computed once per step and counted only up to ``limit``."""
+        d = self._step_demand
+        if d is None:
+            d = 0
+            engine = self.engine
+            for group in (engine.running_calls(), engine.waiting_calls()):
+                for c in group:
+                    rem = c.remaining_prefill
+                    d += min(rem, self._quanta[c.state.level]) if rem > 0 else 1
+                    if d > limit + 4096:
+                        break
+            self._step_demand = d
+        own = call.remaining_prefill
+        own = min(own, self._quanta[call.state.level]) if own > 0 else 1
+        return max(d - own, 0)
+
     # -- retention ----------------------------------------------------------------------------------
     def _gap_samples(self, call: CallView) -> GapSamples | None:
+        # The tool the turn reported (the previous tool: the engine does not parse the output for
+        # the next one), else this workflow's own gaps, else all.
         wf = call.workflow
-        return self.gaps.samples(tool=wf.tool, workflow=wf.workflow, min_samples=self.config.min_gap_samples)
+        return self.gaps.samples(tool=wf.tool, workflow=wf.workflow, min_samples=self.config.min_gap_samples,
+                                 tool_first=True)
+
+    def _pressure(self) -> tuple[int, int, int]:
+        """(blocks the waiting calls lack beyond the free ones, waiting calls, running calls), with
+        the finishing call's blocks still held."""
+        engine = self.engine
+        bs = engine.block_size
+        waiting = engine.waiting_calls()
+        need = sum(-(-c.remaining_prefill // bs) for c in waiting)
+        return need - engine.free_blocks(), len(waiting), len(engine.running_calls())
 
     def choose_retention(self, call: CallView, num_blocks: int) -> tuple[float, float]:
-        """(tau seconds, expected net value seconds) for keeping ``num_blocks`` of ``call``."""
+        """(tau seconds, expected net value) for keeping ``num_blocks`` of ``call``.
+
+        Value = ``P(gap <= tau) * saving - tau * cost_per_s``. With ``value_retention`` both are in
+        call-seconds: the saving is the rebuild time (cost model) times the calls it stalls (the
+        returning call and the running batch); under pressure (waiting calls lack blocks) the cost
+        per second is the waiting calls those blocks would serve (their share of the deficit);
+        without pressure, the pool-share memory cost. Without ``value_retention``: the rebuild time
+        against the memory cost, and no retention below ``min_free_fraction`` free.
+        """
         cfg = self.config
         engine = self.engine
         total = max(engine.num_blocks, 1)
         # Once released, this call's blocks would be free (evictable) again.
         free_after = engine.free_blocks() + num_blocks
-        if (free_after - num_blocks) / total < cfg.min_free_fraction:
-            return 0.0, 0.0
-        reload_s = self.reload.seconds(call.num_tokens)
+        reload_s = self.cost.rebuild_s(call.num_tokens)
         # Memory cost per second held: the share of the pool held, scaled by pressure (used over
         # free once this call's blocks are released): ~0 on an idle engine, steep near full.
         free_frac = free_after / total
         cost_per_s = cfg.memory_cost_weight * (num_blocks / total) * (1.0 - min(free_frac, 1.0)) / free_frac
+        if cfg.value_retention:
+            deficit, n_waiting, n_running = self._pressure()
+            reload_s *= 1 + n_running
+            if deficit > 0 and n_waiting:
+                # Each second held keeps min(blocks, deficit) blocks from the waiting calls.
+                cost_per_s = n_waiting * min(num_blocks, deficit) / max(deficit, 1)
+        elif (free_after - num_blocks) / total < cfg.min_free_fraction:
+            return 0.0, 0.0
         samples = self._gap_samples(call)
         if samples is None:
             tau = min(cfg.cold_start_tau_s, cfg.max_retention_s)
@@ -431,3 +494,13 @@ MarsNoElasticPolicy = _ablation("mars-no-elastic", "``mars`` without elastic pre
                                 elastic=False)
 MarsNoRetentionPolicy = _ablation("mars-no-retention", "``mars`` without adaptive KV retention.",
                                   retention=False)
+MarsNoCostReclaimPolicy = _ablation("mars-no-cost-reclaim", "``mars`` with the largest-KV victim rule.",
+                                    cost_reclaim=False)
+MarsNoValueRetentionPolicy = _ablation("mars-no-value-retention",
+                                       "``mars`` with the free-share retention cut-off instead of value.",
+                                       value_retention=False)
+MarsNoPrefillReservePolicy = _ablation("mars-no-prefill-reserve",
+                                       "``mars`` without reserving running prefills' KV at admission.",
+                                       reserve_prefills=False)
+MarsNoScaledMlfqPolicy = _ablation("mars-no-scaled-mlfq", "``mars`` with fixed quanta and fixed aging_s.",
+                                   scaled_mlfq=False)

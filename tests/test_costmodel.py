@@ -1,0 +1,87 @@
+"""The one CostModel: constructors, serialisation, and the scheduler's online fit in the rig."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm_mars.clock import VirtualClock
+from vllm_mars.costmodel import CostModel, OnlineCostFit, from_polynomial
+from vllm_mars.engine.rig import assert_no_leaks, fake_model_output, make_request, make_scheduler
+from vllm_mars.policies import make_policy
+
+
+class _Profile:
+    name = "linear-test"
+    max_num_batched_tokens = 8192
+    max_model_len = 65536
+
+    def step_seconds(self, prefill, decode):
+        return (0.01 + sum(2e-5 * n + 1e-9 * n * (c + (n - 1) / 2) for n, c in prefill)
+                + sum(3e-4 + 1e-8 * c for c in decode))
+
+
+def test_from_profile_recovers_the_step_model():
+    m = CostModel.from_profile(_Profile())
+    assert m.calibrated and "linear-test" in m.source
+    assert m.step_overhead_s == pytest.approx(0.01, rel=1e-3)
+    assert m.prefill_s_per_token == pytest.approx(2e-5, rel=1e-3)
+    assert m.attn_s_per_token_ctx == pytest.approx(1e-9, rel=1e-3)
+    assert m.decode_s == pytest.approx(3e-4, rel=1e-3) and m.decode_s_per_ctx_token == pytest.approx(1e-8, rel=1e-3)
+    p = _Profile()
+    assert m.step_s([(4096, 10000)], [100, 5000]) == pytest.approx(p.step_seconds([(4096, 10000)], [100, 5000]),
+                                                                  rel=1e-4)
+
+
+def test_serialisation_round_trip_and_file(tmp_path):
+    m = from_polynomial(1e-4, 1e-9, 0.002, source="paper")
+    assert CostModel.from_dict(m.as_dict()) == m
+    assert m.rebuild_s(1000) == pytest.approx(1e-4 * 1000 + 1e-9 * 1000 * 999)
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(m.as_dict()))
+    assert CostModel.load(str(f)) == m
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="bad.json:1: not JSON"):
+        CostModel.load(str(bad))
+    with pytest.raises(ValueError, match="free prefill"):
+        CostModel(prefill_s_per_token=0.0)
+
+
+def test_uncalibrated_default_says_so():
+    assert not CostModel().calibrated and "uncalibrated" in CostModel().source
+    assert not make_policy("mars").cost.calibrated
+    assert not make_policy("infercept").cost.calibrated
+    p = make_policy("infercept", {"prefill_s_per_token": 1e-5})
+    assert p.cost.calibrated and p.cost_pinned and p.cost.rebuild_s(100) == pytest.approx(1e-3)
+
+
+def test_online_fit_of_synthetic_steps():
+    fit = OnlineCostFit(min_steps=8)
+    for i in range(200):
+        n, d = (i * 37) % 1024, i % 9
+        fit.observe(0.008 + 6e-5 * n + 1e-3 * d, [(n, 0)] if n else [], d)
+    m = fit.model()
+    assert m is not None and m.prefill_s_per_token == pytest.approx(6e-5, rel=0.02)
+    assert m.step_overhead_s == pytest.approx(0.008, rel=0.05) and m.decode_s == pytest.approx(1e-3, rel=0.05)
+
+
+def test_scheduler_fits_the_policy_cost_model_from_its_step_times():
+    # Each step takes 5 ms + 50 us per scheduled token of virtual time; the policy starts on the
+    # uncalibrated default and ends with the online fit (a calibrated model pinned from outside
+    # would stop it).
+    clock = VirtualClock()
+    s = make_scheduler("mars", clock=clock, num_blocks=400, max_num_batched_tokens=128)
+    assert not s.mars_policy.cost.calibrated
+    for i in range(60):
+        s.add_request(make_request(f"r{i}", prompt_len=100 + 37 * i % 300, max_tokens=4))
+    while s.has_requests():
+        so = s.schedule()
+        clock.advance(0.005 + 5e-5 * so.total_num_scheduled_tokens)
+        s.update_from_output(so, fake_model_output(s, so))
+    cost = s.mars_policy.cost
+    assert cost.calibrated and cost.source.startswith("online fit"), cost
+    assert cost.prefill_s_per_token == pytest.approx(5e-5, rel=0.1)
+    assert s.mars_stats()["cost_model"]["source"] == cost.source
+    s.release_retention()
+    assert_no_leaks(s)

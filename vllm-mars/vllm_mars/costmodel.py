@@ -1,0 +1,305 @@
+"""The one cost model of an engine: seconds per prefill chunk, per rebuild, per decode step.
+
+Used alike by the policies (reload/rebuild cost of a context), the admission controller (the
+rebuild cost an admission would cause) and the metrics (a workflow's ideal time alone). Pure
+Python: no vllm or torch import.
+
+Model (one engine step, seconds)::
+
+    step = step_overhead_s
+         + sum over prefill chunks (n tokens after c context tokens):
+               prefill_s_per_token * n + attn_s_per_token_ctx * n * (c + (n - 1) / 2)
+         + sum over decoding calls (context c): decode_s + decode_s_per_ctx_token * c
+
+Where it comes from (``source`` says which; ``calibrated`` is False only for the built-in
+default, and a policy that runs on that default says so in its log and stats):
+
+* :meth:`CostModel.from_profile`: fitted to a step-time profile's ``step_seconds``
+  (``vllm_mars.sim.profile``, or a ``mars profile`` output file via :meth:`CostModel.load`);
+* :meth:`CostModel.from_solo_calls`: the driver's calibration by solo calls on the idle engine;
+* :class:`OnlineCostFit`: least squares over the engine's own measured step times;
+* :meth:`CostModel.from_dict`: the serialised form that travels in ``additional_config["mars"]``
+  (``cost_model``) and in admission options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SOURCE = "default (uncalibrated: 2e-4 s/token, a 7-8B model on one datacenter GPU)"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of engine work (see the module docstring for the formula)."""
+
+    #: Fixed cost of one engine step (scheduling, launch, sampling).
+    step_overhead_s: float = 0.0
+    #: Prefill cost per token (the linear, MLP/projection part).
+    prefill_s_per_token: float = 2e-4
+    #: Attention cost per (new token x context token) pair.
+    attn_s_per_token_ctx: float = 0.0
+    #: Cost of one decoding call in a step (batch-1 decode step minus the step overhead).
+    decode_s: float = 0.0
+    #: Extra decode cost per context token.
+    decode_s_per_ctx_token: float = 0.0
+    #: Fixed cost of a call outside the engine steps (request handling, first-step extras).
+    call_overhead_s: float = 0.0
+    #: Where the numbers came from.
+    source: str = DEFAULT_SOURCE
+    #: False only for the built-in default.
+    calibrated: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in ("source", "calibrated"):
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0) or math.isinf(v):
+                raise ValueError(f"cost model field {f.name!r} must be a finite number >= 0, got {v!r}")
+        if self.prefill_s_per_token + self.attn_s_per_token_ctx <= 0:
+            raise ValueError("cost model: prefill_s_per_token and attn_s_per_token_ctx are both 0 (free prefill)")
+        if not isinstance(self.source, str) or not isinstance(self.calibrated, bool):
+            raise ValueError("cost model: 'source' must be a string and 'calibrated' true or false")  # noqa: TRY004
+
+    # -- queries --------------------------------------------------------------------------------
+    def prefill_s(self, tokens: int, context: int = 0) -> float:
+        """Seconds to compute ``tokens`` new tokens after ``context`` tokens already in KV."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * (self.prefill_s_per_token + self.attn_s_per_token_ctx * (context + (tokens - 1) / 2))
+
+    def rebuild_s(self, tokens: int) -> float:
+        """Seconds to recompute a lost context of ``tokens`` tokens from scratch."""
+        return self.prefill_s(tokens, 0)
+
+    def decode_step_s(self, context: int = 0) -> float:
+        """One decoding call's share of a step at ``context`` tokens (no step overhead)."""
+        return self.decode_s + self.decode_s_per_ctx_token * max(context, 0)
+
+    def step_s(self, prefill: Sequence[tuple[int, int]] = (), decode: Sequence[int] = ()) -> float:
+        """One engine step: ``prefill`` = (chunk tokens, context before it), ``decode`` = contexts."""
+        return (self.step_overhead_s + sum(self.prefill_s(n, c) for n, c in prefill)
+                + sum(self.decode_step_s(c) for c in decode))
+
+    def call_s(self, new_prompt_tokens: int, output_tokens: int, context: int = 0) -> float:
+        """A call alone on an idle engine: one prefill step of the uncached prompt (after
+        ``context`` cached tokens), then ``output_tokens - 1`` decode steps."""
+        new = max(new_prompt_tokens, 0)
+        total = context + new
+        steps = max(output_tokens - 1, 0)
+        return (self.call_overhead_s + self.step_overhead_s + self.prefill_s(new, context)
+                + steps * (self.step_overhead_s + self.decode_s)
+                + self.decode_s_per_ctx_token * (steps * total + steps * (steps - 1) / 2))
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "cost model") -> CostModel:
+        """From :meth:`as_dict` output; unknown keys are a ValueError naming ``where`` and the valid ones."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")  # noqa: TRY004
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {', '.join(sorted(known))}")
+        d = dict(d)
+        d.setdefault("calibrated", "source" in d)
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        """From a file: a serialised cost model (JSON object with ``prefill_s_per_token``) or a
+        step-time profile (shipped name or ``mars profile`` output, read by ``load_profile``)."""
+        p = Path(path)
+        if p.suffix == ".json" and p.is_file():
+            try:
+                d = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not JSON: {e.msg}") from None
+            if isinstance(d, dict) and "prefill_s_per_token" in d:
+                return cls.from_dict(d, where=str(path))
+        from vllm_mars.sim.profile import load_profile  # the profile branch; ValueError names valid ones
+
+        return cls.from_profile(load_profile(path))
+
+    # -- constructors -----------------------------------------------------------------------------
+    @classmethod
+    def from_solo_calls(cls, short: tuple[int, float], long: tuple[int, float], long_decode: tuple[int, float],
+                        source: str = "calibrated by solo calls") -> CostModel:
+        """From solo latencies: (prompt P1, t(P1, 1 token)), (P2, t(P2, 1)), (outputs N, t(P2, N)).
+
+        Linear prefill; the one-token call's fixed part is ``call_overhead_s`` and each further
+        output token costs ``decode_s`` (solo calls cannot split it from the step overhead).
+        """
+        (p1, t1), (p2, t2), (n, t3) = short, long, long_decode
+        if p2 <= p1 or n <= 1:
+            raise ValueError("from_solo_calls needs P2 > P1 and N > 1")
+        a = max((t2 - t1) / (p2 - p1), 1e-9)
+        c = max(t1 - a * p1, 0.0)
+        per_step = max((t3 - t2) / (n - 1), 0.0)
+        return cls(prefill_s_per_token=a, decode_s=per_step, call_overhead_s=c, source=source, calibrated=True)
+
+    @classmethod
+    def fit_prefill(cls, samples: Iterable[tuple[int, float]], quadratic: bool = False,
+                    source: str = "fitted to (tokens, seconds) prefill samples") -> CostModel:
+        """Least squares of ``overhead + a * n (+ b * n * (n - 1) / 2)`` over measured prefills of
+        ``n`` tokens from an empty context; negative coefficients are clipped to 0."""
+        rows = [((1.0, float(n), n * (n - 1) / 2.0) if quadratic else (1.0, float(n)), float(t))
+                for n, t in samples]
+        need = 3 if quadratic else 2
+        if len(rows) < need:
+            raise ValueError(f"need at least {need} (tokens, seconds) samples, got {len(rows)}")
+        coef = _lstsq(rows)
+        return cls(step_overhead_s=coef[0], prefill_s_per_token=max(coef[1], 1e-12),
+                   attn_s_per_token_ctx=coef[2] if quadratic else 0.0, source=source, calibrated=True)
+
+    @classmethod
+    def from_profile(cls, profile: Any) -> CostModel:
+        """Fit to a profile's ``step_seconds(prefill=[(chunk, ctx)], decode=[ctx, ...])``.
+
+        Samples single-chunk prefill steps over the profile's step budget and contexts up to its
+        ``max_model_len``, and single-decode steps, then least squares on the model's features.
+        """
+        step = profile.step_seconds
+        budget = max(int(getattr(profile, "max_num_batched_tokens", 8192)), 16)
+        max_len = max(int(getattr(profile, "max_model_len", 32768)), 2 * budget)
+        rows = []
+        for n in sorted({16, budget // 8, budget // 4, budget // 2, budget}):
+            for c in (0, max_len // 8, max_len // 2):
+                rows.append(((1.0, float(n), n * (c + (n - 1) / 2.0)), float(step([(n, c)], []))))
+        overhead, a, b = _lstsq(rows)
+        drows = []
+        for c in (16, max_len // 4, max_len // 2, max_len - 1):
+            drows.append(((1.0, float(c)), float(step([], [c])) - overhead))
+        d0, d1 = _lstsq(drows)
+        return cls(step_overhead_s=overhead, prefill_s_per_token=max(a, 1e-12), attn_s_per_token_ctx=b,
+                   decode_s=d0, decode_s_per_ctx_token=d1,
+                   source=f"fitted to step-time profile {getattr(profile, 'name', '?')!r}", calibrated=True)
+
+
+def _lstsq(rows: Sequence[tuple[Sequence[float], float]]) -> list[float]:
+    """Non-negative least squares over (features, seconds) rows (tiny systems)."""
+    k = len(rows[0][0])
+    xtx = [[sum(x[i] * x[j] for x, _ in rows) for j in range(k)] for i in range(k)]
+    xty = [sum(x[i] * t for x, t in rows) for i in range(k)]
+    coef = _solve_nonneg(xtx, xty)
+    if coef is None:
+        raise ValueError("degenerate samples: need distinct token counts")
+    return coef
+
+
+class OnlineCostFit:
+    """Learns a :class:`CostModel` from the engine's own step times (exponentially forgotten
+    least squares over ``[1, prefill tokens, attention pairs, decoding calls]``).
+
+    ``observe`` is called once per executed step; :meth:`model` returns None until ``min_steps``
+    steps with both prefill and decode work were seen.
+    """
+
+    _K = 4
+
+    def __init__(self, min_steps: int = 32, forget: float = 0.995) -> None:
+        self.min_steps = min_steps
+        self.forget = forget
+        self.steps = 0
+        self._prefill_steps = 0
+        self._xtx = [[0.0] * self._K for _ in range(self._K)]
+        self._xty = [0.0] * self._K
+        self._cached: CostModel | None = None
+        self._dirty = 0
+
+    def observe(self, seconds: float, prefill: Iterable[tuple[int, int]], num_decode: int) -> None:
+        if not seconds > 0:
+            return
+        n = pairs = 0.0
+        for chunk, ctx in prefill:
+            n += chunk
+            pairs += chunk * (ctx + (chunk - 1) / 2.0)
+        if n == 0 and num_decode == 0:
+            return
+        x = (1.0, n, pairs, float(num_decode))
+        lam = self.forget
+        for i in range(self._K):
+            self._xty[i] = lam * self._xty[i] + x[i] * seconds
+            row = self._xtx[i]
+            for j in range(self._K):
+                row[j] = lam * row[j] + x[i] * x[j]
+        self.steps += 1
+        self._prefill_steps += n > 0
+        self._dirty += 1
+
+    def model(self) -> CostModel | None:
+        if self.steps < self.min_steps or self._prefill_steps < self.min_steps // 4:
+            return None
+        if self._cached is not None and self._dirty < 16:
+            return self._cached
+        coef = _solve_nonneg(self._xtx, self._xty)
+        if coef is None or coef[1] + coef[2] <= 0:
+            return self._cached
+        self._dirty = 0
+        self._cached = CostModel(step_overhead_s=coef[0], prefill_s_per_token=max(coef[1], 1e-12),
+                                 attn_s_per_token_ctx=coef[2], decode_s=coef[3],
+                                 source=f"online fit of {self.steps} engine step times", calibrated=True)
+        return self._cached
+
+
+def _solve_nonneg(xtx: list[list[float]], xty: list[float]) -> list[float] | None:
+    """Solve the normal equations (diagonally scaled); a column whose coefficient goes negative is
+    dropped and the rest refitted. None when the system is singular."""
+    k = len(xty)
+    active = list(range(k))
+    while active:
+        scale = [math.sqrt(xtx[i][i]) or 1.0 for i in range(k)]
+        m = len(active)
+        a = [[xtx[i][j] / (scale[i] * scale[j]) for j in active] + [xty[i] / scale[i]] for i in active]
+        for i in range(m):
+            a[i][i] += 1e-9
+        ok = True
+        for i in range(m):
+            p = max(range(i, m), key=lambda r: abs(a[r][i]))
+            a[i], a[p] = a[p], a[i]
+            if abs(a[i][i]) < 1e-12:
+                ok = False
+                break
+            for r in range(m):
+                if r != i:
+                    f = a[r][i] / a[i][i]
+                    for c in range(i, m + 1):
+                        a[r][c] -= f * a[i][c]
+        if not ok:
+            return None
+        coef = {col: a[i][m] / a[i][i] / scale[col] for i, col in enumerate(active)}
+        neg = [c for c in active if coef[c] < 0]
+        if not neg:
+            return [coef.get(i, 0.0) for i in range(k)]
+        active.remove(min(neg, key=lambda c: coef[c] * scale[c]))
+    return [0.0] * k  # every coefficient fitted negative: nothing above zero to explain
+
+
+def from_polynomial(per_token: float, per_token2: float = 0.0, const: float = 0.0, source: str = "",
+                    calibrated: bool = True) -> CostModel:
+    """``T(C) = const + per_token * C + per_token2 * C^2`` (the baselines' published form) as a
+    CostModel: ``const`` is the step overhead, ``per_token2`` the attention term (``attn = 2 *
+    per_token2``, so ``rebuild_s(C) = per_token * C + per_token2 * C * (C - 1)``)."""
+    return CostModel(step_overhead_s=const, prefill_s_per_token=per_token, attn_s_per_token_ctx=2 * per_token2,
+                     source=source or "polynomial prefill model", calibrated=calibrated)
+
+
+def uncalibrated() -> CostModel:
+    """The built-in default (callers must say so when they run on it)."""
+    return CostModel()
+
+
+def with_source(model: CostModel, source: str) -> CostModel:
+    return replace(model, source=source)
