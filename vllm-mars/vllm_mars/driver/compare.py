@@ -1,11 +1,15 @@
-"""``run_compare``: every policy on the same workload at each rps, one engine at a time."""
+"""``run_compare``: every policy on the same workload at each rps, one engine at a time.
+
+``run_policies`` is the loop over the policies of one (workload, rps) cell; ``run_compare`` runs it
+per rps and ``mars experiment run`` per grid cell (vllm_mars/experiments.py).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from typing import Any
 from vllm_mars.driver.control import check_policy
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
+from vllm_mars.metrics.ideal import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +27,37 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLICIES = ("mars", "mars-no-admission", "fcfs")
 DEFAULT_RPS = (4.0,)
 DEFAULT_NUM_BLOCKS = COMPARE_CPU_NUM_BLOCKS  # CPU build only: GPUs use vLLM's sizing
+
+
+def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | None = None, **kw: Any) -> ReplayConfig:
+    """``base`` for the run labelled ``label``: the driver policy is ``variant["policy"]`` (default:
+    the label itself); the variant's ``policy_options`` / ``admission_options`` update the base's."""
+    v = dict(variant or {})
+    return replace(base, policy=v.get("policy", label),
+                   policy_options={**base.policy_options, **v.get("policy_options", {})},
+                   admission_options={**base.admission_options, **v.get("admission_options", {})}, **kw)
+
+
+def run_policies(base: ReplayConfig, policies: Sequence[str], rps: float, out: str | Path,
+                 cost: CostModel | None = None, variants: Mapping[str, Mapping[str, Any]] | None = None,
+                 resume: bool = False, on_run: Callable[[str], None] | None = None,
+                 ) -> tuple[dict[str, dict], dict[str, str], CostModel | None]:
+    """Each policy label at ``rps``, its run dir ``out/<label>``; returns (summary per label, run dir
+    per label, the cost model). With ``resume``, a run dir that has ``summary.json`` is finished and
+    is read, not re-run. ``on_run(label)`` is called before each run that executes."""
+    summaries: dict[str, dict] = {}
+    dirs: dict[str, str] = {}
+    for label in policies:
+        run_dir = Path(out) / label
+        done = run_dir / "summary.json"
+        if not (resume and done.is_file()):
+            if on_run:
+                on_run(label)
+            cfg = policy_config(base, label, (variants or {}).get(label), rps=rps, out=str(run_dir))
+            _, cost = run_replay(cfg, cost)
+        summaries[label] = json.loads(done.read_text())
+        dirs[label] = str(run_dir)
+    return summaries, dirs, cost
 
 
 def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[float],
@@ -43,12 +79,7 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
     dirs: dict[float, dict[str, str]] = {}
     t0 = time.monotonic()
     for rps in rps_list:
-        for policy in policies:
-            cfg = replace(base, policy=policy, rps=rps, out=str(out / f"rps{rps:g}" / policy),
-                          policy_options=dict(base.policy_options), admission_options=dict(base.admission_options))
-            run_dir, cost = run_replay(cfg, cost)
-            summaries.setdefault(rps, {})[policy] = json.loads((run_dir / "summary.json").read_text())
-            dirs.setdefault(rps, {})[policy] = str(run_dir)
+        summaries[rps], dirs[rps], cost = run_policies(base, policies, rps, out / f"rps{rps:g}", cost)
     record = compare_record(base.workload, summaries, dirs)
     record["config"] = {"policies": list(policies), "rps": list(rps_list), "num_workflows": base.num_workflows,
                         "num_blocks": base.num_blocks, "block_size": base.block_size, "backend": base.backend,

@@ -113,6 +113,8 @@ class ReplayConfig:
     out: str | None = None
     #: live progress bar on stderr
     progress: bool = True
+    #: PNG plots in the run dir's report.md (an experiment grid turns them off: ~1 s of CPU a run)
+    plots: bool = True
 
     def engine_num_blocks(self) -> int | None:
         """The in-process engine's KV blocks on this platform (None: vLLM sizes the pool)."""
@@ -687,5 +689,5 @@ def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, 
         out, cost = asyncio.run(_replay(cfg, out, cost))
     summary = summarize(read_events(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_run_report(out, summary)
+    write_run_report(out, summary, plots=cfg.plots)
     return out, cost

@@ -17,9 +17,11 @@ def is_mars(policy: str) -> bool:
 
 
 def cell_speedup(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Speedup of mars's mean E2E over the fastest baseline (non-mars policy) in one cell."""
+    """Speedup of mars's mean E2E over the fastest baseline in one cell. A baseline is a run whose
+    label and driver policy (``summary["policy"]``; a labelled variant of mars is mars) are not mars."""
     mars = summaries.get("mars")
-    base = {p: s for p, s in summaries.items() if not is_mars(p) and (s.get("e2e_s") or {}).get("mean")}
+    base = {p: s for p, s in summaries.items()
+            if not is_mars(p) and not is_mars(str(s.get("policy") or p)) and (s.get("e2e_s") or {}).get("mean")}
     if not mars or not (mars.get("e2e_s") or {}).get("mean") or not base:
         return {"speedup": None, "baseline": None}
     best = min(base, key=lambda p: base[p]["e2e_s"]["mean"])
@@ -44,6 +46,7 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
                 "preemptions": s.get("preemptions"), "recomputed_tokens": s.get("recomputed_tokens"),
                 "kv_blocks_removed": s.get("kv_blocks_removed"),
                 "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_ttft_s": (s.get("ttft_s") or {}).get("mean"),
+                "mean_admission_wait_s": ((s.get("admission") or {}).get("wait_s") or {}).get("mean"),
                 "makespan_s": s.get("makespan_s"), "t_ideal_source": s.get("t_ideal_source"),
                 "run_dir": (run_dirs or {}).get(rps, {}).get(p)}
         out["cells"].append(cell)

@@ -174,15 +174,15 @@ def summary_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def write_run_report(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+def write_run_report(run_dir: str | Path, summary: Mapping[str, Any], plots: bool = True) -> Path:
+    """``report.md`` of one run, with its PNG plots unless ``plots`` is False."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir)
     label = str(summary.get("policy") or "run")
+    files: list[str] = []
     try:
-        plots = plot_runs({label: events}, run_dir)
+        files = plot_runs({label: read_events(run_dir)}, run_dir) if plots else []
     except Exception:
         logger.warning("plotting failed", exc_info=True)
-        plots = []
     ttft = summary.get("ttft_by_round") or {}
     lines = [f"# Replay report: {label}", "",
              f"- workload: `{summary.get('workload')}`", (f"- backend: {summary.get('backend')}, rps: {summary.get('rps')}, "
@@ -194,7 +194,7 @@ def write_run_report(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
                  f"alpha {a}: {_fmt(v, 3)}" for a, v in (summary.get("goodput_wps") or {}).items()), "",
              "TTFT by round (s): " + ", ".join(f"r{t}: p50 {_fmt(d.get('p50'), 3)} / p90 {_fmt(d.get('p90'), 3)}"
                                               for t, d in ttft.items()), ""]
-    lines += [f"![{p}]({p})" for p in plots]
+    lines += [f"![{p}]({p})" for p in files]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

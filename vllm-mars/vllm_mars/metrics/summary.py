@@ -57,6 +57,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     run_start: dict[str, Any] = {}
     run_end: dict[str, Any] = {}
     admits = 0
+    waits: list[float] = []  # root admission waits (arrival -> workflow_start)
     for e in events:
         ev = e.get("event")
         if ev == "workflow_arrive":
@@ -75,6 +76,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             windows.append((e["ts"], float(e.get("new", e.get("window")))))
         elif ev == "admission_admit":
             admits += 1
+        elif ev == "workflow_start" and e.get("admission_wait_s") is not None:
+            waits.append(e["admission_wait_s"])
         elif ev == "agent_done":
             agents.append(e)
         elif ev == "run_start":
@@ -153,7 +156,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                   if tool_wait else None},
         "admission": {"admitted": admits, "window_min": min((w for _, w in windows), default=None),
                       "window_max": max((w for _, w in windows), default=None),
-                      "window_updates": len(windows)},
+                      "window_updates": len(windows), "wait_s": dist(waits)},
         "engine": run_end.get("engine"),
         # live-agent (mas_task_v1) runs only: rounds the model took and how many outputs did not parse
         "agent": {"tasks": len(agents), "rounds": sum(a.get("rounds", 0) for a in agents),

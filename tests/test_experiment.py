@@ -1,0 +1,202 @@
+"""``mars experiment run``: a 2-cell grid on the virtual-time engine, resumability, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMPACT = REPO / "benchmark" / "workloads" / "compact.jsonl"
+PROFILE = "h200-qwen3-coder-30b-a3b"
+
+GRID = f"""
+name = "two-cells"
+description = "compact x 2 rps on the sim"
+backend = "sim"
+profile = "{PROFILE}"
+arrival = "fixed"
+num_workflows = 3
+policies = ["mars", "fcfs", "mars-short-ret"]
+
+[variants.mars-short-ret]
+policy = "mars"
+policy_options = {{ max_retention_s = 0.5 }}
+
+[[workloads]]
+name = "compact"
+path = "{COMPACT}"
+rps = [2, 8]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "exp.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    from vllm_mars.experiment.grid import run_experiment
+    from vllm_mars.experiment.spec import load_experiment
+
+    d = tmp_path_factory.mktemp("experiment")
+    exp = load_experiment(write(d, GRID))
+    record = run_experiment(exp, d / "out", progress=False)
+    return exp, d / "out", record
+
+
+def test_two_cell_grid_runs_every_policy_and_writes_the_table(grid):
+    exp, out, record = grid
+    assert [c["key"] for c in record["cells"]] == ["compact/rps2/seed0", "compact/rps8/seed0"]
+    assert record["missing"] == []
+    for c in record["cells"]:
+        d = out / "runs" / "compact" / f"rps{c['rps']:g}" / "seed0"
+        summaries = {p: json.loads((d / p / "summary.json").read_text()) for p in exp.policies}
+        for p, s in summaries.items():
+            assert s["completed"] == 3 and s["errors"] == 0, p
+            assert s["backend"] == "sim" and s["engine"]["leak_check"] == "ok", p  # the sim's leak check
+        # the variant ran the mars driver policy with its option; it is mars, not a baseline
+        rc = json.loads((d / "mars-short-ret" / "run_config.json").read_text())
+        assert rc["policy"] == "mars" and rc["policy_options"] == {"max_retention_s": 0.5}
+        assert rc["profile"] == PROFILE and rc["plots"] is False
+        assert summaries["mars-short-ret"]["controller"] == "mars"
+        assert c["baseline"] == "fcfs"
+        assert c["speedup"] == pytest.approx(summaries["fcfs"]["e2e_s"]["mean"] / summaries["mars"]["e2e_s"]["mean"])
+        assert c["policies"]["mars"]["goodput_wps_alpha3.0"] == summaries["mars"]["goodput_wps"]["3.0"]
+        assert c["policies"]["fcfs"]["p95_e2e_s"] == summaries["fcfs"]["e2e_s"]["p95"]
+    # one T_ideal cost model for the whole grid, from the sim's calibration
+    cost = json.loads((out / "cost_model.json").read_text())
+    assert record["cost_model"] == cost and cost["prefill_s_per_token"] > 0
+    table = (out / "table.md").read_text()
+    assert "| compact | 8 | 0 |" in table and "fastest baseline" in table and "mars-short-ret" in table
+    for png in ("speedup_heatmap.png", "mean_e2e_vs_rps.png", "goodput_vs_rps.png"):
+        assert (out / png).stat().st_size > 1000, png
+    assert json.loads((out / "results.json").read_text())["cells"] == record["cells"]
+    assert "run_dir" not in json.dumps(record["cells"])  # results.json carries no machine-local paths
+
+
+def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
+    from vllm_mars.driver import compare
+    from vllm_mars.experiment.grid import run_experiment
+
+    exp, out, record = grid
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(compare, "run_replay", boom)
+    again = run_experiment(exp, out, progress=False)
+    assert again["cells"] == record["cells"]
+    # a cell with one run missing runs only that run
+    cell = out / "runs" / "compact" / "rps8" / "seed0"
+    (cell / "fcfs" / "summary.json").unlink()
+    (cell / "cell.json").unlink()
+    ran = []
+
+    def one(cfg, cost=None):
+        ran.append((cfg.policy, cfg.rps))
+        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
+        return Path(cfg.out), cost
+
+    monkeypatch.setattr(compare, "run_replay", one)
+    # --policies: run only some now; the cell reports every finished run and lists what is left
+    part = run_experiment(exp, out, only=["compact/rps8/*"], progress=False, policies=["mars-short-ret"])
+    assert ran == [] and part["missing_runs"] == ["compact/rps8/seed0/fcfs"]
+    partial = {c["key"]: c for c in part["cells"]}["compact/rps8/seed0"]
+    assert set(partial["policies"]) == {"mars", "mars-short-ret"} and partial["speedup"] is None
+    assert run_experiment(exp, out, progress=False, execute=False)["missing_runs"] == ["compact/rps8/seed0/fcfs"]
+    rec = run_experiment(exp, out, only=["compact/rps8/*"], progress=False)
+    assert ran == [("fcfs", 8.0)] and rec["missing_runs"] == []
+    fresh = {c["key"]: c for c in rec["cells"]}["compact/rps8/seed0"]
+    assert fresh["baseline"] == "fcfs" and fresh["policies"]["fcfs"]["mean_e2e_s"] == 1.0
+
+
+def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
+    from vllm_mars.cli import main
+
+    exp, out, _ = grid
+    assert main(["experiment", "run", str(exp.path), "--out", str(out), "--list"]) == 0
+    printed = capsys.readouterr().out
+    assert "done  compact/rps2/seed0" in printed and "2 cells, 6 runs" in printed
+    assert main(["experiment", "run", str(exp.path), "--out", str(out), "--only", "ILR-9/*"]) == 2
+    assert "matches no cell" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, field, text", [
+    (("policies = [", "colour = 1\npolicies = ["), "colour", "unknown key"),
+    (('"fcfs", "mars-short-ret"]', '"fcfs", "mars-short-ret", "fifo"]'), "policies[3]", "'fifo'"),
+    (("rps = [2, 8]", "rps = [2, 0]"), "workloads[0].rps[1]", "positive number"),
+    (("rps = [2, 8]", "rps = []"), "workloads[0].rps", "non-empty list"),
+    (("rps = [2, 8]", 'rps = "fast"'), "workloads[0].rps", "non-empty list"),
+    (("rps = [2, 8]", "rps = [2, 2]"), "workloads[0].rps", "repeated"),
+    (("max_retention_s = 0.5", "max_retention = 0.5"), "variants.mars-short-ret.policy_options",
+     "unknown config key"),
+    (('policy = "mars"\n', 'policy = "marz"\n'), "variants.mars-short-ret.policy", "not registered"),
+    (("num_workflows = 3", "num_workflows = 0"), "num_workflows", ">= 1"),
+    (('name = "compact"', 'name = "compact"\nshape = 3'), "workloads[0].shape", "unknown key"),
+    (('path = "', 'preset = "ILR-1"\npath = "'), "workloads[0]", "exactly one of preset, path, weka"),
+    (('path = "', 'path = "/nonexistent/x.jsonl"\n#'), "workloads[0].path", "not found"),
+    (("[[workloads]]", "[replay]\nmax_num_seqs = 'many'\n[[workloads]]"), "replay.max_num_seqs",
+     "expected int"),
+    (("[[workloads]]", "[replay]\nrps = 3\n[[workloads]]"), "replay.rps", "unknown key"),
+    (('arrival = "fixed"', 'arrival = "bursty"'), "arrival", "allowed: fixed, poisson, trace"),
+    (('backend = "sim"', 'backend = "gpu"'), "backend", "'gpu' unknown; allowed: inprocess, http, sim"),
+    ((f'profile = "{PROFILE}"', 'profile = "a100-nope"'), "profile", "a100-nope"),
+    (("policies = [", "seeds = [0, -1]\npolicies = ["), "seeds[1]", ">= 0"),
+    (("rps = [2, 8]", 'rps = [2, 8]\npolicies = ["fcfs", "lightllm"]'), "workloads[0].policies",
+     "'lightllm' is not in the top-level policies"),
+])
+def test_validation_errors_name_the_file_and_field(tmp_path, capsys, edit, field, text):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    old, new = edit
+    assert old in GRID, old
+    path = write(tmp_path, GRID.replace(old, new, 1))
+    with pytest.raises(ExperimentError) as e:
+        load_experiment(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {field}: ") and text in msg and "\n" not in msg, msg
+    assert main(["experiment", "run", str(path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"mars experiment: error: {msg}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_experiment_files_are_valid_and_cover_every_policy():
+    from vllm_mars.driver.control import driver_policy_names
+    from vllm_mars.experiment.spec import load_experiment
+
+    files = sorted((REPO / "experiments").glob("*.toml"))
+    assert {f.name for f in files} >= {"paper_grid.toml", "paper_grid_seeds.toml", "h100_qwen3_32b.toml",
+                                       "weka_traces.toml"}
+    exps = {f.stem: load_experiment(f) for f in files}
+    paper = exps["paper_grid"]
+    assert [w.name for w in paper.workloads] == ["ILR-1", "ILR-2", "ILR-3", "ILR-4"]
+    assert all(len(w.rps) == 5 for w in paper.workloads) and paper.seeds == (0,)
+    seeds = exps["paper_grid_seeds"]
+    # every registered policy is in the paper grid or its ablation file, or named as cut (with why)
+    cut = {"infercept_swap", "continuum_dy"}
+    assert set(driver_policy_names()) <= set(paper.policies) | set(seeds.policies) | cut
+    text = (REPO / "experiments" / "paper_grid.toml").read_text()
+    assert all(f"{c} (" in text for c in cut)
+    assert seeds.seeds == (1, 2) and {"mars", "mars-no-admission"} <= set(seeds.policies)
+    assert {v["policy"] for v in seeds.variants.values()} == {"mars"}
+    assert exps["weka_traces"].workloads[0].weka and exps["weka_traces"].workloads[0].scale in (None, 1.0)
+
+
+@pytest.mark.slow
+def test_parallel_cells_give_the_same_table_as_serial(grid, tmp_path):
+    """--jobs 2: cells in spawned processes, one calibrating run first; same numbers as serial."""
+    from vllm_mars.experiment.grid import run_experiment
+
+    exp, _, serial = grid
+    par = run_experiment(exp, tmp_path / "par", jobs=2, progress=False)
+    assert [c["key"] for c in par["cells"]] == [c["key"] for c in serial["cells"]]
+    for a, b in zip(par["cells"], serial["cells"]):
+        assert a["speedup"] == pytest.approx(b["speedup"])
+        assert {p: d["mean_e2e_s"] for p, d in a["policies"].items()} == pytest.approx(
+            {p: d["mean_e2e_s"] for p, d in b["policies"].items()})

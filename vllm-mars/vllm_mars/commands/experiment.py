@@ -1,0 +1,57 @@
+"""``mars experiment run FILE``: a grid of workloads x rps x seeds x policies (vllm_mars/experiment)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="run an experiment grid from a TOML file (experiments/*.toml)")
+    esub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    r = esub.add_parser("run", help="run every unfinished cell; write results.json, table.md and plots",
+                        description="Each cell (workload, rps, seed) runs every policy of the file through the "
+                                    "replay driver. Resumable: runs whose dir has summary.json are skipped. "
+                                    "Writes results.json, table.md (the paper's table shape) and plots to --out.")
+    r.add_argument("file", help="experiment TOML file")
+    r.add_argument("--out", default=None, help="output dir (default: runs/experiments/<name>)")
+    r.add_argument("--only", default=None,
+                   help="comma-separated globs over cell keys WORKLOAD/rpsR/seedS, e.g. 'ILR-3/*' or '*/seed0'")
+    r.add_argument("--policies", default=None,
+                   help="comma-separated: run only these of the file's policies now (the others stay to do)")
+    r.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
+    r.add_argument("--report", action="store_true",
+                   help="run nothing: rewrite table.md, results.json and plots from the finished runs")
+    r.add_argument("--list", action="store_true", help="print the cells (and which are finished) and exit")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from vllm_mars.commands.driver import _quiet_engine
+    from vllm_mars.experiment.grid import cell_dir, is_finished, run_experiment, select_cells
+    from vllm_mars.experiment.spec import load_experiment
+
+    _quiet_engine(args)
+    exp = load_experiment(args.file)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: expected >= 1")
+    out = Path(args.out) if args.out else Path("runs") / "experiments" / exp.name
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    if args.list:
+        cells = select_cells(exp, only)
+        for c in cells:
+            state = "done" if is_finished(exp, out, c) else "todo"
+            print(f"{state}  {c.key}  ({len(exp.policies_for(c.workload))} policies)  {cell_dir(out, c)}")
+        print(f"{len(cells)} cells, {sum(len(exp.policies_for(c.workload)) for c in cells)} runs")
+        return 0
+    pols = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
+    record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty(),
+                            policies=pols, execute=not args.report)
+    for c in record["cells"]:
+        sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
+        print(f"{c['key']:32s} mars speedup {sp}")
+    print(f"\n{len(record['cells'])} cells done, {len(record['missing'])} missing; "
+          f"table: {out / 'table.md'}; results: {out / 'results.json'}")
+    return 0
