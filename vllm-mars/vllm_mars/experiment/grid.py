@@ -140,7 +140,7 @@ def _save_cell(d: Path, rec: dict[str, Any]) -> None:
 
 def _load_cost(out: Path) -> CostModel | None:
     p = out / "cost_model.json"
-    return CostModel(**json.loads(p.read_text())) if p.is_file() else None
+    return CostModel.from_dict(json.loads(p.read_text()), where=str(p)) if p.is_file() else None
 
 
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
