@@ -5,7 +5,7 @@ component whose *mean* is fixed to a published per-tool mean (AgentCgroup's Clau
 SWE-bench measurements: Bash 5.88 s, Read 0.08 s, Edit 0.04 s, Grep 0.05 s, WebFetch 15.6 s),
 plus one free component (``long``: builds, test suites, waits) whose mean is fitted. The weights
 and spreads (sigma of log time) are fitted by EM to the gaps between calls in the agentic-coding
-traces of ``shared/traces/weka`` (gap = t[k+1] - t[k] - api_time[k], gaps above
+traces of the public ``callanjfox/kv-cache-tester`` repository (``traces/``, 40 files) (gap = t[k+1] - t[k] - api_time[k], gaps above
 ``max_gap_s`` dropped as user idle). Every named tool keeps at least ``min_weight`` so each tool
 still appears. :data:`WEKA_TOOL_MIX` holds the fitted result; ``tests/test_workload.py`` refits it
 from the traces and checks the constants.
@@ -47,7 +47,7 @@ class ToolSpec:
 #: Published per-tool means (seconds) that the fit keeps fixed; ``long`` is fitted freely.
 PUBLISHED_MEANS: dict[str, float] = {"read": 0.08, "edit": 0.04, "grep": 0.05, "bash": 5.88, "web_fetch": 15.6}
 
-#: Result of ``fit_tool_mixture(list(weka.iter_gaps("shared/traces/weka")))`` (40 traces, 1066 gaps in (0, 300] s):
+#: Result of ``fit_tool_mixture(list(weka.iter_gaps("<kv-cache-tester>/traces")))`` (40 traces, 1066 gaps in (0, 300] s):
 #: mixture median 8.1 s and p90 52 s vs the data's 8.6 s and 63 s.
 WEKA_TOOL_MIX: tuple[ToolSpec, ...] = (
     ToolSpec("read", 0.019, 0.08, 0.5),

@@ -1,4 +1,4 @@
-"""Converter for the agentic-coding session traces of ``shared/traces/weka`` (kv-cache-tester format).
+"""Converter for the agentic-coding session traces of the public ``callanjfox/kv-cache-tester`` repository (its ``traces/``; a sample ships in ``benchmark/workloads/weka_sample/``).
 
 One trace file (one coding-agent session) becomes one root workflow:
 
