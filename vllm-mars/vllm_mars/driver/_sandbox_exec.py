@@ -121,6 +121,29 @@ def describe(mode: str, writable: list[str], readable: list[str], net: bool, por
             "abstract_unix_sockets_and_signals": "scoped to the sandbox" if abi >= 6 else "not scoped"}
 
 
+def _under_tmp(cmd: list[str], readable: list[str] | None, own: tuple[str, ...] = ()) -> list[str]:
+    """Paths below /tmp that stay visible (read-only) over the sandbox's private /tmp: with a read
+    list, its entries below /tmp; with the whole root readable, the top directory below /tmp of the
+    interpreter's prefix and of every absolute path in ``cmd`` (a checkout or venv under /tmp), except
+    paths inside ``own`` (the sandbox's own writable dirs, bound anyway)."""
+    tmp = "/tmp/"
+    if readable is not None:
+        keep = [os.path.realpath(d) for d in readable]
+        return sorted({d for d in keep if d.startswith(tmp) and os.path.isdir(d)})
+    out = set()
+    mine = [os.path.realpath(o).rstrip("/") + "/" for o in own]
+    for a in [sys.prefix, sys.base_prefix, *cmd]:
+        if not a.startswith("/") or any(os.path.realpath(a).rstrip("/") + "/" == m or
+                                        os.path.realpath(a).startswith(m) for m in mine):
+            continue
+        for path in {a, os.path.realpath(a)}:
+            if path.startswith(tmp):
+                top = tmp + path[len(tmp):].split("/", 1)[0]
+                if os.path.isdir(top):
+                    out.add(top)
+    return sorted(out)
+
+
 def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, binds: tuple[str, ...] = (),
                readable: list[str] | None = None) -> list[str]:
     """``workspace`` (and ``binds``) read-write, a private /tmp, /dev and /proc, every namespace
@@ -134,8 +157,10 @@ def bwrap_argv(workspace: str, cmd: list[str], net: bool = False, binds: tuple[s
             argv += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d) and d not in ("/proc", "/dev", "/tmp"):
             argv += ["--ro-bind", d, d]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", workspace, workspace,
-             "--chdir", workspace, "--unshare-all", "--die-with-parent"]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for d in _under_tmp(cmd, readable, (workspace, *binds)):  # the private /tmp must not hide what the command runs from
+        argv += ["--ro-bind", d, d]
+    argv += ["--bind", workspace, workspace, "--chdir", workspace, "--unshare-all", "--die-with-parent"]
     if readable is not None:
         argv.append("--new-session")
     for b in binds:
