@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from vllm_mars.registry import Registry
+
 
 @dataclass(frozen=True)
 class PendingRoot:
@@ -317,17 +319,9 @@ class ControllerBase:
                 "config": dataclasses.asdict(self.config)}
 
 
-_REGISTRY: dict[str, type[ControllerBase]] = {}
-
-
-def register_controller(cls: type[ControllerBase]) -> type[ControllerBase]:
-    """Class decorator: register an admission controller under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"controller {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
+_REGISTRY: Registry = Registry("controller")
+#: Class decorator: register a controller class under its ``name``.
+register_controller = _REGISTRY.register
 
 
 def _load_builtins() -> None:

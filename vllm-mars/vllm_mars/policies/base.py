@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Protocol
 
 from vllm_mars.clock import Clock, MonotonicClock
 from vllm_mars.costmodel import CostModel, uncalibrated
+from vllm_mars.registry import Registry
 from vllm_mars.workflow import WorkflowInfo
 
 logger = logging.getLogger(__name__)
@@ -259,17 +260,9 @@ class Policy:
 
 
 # registry ------------------------------------------------------------------------------------
-_REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: register a policy under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"policy {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
+_REGISTRY: Registry = Registry("policy")
+#: Class decorator: register a policy class under its ``name``.
+register_policy = _REGISTRY.register
 
 
 def available_policies() -> list[str]:
