@@ -1,7 +1,7 @@
 """The embedded default comparison (`mars compare` with no arguments), recorded for RESULTS.md.
 
 Runs exactly what `mars compare` runs by default (same parser, same defaults: the bundled compact
-workload, the tiny CPU model, 64 KV blocks of 32 tokens, mars vs fcfs) and writes
+workload, the tiny CPU model, 48 KV blocks of 32 tokens, mars vs mars-no-admission vs fcfs) and writes
 benchmark/perf/results/compare_default.json with the table, the per-policy numbers and the setup.
 
     .venv/bin/python benchmark/perf/compare_default.py [extra `mars compare` flags]
@@ -22,14 +22,14 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_mars.cli import build_parser
-    from vllm_mars.commands.driver import _config, _floats, _quiet_engine
+    from vllm_mars.commands.driver import _floats, _quiet_engine, compare_config
     from vllm_mars.driver.compare import run_compare
     from vllm_mars.metrics.compare import format_table
 
     args = build_parser().parse_args(["compare", "--no-progress", *argv])
     _quiet_engine(args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    out, record = run_compare(_config(args), policies, _floats(args.rps, "--rps"), args.out)
+    cfg, policies = compare_config(args)
+    out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
     table = format_table(record)
     print(table)
     record.update({

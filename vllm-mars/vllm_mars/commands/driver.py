@@ -217,17 +217,24 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if summary.get("errors", 0) == 0 else 1
 
 
-def _compare(args: argparse.Namespace) -> int:
-    _quiet_engine(args)
-    from vllm_mars.driver.compare import run_compare
-    from vllm_mars.metrics.compare import format_table
-
+def compare_config(args: argparse.Namespace):
+    """(ReplayConfig, policies) of ``mars compare`` from its parsed arguments (also used by
+    benchmark/perf/compare_default.py, so the recorded run is exactly the command's)."""
     _check_workload(args.workload)
     from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS, on_cpu
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     cfg = _config(args, num_blocks=COMPARE_CPU_NUM_BLOCKS if args.num_blocks is None and on_cpu() else None)
     _check_engine(cfg, policies)
+    return cfg, policies
+
+
+def _compare(args: argparse.Namespace) -> int:
+    _quiet_engine(args)
+    from vllm_mars.driver.compare import run_compare
+    from vllm_mars.metrics.compare import format_table
+
+    cfg, policies = compare_config(args)
     out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
     print(format_table(record))
     print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "
