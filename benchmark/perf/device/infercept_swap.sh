@@ -18,28 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/infercept_swap_out}
 mkdir -p "$OUT"
-PYTHON=${PYTHON:-}
-if [[ -z "$PYTHON" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "SKIP: no NVIDIA GPU visible (nvidia-smi -L failed)"; exit 3
-fi
-nvidia-smi -L
-if ! "$PYTHON" - <<'EOF'
-import sys
-try:
-    import torch, vllm
-    from vllm.platforms import current_platform
-except Exception as e:  # noqa: BLE001
-    print(f"SKIP: vLLM not importable: {e}"); sys.exit(3)
-print("vllm", vllm.__version__, "torch", torch.__version__, "platform", current_platform.device_type)
-sys.exit(0 if current_platform.is_cuda() and torch.cuda.is_available() else 3)
-EOF
-then
-  echo "SKIP: $PYTHON has no CUDA build of vLLM (the CPU build cannot swap); install vllm==0.32.* for CUDA"; exit 3
-fi
+SKIP_WHY="no CUDA build of vLLM (the CPU build cannot swap); install vllm==0.32.* for CUDA"
+source benchmark/perf/device/_cuda_vllm.sh  # sets $PYTHON; exits 3 without a CUDA vLLM
 export PYTHONPATH="$PWD/vllm-mars${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 

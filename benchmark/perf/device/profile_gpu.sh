@@ -22,29 +22,8 @@ OUT=${OUT:-/tmp/profile_gpu_out}
 BASE=${BASE:-h200-qwen3-coder-30b-a3b}
 REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
-PYTHON=${PYTHON:-}
-if [[ -z "$PYTHON" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "SKIP: no NVIDIA GPU visible (nvidia-smi -L failed)"; exit 3
-fi
-nvidia-smi -L
+source benchmark/perf/device/_cuda_vllm.sh  # sets $PYTHON; exits 3 without a CUDA vLLM
 nvidia-smi --query-gpu=name,memory.total --format=csv
-if ! "$PYTHON" - <<'EOF'
-import sys
-try:
-    import torch, vllm
-    from vllm.platforms import current_platform
-except Exception as e:  # noqa: BLE001
-    print(f"SKIP: vLLM not importable: {e}"); sys.exit(3)
-print("vllm", vllm.__version__, "torch", torch.__version__, "platform", current_platform.device_type)
-sys.exit(0 if current_platform.is_cuda() and torch.cuda.is_available() else 3)
-EOF
-then
-  echo "SKIP: no CUDA build of vLLM"; exit 3
-fi
 
 export PYTHONPATH="$PWD/vllm-mars${PYTHONPATH:+:$PYTHONPATH}"
 ARGS=(profile --base "$BASE" --grid gpu --repeats "$REPEATS" --name "$BASE"
