@@ -498,6 +498,8 @@ class Replay:
                     extra["mars_parent"] = plan.parent_id
                 if prev_tool:
                     extra["mars_tool"] = prev_tool
+                if turn.tool_name and k < last:  # replay's stand-in for parsing the output's tool call
+                    extra["mars_next_tool"] = turn.tool_name
                 rid = f"{wid}:t{k}"
                 submit = self.clock()
                 self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
