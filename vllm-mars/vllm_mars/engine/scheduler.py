@@ -224,6 +224,9 @@ class MarsSchedulerMixin:
             from vllm_mars.engine.next_tool import NextToolReader
 
             self._next_tool = NextToolReader.for_model(cfg.tool_parser, self.vllm_config.model_config)
+            if self._next_tool is not None:
+                logger.info("MarsScheduler: reading the next tool from outputs with vLLM's %s tool parser",
+                            cfg.tool_parser)
         logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
 
     # -- the cost model -----------------------------------------------------------------------------
