@@ -63,7 +63,8 @@ def _tau_after(policy: str, prev_tool: str, next_tool: str | None):
     return s, clock, None if entry is None else entry.expires - entry.since
 
 
-@pytest.mark.parametrize(("prev_tool", "next_tool", "gap"), [("slow", "quick", QUICK), ("quick", "slow", SLOW)])
+@pytest.mark.parametrize(("prev_tool", "next_tool", "gap"),
+                         [("slow", "quick", QUICK), ("quick", "slow", SLOW)])
 def test_mars_retention_follows_the_next_tools_gaps_not_the_previous_tools(prev_tool, next_tool, gap):
     s, clock, tau = _tau_after("mars", prev_tool, next_tool)
     assert tau == pytest.approx(gap * 1.05 + 1e-3), tau
@@ -130,7 +131,8 @@ def test_the_tool_parser_reads_the_next_tool_from_the_output(tiny_model):
     clock.advance(0.7)
     _finish_with_output(s, "w-1", [42], workflow="w", turn=1, last_step=True)  # no mars_tool
     gaps = s.mars_policy.gaps
-    assert gaps.tool_samples("run_tests").values() == [pytest.approx(0.7)] and gaps.tool_samples("edit") is None
+    assert gaps.tool_samples("run_tests").values() == [pytest.approx(0.7)]
+    assert gaps.tool_samples("edit") is None
     # Garbage output: unknown, no exception; the client's tag is the fallback.
     garbage = tok.encode('<tool_call>{"name": oops', add_special_tokens=False)
     _finish_with_output(s, "v-0", garbage, workflow="v", turn=0, last_step=False,

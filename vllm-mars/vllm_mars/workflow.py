@@ -1,8 +1,8 @@
 """Workflow identity of one LLM call, read from ``SamplingParams.extra_args`` (OpenAI ``vllm_xargs``).
 
 Keys (SPEC section 1): ``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_turn``,
-``mars_last_step``, ``mars_tool``, ``mars_next_tool``, ``mars_prefill_tokens``. A call without them is its own
-one-call workflow (plain chat traffic mixes with agents), identified by its request id.
+``mars_last_step``, ``mars_tool``, ``mars_next_tool``, ``mars_prefill_tokens``. A call without them
+is its own one-call workflow (plain chat traffic mixes with agents), identified by its request id.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class NextToolReader:
         except Exception:  # whatever the model wrote, the scheduler goes on
             if not self._failed:
                 self._failed = True
-                logger.debug("tool_parser %s failed on an output; next tool unknown", self.parser, exc_info=True)
+                logger.debug("tool_parser %s failed on an output; next tool unknown", self.parser,
+                             exc_info=True)
             return None
         return name if isinstance(name, str) and 0 < len(name) <= MAX_ID_CHARS else None

@@ -37,7 +37,8 @@ Our choices where the paper is open
 * The tool the ending call is about to run: like the prototype, parsed from the output (vLLM's
   tool-call parser, when the engine is given one), else the client's ``mars_next_tool``, else the
   tool its previous turn ran (``mars_tool``): :func:`~vllm_mars.policies.gaps.gap_tool`; without
-  any, the workflow's own gaps. Return gaps come from :class:`~vllm_mars.policies.gaps.GapTracker` (no oracle).
+  any, the workflow's own gaps. Return gaps come from
+  :class:`~vllm_mars.policies.gaps.GapTracker` (no oracle).
 * Pins expire on time even when the workflow's next call is already waiting (the prototype keeps
   those until scheduled); the engine releases a pin once the returning call is scheduled.
 * The prototype prefers non-last-step victims; we use program LIFO only.

@@ -18,8 +18,9 @@ InferCept re-estimates the interception time every iteration as the time since t
 break-even point ``tau = min(waste_discard, waste_swap) / (C * M)``; past it the KV is released.
 We express exactly that as a retention of ``tau`` seconds. On top, the interception time is learned
 online (:class:`~vllm_mars.policies.gaps.GapTracker`: the workflow's own return gaps, else those
-of the tool it is about to run (else of its previous tool), else all; at least ``min_samples``): when the learned mean already
-exceeds ``tau``, the KV is released at once (the paper's "discard when long"). No oracle.
+of the tool it is about to run (else of its previous tool), else all; at least ``min_samples``):
+when the learned mean already exceeds ``tau``, the KV is released at once (the paper's "discard
+when long"). No oracle.
 
 Order: FCFS by the *original* arrival of the request, i.e. of the workflow's first call: a call
 resuming after an interception keeps its workflow's place (InferCept resumes the same sequence),
