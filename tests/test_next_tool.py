@@ -188,3 +188,30 @@ def test_a_bad_mars_next_tool_is_served_untagged_with_one_warning(caplog):
     run_to_completion(s)
     assert len(s.retention) == 0
     assert_no_leaks(s)
+
+
+# -- the replay driver's stand-in ------------------------------------------------------------------
+def test_replay_sends_the_tool_each_turn_runs_as_mars_next_tool(tmp_path, monkeypatch):
+    """In replay the outputs are synthetic: the driver states the tool a real output would name."""
+    import json
+
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    turns = [{"output_tokens": 8, "tool_s": 0.5, "tool": "bash"},
+             {"append_tokens": 16, "output_tokens": 8, "tool_s": 2.0, "tool": "read"},
+             {"append_tokens": 16, "output_tokens": 8}]
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"w{i}", "prompt_tokens": 200,
+                                      "turns": turns}) + "\n" for i in range(2)))
+    log = tmp_path / "sched.jsonl"
+    monkeypatch.setenv("MARS_SCHED_LOG", str(log))
+    run_replay(ReplayConfig(workload=str(wl), policy="mars", rps=2.0, backend="sim",
+                            profile="h200-qwen3-coder-30b-a3b", progress=False, calibrate=False,
+                            out=str(tmp_path / "run")))
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    sent = {(r["workflow"], r["turn"]): (r["extra_args"].get("mars_tool"), r["extra_args"].get("mars_next_tool"))
+            for r in recs if r["event"] == "arrive"}
+    assert sent == {(w, k): v for w in ("w0", "w1")
+                    for k, v in enumerate([(None, "bash"), ("bash", "read"), ("read", None)])}
+    ends = {(r["workflow"], r["turn"]): r["next_tool"] for r in recs if r["event"] == "end"}
+    assert ends[("w0", 0)] == "bash" and ends[("w0", 1)] == "read" and ends[("w0", 2)] is None
