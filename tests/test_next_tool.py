@@ -8,12 +8,14 @@ clock, every scenario ending with the leak check.
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
 import pytest
 from vllm.tokenizers import cached_get_tokenizer
 from vllm_mars.clock import VirtualClock
+from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.engine.next_tool import NextToolReader
 from vllm_mars.engine.rig import (
     assert_no_leaks,
@@ -193,10 +195,6 @@ def test_a_bad_mars_next_tool_is_served_untagged_with_one_warning(caplog):
 # -- the replay driver's stand-in ------------------------------------------------------------------
 def test_replay_sends_the_tool_each_turn_runs_as_mars_next_tool(tmp_path, monkeypatch):
     """In replay the outputs are synthetic: the driver states the tool a real output would name."""
-    import json
-
-    from vllm_mars.driver.runner import ReplayConfig, run_replay
-
     turns = [{"output_tokens": 8, "tool_s": 0.5, "tool": "bash"},
              {"append_tokens": 16, "output_tokens": 8, "tool_s": 2.0, "tool": "read"},
              {"append_tokens": 16, "output_tokens": 8}]
