@@ -472,3 +472,65 @@ def test_non_finite_controller_options_are_rejected(name, opt):
             make_controller(name, {opt: bad})
     with pytest.raises(ValueError, match="takes no options"):
         make_controller("none", {"x": 1})
+
+
+# -- MARS: whole-life sizing -----------------------------------------------------------------------
+def _life_scenario(size):
+    """A 1000-block pool (16k tokens). Three 10-turn roots of 1600 tokens were admitted and each
+    has shown three turns of 1600 tokens' growth: at 6400 tokens with 7 turns to go, each is
+    projected to ~17.6k tokens, far past the pool together. A fourth root arrives while 600
+    blocks are still free now. Returns what is admitted."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, size=size)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))  # rebuilds expensive
+    c.observe(tel(0, free=1000, total=1000))
+    for i in range(3):
+        c.offer(PendingRoot(f"a{i}", 0.0, 1600, {"turns": 10}))
+    assert c.tick(0.0) == ["a0", "a1", "a2"]
+    for turn in (1, 2, 3):
+        for i in range(3):
+            c.update_estimate(f"a{i}", 1600 * (turn + 1), float(turn))
+    c.observe(Telemetry(ts=3.0, free_blocks=600, total_blocks=1000, block_size=16, running=3,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("b", 3.0, 1600, {"turns": 10}))
+    return c.tick(3.0), c
+
+
+def test_life_sizing_learns_growth_from_active_roots_and_holds_a_root_that_would_outgrow_the_pool():
+    admitted, c = _life_scenario("life")
+    assert c.turn_growth == pytest.approx(1600)  # learned before any root finished
+    assert admitted == []
+    # Off ("turn": the prefix plus one turn of growth against the free blocks): admitted now.
+    admitted, _ = _life_scenario("turn")
+    assert admitted == ["b"]
+
+
+def test_life_sizing_admits_when_the_projection_fits():
+    # The same roots at one turn each of 100 tokens' growth: 4 x (1600 + 100 x 10) fits 16k.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
+    c.observe(tel(0, free=1000, total=1000))
+    for i in range(3):
+        c.offer(PendingRoot(f"a{i}", 0.0, 1600, {"turns": 10}))
+    c.tick(0.0)
+    for i in range(3):
+        c.update_estimate(f"a{i}", 1700, 1.0)
+    c.observe(tel(1.0, free=600, total=1000))
+    c.offer(PendingRoot("b", 1.0, 1600, {"turns": 10}))
+    assert c.tick(1.0) == ["b"]
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["life_peak_tokens"] <= ev[0].data["life_capacity_tokens"]
+    # A root that finished frees its projection: the learned per-turn growth stays.
+    c.finish("a0", 2.0, final_tokens=3000)
+    assert c.turn_growth == pytest.approx(100)
+
+
+def test_life_peak_is_reached_just_before_a_root_ends():
+    c = mars()
+    c._turn_growth = 10.0
+    # remaining turns, context: at tau=5 both live (100+50 + 200+50); at tau=8 only the first.
+    assert c._life_peak([(8.0, 100.0), (5.0, 200.0)]) == pytest.approx(max(100 + 80, 300 + 2 * 50))
+    assert c._life_peak([]) == 0.0

@@ -76,6 +76,10 @@ class MarsAdmissionConfig(WindowConfig):
 
     #: Lower bound of the window; pressure never pushes the limit below this.
     window_min: int = 4
+    #: Upper bound of the window (the preview's active pool size P was 30). With the cost rule and
+    #: "life" sizing, KV gates admission and the window is only the safety net: at 30 it queued
+    #: roots with the pool a tenth free (paper grid ILR-2 at 0.4 rps: 287.1 s vs 285.6 s at 256).
+    window_max: int = 256
     #: Multiplicative decrease factor under pressure.
     dec_factor: float = 0.7
     #: Additive increase per control interval when healthy.
@@ -120,6 +124,14 @@ class MarsAdmissionConfig(WindowConfig):
     #: A cost model file (``CostModel`` JSON or a step-time profile) for the "cost" rule; the driver
     #: hands its calibrated model instead (``set_cost_model``).
     cost_model: str | None = None
+    #: Root sizing: "life" (the active roots' projected contexts over their remaining turns, plus
+    #: the candidate's whole life, must stay within ``kv_target`` of the pool at every future turn)
+    #: or "turn" (the prefix plus one turn of growth against the free blocks only).
+    size: str = "life"
+    #: "life" sizing: the share of the pool the projected peak may reach. Above ``kv_target``: the
+    #: guard margin is for the blocks allocated now, and a projected peak is reached (if at all)
+    #: only at the end of the roots' lives, when a retained context can still make room.
+    life_target: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -156,6 +168,10 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("rebuild_share_low", f"in [0, rebuild_share_high={self.rebuild_share_high}]")
         if self.default_turns < 1:
             raise bad("default_turns", ">= 1")
+        if self.size not in ("life", "turn"):
+            raise bad("size", "'life' or 'turn'")
+        if not 0.1 <= self.life_target <= 2.0:
+            raise bad("life_target", "in [0.1, 2.0]")
 
 
 @dataclass
@@ -166,6 +182,9 @@ class _Active:
     long: bool
     prefill_tokens: int
     turns: int | None = None
+    #: Latest observed context (prompt tokens of its latest turn) and turns observed so far.
+    context: int = 0
+    seen: int = 1
 
 
 @register_controller
@@ -191,6 +210,9 @@ class MarsAdmissionController(ControllerBase):
         self._cpu_overloaded = False
         self._stale = False
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
+        self._grown = 0  # turn-growth observations so far
+        self._life_version = 0  # bumped when the active set or a root's progress changes
+        self._life_cache: tuple[int, list[tuple[float, float]]] | None = None
         if cfg.cost_model:
             self.set_cost_model(CostModel.load(cfg.cost_model))
 
@@ -221,6 +243,9 @@ class MarsAdmissionController(ControllerBase):
         n = turns if turns is not None else act.turns
         if n is not None and n > 0:
             self._turns = (1 - a) * self._turns + a * n
+        self._life_version += 1
+        if act.seen > 1:
+            return  # its growth was learned turn by turn
         if final_tokens is not None and final_tokens > 0 and n is not None and n > 0:
             per_turn = min(self.config.turn_growth_max_tokens, max(0.0, (final_tokens - act.prefill_tokens) / n))
             self._turn_growth = (1 - a) * self._turn_growth + a * per_turn
@@ -250,6 +275,16 @@ class MarsAdmissionController(ControllerBase):
         self._prev_rebuild = (t.ts, tokens)
 
     def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
+        # A later turn's prompt: the context grew by one turn (tool output, the previous answer).
+        # Learned online from every active root, so early roots are sized before any finishes.
+        if act.context and prefill_tokens > act.context:
+            a = self.config.growth_alpha
+            step = min(self.config.turn_growth_max_tokens, prefill_tokens - act.context)
+            self._turn_growth = step if self._grown == 0 else (1 - a) * self._turn_growth + a * step
+            self._grown += 1
+            act.seen += 1
+            self._life_version += 1
+        act.context = max(act.context, prefill_tokens)
         # growth is measured from the agent's context, not from a short side call it was offered on
         act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
 
@@ -455,8 +490,9 @@ class MarsAdmissionController(ControllerBase):
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
             self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                           turns if isinstance(turns, int) else None),
+                                           turns if isinstance(turns, int) else None, context=tokens),
                         blocks, self.config.promise_s)
+            self._life_version += 1
             out.append(root.workflow)
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
@@ -493,6 +529,10 @@ class MarsAdmissionController(ControllerBase):
             order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
             mode = "smallest_fit"
         queue_s = self._queue_cost_s(now) if cost_rule else None
+        cap = self.life_capacity_tokens() if cfg.size == "life" else None
+        items = self._life_items() if cap is not None else []
+        peak = self._life_peak(items) if cap is not None else 0.0
+        bs = self._block_size()
         out, remaining = [], budget
         for r in order:
             if len(out) >= slots:
@@ -501,19 +541,71 @@ class MarsAdmissionController(ControllerBase):
             if cfg.charge == "long" and not self._is_long(self._est_tokens(r)) and not self._kv_overloaded:
                 out.append((r, "short_uncharged", b, {}))  # the preview: short roots are not charged
                 continue
-            if b <= remaining:
-                out.append((r, mode, b, {}))
-                remaining -= b
+            over, why, grown, with_peak = 0, {}, None, 0.0
+            if cap is not None:
+                # Whole life: the candidate's context over all its turns joins the projection; what
+                # the peak gains beyond the capacity is its overflow.
+                cand = (self._pred_turns(r.meta.get("turns") if r.meta else None), float(self._est_tokens(r)))
+                grown = sorted([*items, cand], reverse=True)
+                with_peak = self._life_peak(grown)
+                over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
+                why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
+            if b <= remaining and over == 0:
+                out.append((r, mode, b, why))
             elif cost_rule and not cpu_over:
-                rebuild_s = self._rebuild_cost_s(r, b - max(remaining, 0))
-                if rebuild_s < queue_s:
-                    out.append((r, "cost_overflow", b, {"expected_rebuild_s": round(rebuild_s, 6),
-                                                        "expected_queue_s": round(queue_s, 6)}))
-                    remaining -= b
+                overflow = max(b - max(remaining, 0), 0) + over
+                rebuild_s = self._rebuild_cost_s(r, overflow)
+                if rebuild_s >= queue_s:
+                    continue
+                out.append((r, "cost_overflow", b, {**why, "overflow_blocks": overflow,
+                                                    "expected_rebuild_s": round(rebuild_s, 6),
+                                                    "expected_queue_s": round(queue_s, 6)}))
+            else:
+                continue
+            remaining -= b
+            if grown is not None:
+                items, peak = grown, with_peak
         if not out and not self._active:
             oldest = queue[0]
             out.append((oldest, "oldest_alone", foot[oldest.workflow], {}))
         return out
+
+    # -- whole-life sizing ("life") -----------------------------------------------------------------
+    def _pred_turns(self, turns: object) -> float:
+        """LLM calls a root makes: its own ``turns`` when it reports them, else the learned mean."""
+        return float(turns) if isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1 else self._turns
+
+    def _life_items(self) -> list[tuple[float, float]]:
+        """(remaining turns, current context tokens) of each active root, remaining turns first
+        (cached until a root is admitted, finishes or shows a new turn)."""
+        c = self._life_cache
+        if c is not None and c[0] == self._life_version:
+            return c[1]
+        items = sorted(((max(self._pred_turns(a.turns) - a.seen + 1, 1.0), float(a.context or a.prefill_tokens))
+                        for a in self._active.values()), reverse=True)
+        self._life_cache = (self._life_version, items)
+        return items
+
+    def _life_peak(self, items: list[tuple[float, float]]) -> float:
+        """Peak over the coming turns of the active contexts' sum (tokens). ``items`` sorted by
+        remaining turns, most first: each context grows by the learned per-turn growth until its
+        predicted last turn and is freed after it, so the sum peaks just before some root ends."""
+        g = self._turn_growth
+        peak = base = 0.0
+        for n, (rem, ctx) in enumerate(items, 1):
+            base += ctx
+            v = base + g * rem * n
+            if v > peak:
+                peak = v
+        return peak
+
+    def life_capacity_tokens(self) -> float | None:
+        """Tokens the active roots may project to: ``life_target`` of the pool (None: no telemetry)."""
+        if not self._telemetry_usable():
+            return None
+        t = self._tel
+        assert t is not None and t.total_blocks
+        return t.total_blocks * self._block_size() * self.config.life_target
 
     def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int) -> float:
         """Expected engine-time cost (call-seconds) of admitting ``root`` with ``overflow_blocks``

@@ -20,10 +20,12 @@ _SPECIAL = {
     "concur": ("fcfs", "concur"),
     "mars-no-admission": ("mars", "none"),
     "mars-no-cost-admission": ("mars", "mars"),
+    "mars-no-life-admission": ("mars", "mars"),
 }
 #: Admission options an ablation sets (the user's --admission-option still wins).
 _CONTROLLER_OPTIONS: dict[str, dict[str, Any]] = {
     "mars-no-cost-admission": {"admit": "footprint"},
+    "mars-no-life-admission": {"size": "turn"},
 }
 
 
@@ -80,3 +82,11 @@ def finish_root(ctrl: AdmissionController, workflow: str, now: float, final_toke
         ctrl.finish(workflow, now, final_tokens=final_tokens)
     else:
         ctrl.finish(workflow, now)
+
+
+def update_root_progress(ctrl: AdmissionController, workflow: str, prompt_tokens: int, now: float) -> None:
+    """A root's next turn starts with ``prompt_tokens`` of context: the controller learns its
+    growth (as the sidecar reports each larger agent prompt), where it takes estimates."""
+    update = getattr(ctrl, "update_estimate", None)
+    if update is not None:
+        update(workflow, prompt_tokens, now)

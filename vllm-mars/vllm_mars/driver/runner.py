@@ -27,7 +27,7 @@ from typing import Any
 from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
-from vllm_mars.driver.control import check_policy, finish_root, make_controller
+from vllm_mars.driver.control import check_policy, finish_root, make_controller, update_root_progress
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
@@ -536,6 +536,8 @@ class Replay:
                     extra["mars_tool"] = prev_tool
                 rid = f"{wid}:t{k}"
                 submit = self.clock()
+                if plan.parent_id is None and k:
+                    update_root_progress(self.ctrl, wid, len(prompt), submit)
                 self.events.emit("call_submit", ts=submit, workflow=wid, root=root, turn=k, request_id=rid,
                                  prompt_tokens=len(prompt), max_tokens=turn.output_tokens)
                 res = await asyncio.wait_for(self.backend.generate(rid, prompt, turn.output_tokens, extra),
