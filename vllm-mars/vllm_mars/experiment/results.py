@@ -131,7 +131,7 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
         lines += _speedup_section(cells, a)
     else:
         lines += ["No `mars` run in this experiment: no speedup table (the per-policy tables are below).", ""]
-    if len(exp.seeds) > 1:
+    if len(exp.seeds) > 1 and any(c.get("speedup") is not None for c in cells):
         lines += ["### Over seeds: mean speedup (min - max)", ""]
         groups: dict[tuple[str, float], list[float]] = {}
         for c in cells:
