@@ -594,9 +594,7 @@ class MarsAdmissionController(ControllerBase):
         peak = base = 0.0
         for n, (rem, ctx) in enumerate(items, 1):
             base += ctx
-            v = base + g * rem * n
-            if v > peak:
-                peak = v
+            peak = max(peak, base + g * rem * n)
         return peak
 
     def life_capacity_tokens(self) -> float | None:

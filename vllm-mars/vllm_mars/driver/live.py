@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_mars.driver.control import update_root_progress
 from vllm_mars.workload.mas_task import Action, MasTask, ParseFailure, load_tasks, parse_action
 
 SYSTEM_PROMPT = (
@@ -133,6 +134,8 @@ async def run_live(replay: Any, plan: LivePlan, tokenizer: Any, opts: LiveOption
         extra = {"mars_workflow": wid, "mars_root": wid, "mars_turn": k,
                  "mars_last_step": k == opts.max_rounds - 1, "mars_prefill_tokens": len(prompt)}
         submit = replay.clock()
+        if k:
+            update_root_progress(replay.ctrl, wid, len(prompt), submit)
         ev.emit("call_submit", ts=submit, workflow=wid, root=wid, turn=k, request_id=rid,
                 prompt_tokens=len(prompt), max_tokens=opts.max_tokens)
         res = await asyncio.wait_for(replay.backend.generate(rid, prompt, opts.max_tokens, extra, ignore_eos=False),
