@@ -142,6 +142,10 @@ def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
     (("[[workloads]]", "[replay]\nmax_num_seqs = 'many'\n[[workloads]]"), "replay.max_num_seqs",
      "expected int"),
     (("[[workloads]]", "[replay]\nrps = 3\n[[workloads]]"), "replay.rps", "unknown key"),
+    (("[[workloads]]", "[replay]\nkv_scale = 0\n[[workloads]]"), "replay", "kv_scale must be > 0"),
+    (("[[workloads]]", "[replay]\nkv_scale = 1e9\n[[workloads]]"), "replay",
+     "the sim's KV pool must be 2..5000000 blocks (profile h200-qwen3-coder-30b-a3b: "),
+    (("[[workloads]]", "[replay]\nkv_scale = 2\nnum_blocks = 9\n[[workloads]]"), "replay", "give one of them"),
     (('arrival = "fixed"', 'arrival = "bursty"'), "arrival", "allowed: fixed, poisson, trace"),
     (('backend = "sim"', 'backend = "gpu"'), "backend", "'gpu' unknown; allowed: inprocess, http, sim"),
     ((f'profile = "{PROFILE}"', 'profile = "a100-nope"'), "profile", "a100-nope"),
@@ -171,20 +175,22 @@ def test_shipped_experiment_files_are_valid_and_cover_every_policy():
     from vllm_mars.experiment.spec import load_experiment
 
     files = sorted((REPO / "experiments").glob("*.toml"))
-    assert {f.name for f in files} >= {"paper_grid.toml", "paper_grid_seeds.toml", "h100_qwen3_32b.toml",
-                                       "weka_traces.toml"}
+    assert {f.name for f in files} >= {"paper_grid.toml", "paper_grid_seeds.toml", "paper_grid_ablations.toml",
+                                       "h100_qwen3_32b.toml", "weka_traces.toml"}
     exps = {f.stem: load_experiment(f) for f in files}
     paper = exps["paper_grid"]
     assert [w.name for w in paper.workloads] == ["ILR-1", "ILR-2", "ILR-3", "ILR-4"]
     assert all(len(w.rps) == 5 for w in paper.workloads) and paper.seeds == (0,)
-    seeds = exps["paper_grid_seeds"]
-    # every registered policy is in the paper grid or its ablation file, or named as cut (with why)
+    seeds, abl = exps["paper_grid_seeds"], exps["paper_grid_ablations"]
+    # every registered policy is in the paper grid, its seeds or its ablation file, or named as cut (with why)
     cut = {"infercept_swap", "continuum_dy"}
-    assert set(driver_policy_names()) <= set(paper.policies) | set(seeds.policies) | cut
+    in_files = set(paper.policies) | set(seeds.policies) | set(abl.policies)
+    in_files |= {p for w in abl.workloads for p in (w.policies or ())}
+    assert set(driver_policy_names()) <= in_files | cut
     text = (REPO / "experiments" / "paper_grid.toml").read_text()
     assert all(f"{c} (" in text for c in cut)
     assert seeds.seeds == (1, 2) and {"mars", "mars-no-admission"} <= set(seeds.policies)
-    assert {v["policy"] for v in seeds.variants.values()} == {"mars"}
+    assert abl.seeds == (0,) and {v["policy"] for v in abl.variants.values()} == {"mars"}
     assert exps["weka_traces"].workloads[0].weka and exps["weka_traces"].workloads[0].scale in (None, 1.0)
 
 

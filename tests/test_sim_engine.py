@@ -293,9 +293,9 @@ def test_cli_replay_and_compare_on_the_sim(tmp_path, linear_profile, capsys):
     # bad combinations are one-line errors with exit 2
     assert main(["replay", "--backend", "sim", "--workload", str(wl)]) == 2
     assert "needs --profile" in capsys.readouterr().err
-    assert main(["replay", "--backend", "sim", "--profile", "test-linear", "--num-blocks", "9",
+    assert main(["replay", "--backend", "sim", "--profile", "test-linear", "--block-size", "32",
                  "--workload", str(wl)]) == 2
-    assert "--num-blocks: the sim backend takes the engine shape from --profile" in capsys.readouterr().err
+    assert "--block-size: the sim backend takes the engine shape from --profile" in capsys.readouterr().err
     assert main(["replay", "--backend", "sim", "--profile", "nope", "--workload", str(wl)]) == 2
     assert "profile 'nope' unknown" in capsys.readouterr().err
 

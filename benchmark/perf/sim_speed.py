@@ -13,6 +13,10 @@ of vLLM, our engine adapter, policies, driver, admission, metrics, sim, asyncio.
     .venv/bin/python benchmark/perf/sim_speed.py                          # 200 workflows, mars, 0.1 roots/s
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 40 --policy fcfs --cprofile
     .venv/bin/python benchmark/perf/sim_speed.py --record                 # writes results/sim_speed.json
+    .venv/bin/python benchmark/perf/sim_speed.py --workflows 30 --policy fcfs --rps 0.08 --kv-scale 10
+
+``--kv-scale`` runs on a pool that many times the profile's (the step times stay the profile's): the
+cost of a huge pool (``max_rss_mb`` is the process's peak resident memory, vLLM's import included).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import platform
 import pstats
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rps", type=float, default=0.1)
     ap.add_argument("--profile", default="h200-qwen3-coder-30b-a3b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-scale", type=float, default=None, help="KV pool = this x the profile's (default: the profile's)")
     ap.add_argument("--cprofile", action="store_true", help="also report where the time goes (slower)")
     ap.add_argument("--record", action="store_true", help="write results/sim_speed.json")
     ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.json"))
@@ -67,7 +73,7 @@ def main() -> None:
     wl = tmp / f"{args.preset.lower()}-{args.workflows}.jsonl"
     write_workload(wl, generate(load_preset(args.preset, num_workflows=args.workflows, seed=args.seed)))
     cfg = ReplayConfig(workload=str(wl), policy=args.policy, rps=args.rps, backend="sim", profile=args.profile,
-                       seed=args.seed, progress=False, out=str(tmp / "run"))
+                       seed=args.seed, kv_scale=args.kv_scale, progress=False, out=str(tmp / "run"))
     import vllm_mars.engine.rig  # noqa: F401 - vLLM's import (seconds) is start-up, not simulation
 
     prof = cProfile.Profile() if args.cprofile else None
@@ -85,7 +91,8 @@ def main() -> None:
         "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
         "load_avg_start": round(load0, 1), "load_avg_end": round(os.getloadavg()[0], 1),
         "preset": args.preset, "workflows": args.workflows, "policy": args.policy, "rps": args.rps,
-        "profile": args.profile, "virtual_s": round(virtual, 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+        "profile": args.profile, "kv_scale": args.kv_scale, "num_blocks": summary["engine"]["num_blocks"],
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "virtual_s": round(virtual, 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
         "virtual_per_wall": round(virtual / wall, 1), "virtual_per_cpu": round(virtual / cpu, 1),
         "completed": summary["completed"], "steps": summary["engine"]["steps"],
         "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
@@ -94,7 +101,7 @@ def main() -> None:
                 "time (one thread), about the wall time of a quiet box",
         "command": "python benchmark/perf/sim_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k in ("workflows", "policy", "rps", "profile", "preset")),
+            if k in ("workflows", "policy", "rps", "profile", "preset", "kv_scale") and v is not None),
     }
     if prof:
         stats = pstats.Stats(prof)

@@ -155,6 +155,7 @@ REPLAY_RANGES: dict[str, dict[str, float]] = {
     "num_workflows": {"minimum": 1, "maximum": 1e7},
     "seed": {"minimum": 0},
     "num_blocks": {"minimum": 0},  # 0: vLLM's own sizing
+    "kv_scale": {"above": 0},  # the pool it gives is checked against the profile (sim_num_blocks)
     "block_size": {"minimum": 1, "maximum": 4096},
     "max_model_len": {"minimum": 1},
     "max_num_seqs": {"minimum": 1},

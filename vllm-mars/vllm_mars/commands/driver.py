@@ -33,7 +33,7 @@ def _floats(s: str, flag: str) -> list[float]:
 
 
 def _common(p: argparse.ArgumentParser, compare: bool) -> None:
-    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, ReplayConfig
+    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, SIM_MAX_KV_BLOCKS, ReplayConfig
 
     d = ReplayConfig()  # the one place the driver's engine and tool defaults live
 
@@ -54,7 +54,12 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     cpu_blocks = local.COMPARE_CPU_NUM_BLOCKS if compare else local.DRIVER_CPU_NUM_BLOCKS
     p.add_argument("--num-blocks", type=int, default=None,
                    help=f"KV blocks of the in-process engine (default: {cpu_blocks} on the CPU build, small = KV "
-                        "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing)")
+                        "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing); with --backend sim: the KV "
+                        "pool instead of the profile's, with the profile's step times")
+    p.add_argument("--kv-scale", type=float, default=None,
+                   help="--backend sim: the KV pool = this x the profile's blocks, step times unchanged (e.g. 10 "
+                        "for the no-thrash limit of a workload; at most "
+                        f"{SIM_MAX_KV_BLOCKS:,} blocks)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -139,18 +144,22 @@ _SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "ma
 
 
 def _engine_shape(args: argparse.Namespace, backend: str, num_blocks: int | None) -> dict:
-    """The engine-shape flags: the in-process engine's defaults, or none for the sim (its profile sets
-    them, and the flags may not override it)."""
+    """The engine-shape flags: the in-process engine's defaults, or for the sim only the KV pool
+    (--num-blocks or --kv-scale: its profile sets the rest, and the flags may not override it)."""
     given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
     if backend == "sim":
         if not args.profile:
             raise ValueError("--backend sim needs --profile (a step-time profile name or file)")
+        given.pop("num_blocks", None)
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {args.profile}")
-        return {}
+            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {args.profile} "
+                             f"(only its KV pool may change: --num-blocks or --kv-scale)")
+        return {"num_blocks": args.num_blocks, "kv_scale": args.kv_scale}
     if args.profile:
         raise ValueError("--profile applies to --backend sim only")
+    if args.kv_scale is not None:
+        raise ValueError("--kv-scale scales the sim profile's KV pool: it applies to --backend sim only")
     from vllm_mars.engine import local
 
     return {"num_blocks": args.num_blocks if num_blocks is None else num_blocks, "block_size": args.block_size,

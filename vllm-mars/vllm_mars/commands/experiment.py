@@ -23,9 +23,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
     r.add_argument("--report", action="store_true",
                    help="run nothing: rewrite table.md, results.json and plots from the finished runs")
+    r.add_argument("--limit", default=None, metavar="RESULTS.json",
+                   help="the no-thrash limit (another experiment's results.json, e.g. experiments/results/"
+                        "paper_grid_nothrash/results.json): table.md states per cell its mean E2E and the share "
+                        "of the gap mars closes; overrides the file's `limit`")
     r.add_argument("--list", action="store_true", help="print the cells (and which are finished) and exit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_run)
+    g = esub.add_parser("gap", help="print the gap-to-the-no-thrash-limit table of two results.json files",
+                        description="Per cell of RESULTS also in LIMIT (same key and workload): the limit's mean "
+                                    "E2E and the share of the gap mars closes, (baseline - mars) / (baseline - "
+                                    "limit). Reads only the two files (no run dirs).")
+    g.add_argument("results", help="an experiment's results.json (e.g. experiments/results/paper_grid/results.json)")
+    g.add_argument("limit", help="the limit's results.json (e.g. experiments/results/paper_grid_nothrash/results.json)")
+    g.set_defaults(func=_gap)
+
+
+def _gap(args: argparse.Namespace) -> int:
+    from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
+
+    rows, notes = limit_rows(load_limit(args.results), load_limit(args.limit))
+    print("\n".join(format_limit(rows, notes, f"`{args.limit}`")))
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -35,6 +54,13 @@ def _run(args: argparse.Namespace) -> int:
 
     _quiet_engine(args)
     exp = load_experiment(args.file)
+    if args.limit:
+        from dataclasses import replace
+
+        from vllm_mars.experiment.spec import check_limit
+
+        check_limit(Path(args.limit), "--limit")
+        exp = replace(exp, limit=Path(args.limit).resolve())
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: expected >= 1")
     out = Path(args.out) if args.out else Path("runs") / "experiments" / exp.name

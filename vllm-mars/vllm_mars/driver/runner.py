@@ -43,6 +43,10 @@ CALL_TIMEOUT_S = 600.0
 SIM_SAMPLE_INTERVAL_S = 1.0
 #: the long solo prompt of the sim's calibration (tokens)
 SIM_CALIBRATE_PROMPT = 8192
+#: The sim's largest KV pool (blocks). The pool is bookkeeping only, one small Python object per block
+#: (~140 B: 10x the H200 profile's 45k blocks adds ~55 MB and ~0.7 s of start-up), so this cap only
+#: keeps a typo from eating the machine's memory (5M blocks ~ 0.7 GB).
+SIM_MAX_KV_BLOCKS = 5_000_000
 #: The bundled compact workload (``mars compare`` with no arguments runs it).
 DEFAULT_WORKLOAD = REPO_ROOT / "benchmark" / "workloads" / "compact.jsonl"
 
@@ -74,8 +78,12 @@ class ReplayConfig:
     #: model dir (None: the tiny CPU model); for http the served model name (None: the first listed)
     model: str | None = None
     #: KV blocks of the in-process engine: None = engine.local's default (a small pool on the CPU
-    #: build, so the tiny model meets real KV pressure; vLLM's sizing on GPU), 0 = vLLM's sizing
+    #: build, so the tiny model meets real KV pressure; vLLM's sizing on GPU), 0 = vLLM's sizing.
+    #: In the sim: None = the profile's pool, else this pool with the profile's step times
     num_blocks: int | None = None
+    #: sim only: the KV pool is kv_scale x the profile's blocks, the step times stay the profile's
+    #: (e.g. 10: the no-thrash limit of a workload); num_blocks sets the pool outright instead
+    kv_scale: float | None = None
     #: KV block size in tokens: None = 32 on the CPU build, vLLM's choice on GPU
     block_size: int | None = None
     #: context limit of the engine (lowered to what num_blocks * block_size holds)
@@ -149,6 +157,13 @@ class ReplayConfig:
             raise ValueError("the http backend needs --url")
         if self.backend == "sim" and not self.profile:
             raise ValueError("the sim backend needs --profile (a step-time profile name or file)")
+        if self.kv_scale is not None:
+            if self.backend != "sim":
+                raise ValueError("kv_scale scales the sim profile's KV pool: it needs --backend sim")
+            if self.num_blocks:
+                raise ValueError("num_blocks and kv_scale both size the sim's KV pool: give one of them")
+        if self.backend == "sim":
+            self.sim_num_blocks()
         if self.record_steps and self.backend != "inprocess":
             raise ValueError("--record-steps times the in-process engine's steps: it needs --backend inprocess")
         if self.backend == "sim" and self.tools != "simulated":
@@ -182,14 +197,35 @@ class ReplayConfig:
             return self.sample_interval_s
         return SIM_SAMPLE_INTERVAL_S if self.backend == "sim" else SAMPLE_INTERVAL_S
 
+    def sim_num_blocks(self) -> int:
+        """The sim's KV pool in blocks: ``num_blocks`` if given, else ``kv_scale`` (default 1) x the
+        profile's; a pool the options set must be 2..SIM_MAX_KV_BLOCKS (one-line ValueError)."""
+        from vllm_mars.sim.engine import get_profile
+
+        p = get_profile(self.profile)
+        base = p.num_kv_blocks()
+        if self.num_blocks:
+            n, what = self.num_blocks, f"num_blocks {self.num_blocks}"
+        elif self.kv_scale is not None:
+            n = int(base * self.kv_scale)
+            what = f"kv_scale {self.kv_scale:g} ({n} blocks)"
+        else:
+            return base
+        if not 2 <= n <= SIM_MAX_KV_BLOCKS:
+            raise ValueError(f"{what}: the sim's KV pool must be 2..{SIM_MAX_KV_BLOCKS} blocks (profile {p.name}: "
+                             f"{base} blocks, so kv_scale {2 / base:.3g}..{SIM_MAX_KV_BLOCKS / base:.4g})")
+        return n
+
     def with_profile(self) -> ReplayConfig:
-        """For the sim backend: this config with the engine shape of its profile (else itself)."""
+        """For the sim backend: this config with the engine shape of its profile (else itself); the
+        pool is resolved to ``num_blocks`` (``sim_num_blocks``: kv_scale becomes a block count)."""
         if self.backend != "sim":
             return self
         from vllm_mars.sim.engine import get_profile
 
         p = get_profile(self.profile)
-        return replace(self, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_model_len=p.max_model_len,
+        return replace(self, num_blocks=self.sim_num_blocks(), kv_scale=None, block_size=p.block_size,
+                       max_model_len=p.max_model_len,
                        max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
                        policy_options=dict(self.policy_options), admission_options=dict(self.admission_options))
 
@@ -297,7 +333,7 @@ def make_backend(cfg: ReplayConfig, clock: Callable[[], float], scheduler_policy
         from vllm_mars.sim.engine import SimBackend, get_profile
 
         return SimBackend(get_profile(cfg.profile), clock, policy=scheduler_policy, policy_options=cfg.policy_options,
-                          seed=cfg.seed, max_model_len=cfg.effective_max_model_len())
+                          seed=cfg.seed, max_model_len=cfg.effective_max_model_len(), num_blocks=cfg.num_blocks)
     model = cfg.model
     if model is None:
         from vllm_mars.tiny_model import build_tiny_model

@@ -33,10 +33,25 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
               "missing_runs": [f"{c['key']}/{p}" for c in cells for p in _policies_of(exp, c)
                                if p not in c["policies"]],
               "wall_s": round(sum(c.get("wall_s") or 0 for c in cells), 1)}
+    if exp.limit is not None:
+        from vllm_mars.experiment.limit import limit_rows, load_limit
+
+        rows, notes = limit_rows(record, load_limit(exp.limit))
+        record["limit"] = {"file": _rel(exp.limit, exp.path), "cells": rows, "notes": notes}
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     plots = plot_results(exp, record, out) if cells else []
     (out / "table.md").write_text(format_results(exp, record, plots) + "\n")
     return record
+
+
+def _rel(p: Path, exp_file: Path) -> str:
+    """``p`` relative to the experiment file's directory where it can be (results.json is committed)."""
+    import os
+
+    try:
+        return os.path.relpath(p, Path(exp_file).resolve().parent)
+    except ValueError:
+        return str(p)
 
 
 def _policies_of(exp: Experiment, cell: Mapping[str, Any]) -> tuple[str, ...]:
@@ -73,23 +88,9 @@ def _per_policy(cells: Sequence[Mapping], policies: Sequence[str], key: str, bes
     return _table(["workload", "rps", "seed", *policies], rows)
 
 
-def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
-    cells = record["cells"]
-    pols = list(exp.policies)
-    a = record["alpha"]
-    cfg = record["config"]["replay"]
-    lines = [f"# Experiment `{exp.name}`", "", exp.description.strip(), "",
-             (f"- file: `{exp.path}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
-             f"wall time of the cells, summed: {record['wall_s']:.0f} s"),
-             f"- backend: {cfg.get('backend')}" + (f", profile: {cfg.get('profile')}" if cfg.get("profile") else "")
-             + f", arrival: {cfg.get('arrival')}, policies: {', '.join(pols)}",
-             f"- T_ideal: {(record.get('cost_model') or {}).get('source', 'none')}", ""]
-    if record["missing"]:
-        lines += [f"Missing cells (not run yet): {', '.join(record['missing'])}", ""]
-    if record["missing_runs"]:
-        lines += [(f"Runs not done in the cells above ({len(record['missing_runs'])}): "
-                  f"{', '.join(record['missing_runs'])}"), ""]
-    lines += ["## Mars speedup over the fastest baseline (mean E2E)", "",
+def _speedup_section(cells: Sequence[Mapping], a: float) -> list[str]:
+    """The headline table: per cell mars's speedup over the fastest baseline."""
+    lines = ["## Mars speedup over the fastest baseline (mean E2E)", "",
               ("The fastest of the baselines (policies other than mars and its variants) run in the cell; "
               "'-' in the per-policy tables below = not run there. Mean and p95 E2E are over the workflows "
               "that completed; * = some policy in the cell did not complete every workflow (a call waited "
@@ -107,7 +108,30 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
                      "mars mean E2E (s)",
                      "baseline mean E2E (s)", "mars p95 (s)", "baseline p95 (s)", f"mars goodput@{a}",
                      f"baseline goodput@{a}"], rows) + [""]
-    if len(exp.seeds) > 1:
+    return lines
+
+
+def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
+    cells = record["cells"]
+    pols = list(exp.policies)
+    a = record["alpha"]
+    cfg = record["config"]["replay"]
+    lines = [f"# Experiment `{exp.name}`", "", exp.description.strip(), "",
+             (f"- file: `{exp.path}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
+             f"wall time of the cells, summed: {record['wall_s']:.0f} s"),
+             f"- backend: {cfg.get('backend')}" + (f", profile: {cfg.get('profile')}" if cfg.get("profile") else "")
+             + f", arrival: {cfg.get('arrival')}, policies: {', '.join(pols)}",
+             f"- T_ideal: {(record.get('cost_model') or {}).get('source', 'none')}", ""]
+    if record["missing"]:
+        lines += [f"Missing cells (not run yet): {', '.join(record['missing'])}", ""]
+    if record["missing_runs"]:
+        lines += [(f"Runs not done in the cells above ({len(record['missing_runs'])}): "
+                  f"{', '.join(record['missing_runs'])}"), ""]
+    if any("mars" in c["policies"] for c in cells):
+        lines += _speedup_section(cells, a)
+    else:
+        lines += ["No `mars` run in this experiment: no speedup table (the per-policy tables are below).", ""]
+    if len(exp.seeds) > 1 and any(c.get("speedup") is not None for c in cells):
         lines += ["### Over seeds: mean speedup (min - max)", ""]
         groups: dict[tuple[str, float], list[float]] = {}
         for c in cells:
@@ -116,6 +140,11 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
         lines += _table(["workload", "rps", "seeds", "speedup"], [
             [w, f"{r:g}", str(len(v)), f"{statistics.fmean(v):.2f}x ({min(v):.2f} - {max(v):.2f})"]
             for (w, r), v in groups.items()]) + [""]
+    if record.get("limit"):
+        from vllm_mars.experiment.limit import format_limit
+
+        lim = record["limit"]
+        lines += format_limit(lim["cells"], lim["notes"], f"`{lim['file']}`")
     lines += ["## Mean E2E (s), per policy (best in bold)", ""] + _per_policy(cells, pols, "mean_e2e_s") + [""]
     lines += ["## p95 E2E (s), per policy", ""] + _per_policy(cells, pols, "p95_e2e_s") + [""]
     lines += [f"## Goodput at alpha {a} (workflows/s within {a} x T_ideal), per policy", ""]
@@ -150,12 +179,8 @@ def _mean_by(cells: Sequence[Mapping], workload: str, policy: str, key: str) -> 
     return sorted((r, statistics.fmean(v)) for r, v in by.items())
 
 
-def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[str]:
-    """Speedup heat map (workload x load level) and per-workload curves of mean E2E and goodput."""
-    plt = _plt()
-    cells = record["cells"]
-    wls = [w for w in exp.workloads if any(c["workload"] == w.name for c in cells)]
-    files = []
+def _heatmap(plt, wls: Sequence, cells: Sequence[Mapping], out: Path) -> str:
+    """mars's speedup per workload x load level (log2 colour scale)."""
     ncol = max(len(w.rps) for w in wls)
     grid = [[float("nan")] * ncol for _ in wls]
     notes = [[""] * ncol for _ in wls]
@@ -183,7 +208,17 @@ def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[
     ax.set_title("mars mean-E2E speedup over the fastest baseline (blue > 1)", fontsize=10)
     cb = fig.colorbar(im, ax=ax)
     cb.set_label("log2 speedup")
-    files.append(_save(fig, out / "speedup_heatmap.png", plt))
+    return _save(fig, out / "speedup_heatmap.png", plt)
+
+
+def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[str]:
+    """Speedup heat map (workload x load level) and per-workload curves of mean E2E and goodput."""
+    plt = _plt()
+    cells = record["cells"]
+    wls = [w for w in exp.workloads if any(c["workload"] == w.name for c in cells)]
+    files: list[str] = []
+    if any(c.get("speedup") is not None for c in cells):  # no mars run: no heat map
+        files.append(_heatmap(plt, wls, cells, out))
     for key, fname, label, logy in (("mean_e2e_s", "mean_e2e_vs_rps.png", "mean E2E (s)", True),
                                     (GOODPUT, "goodput_vs_rps.png", f"goodput@{record['alpha']} (wf/s)", False)):
         fig, axes = plt.subplots(1, len(wls), figsize=(4.2 * len(wls), 3.8), squeeze=False)

@@ -9,7 +9,8 @@ Keys (top level): ``name``, ``description``, ``backend``, ``profile``, ``arrival
 ``admission_options``), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
 one of ``preset`` / ``path`` / ``weka``, ``rps``, and optionally ``num_workflows``, ``scale``,
 ``arrival``, ``max_context``, ``max_tool_s``, ``policies``: a subset of the top-level list run on this
-workload only). Relative paths are relative to the file.
+workload only), ``limit`` (another experiment's results.json: the no-thrash limit the report compares
+mars with, see :mod:`vllm_mars.experiment.limit`). Relative paths are relative to the file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from vllm_mars.driver.runner import ReplayConfig
 
 TOP_KEYS = ("name", "description", "backend", "profile", "arrival", "seeds", "num_workflows", "policies",
-            "variants", "replay", "workloads")
+            "variants", "replay", "workloads", "limit")
 WORKLOAD_KEYS = ("name", "preset", "path", "weka", "rps", "num_workflows", "scale", "arrival", "max_context",
                  "max_tool_s", "policies")
 VARIANT_KEYS = ("policy", "policy_options", "admission_options")
@@ -82,6 +83,8 @@ class Experiment:
     seeds: tuple[int, ...]
     base: ReplayConfig
     raw: dict[str, Any] = field(default_factory=dict)
+    #: results.json of the no-thrash limit (``limit`` key or ``--limit``), None: no limit section
+    limit: Path | None = None
 
     def cells(self) -> list[Cell]:
         return [Cell(w, r, s) for w in self.workloads for r in w.rps for s in self.seeds]
@@ -331,5 +334,19 @@ def load_experiment(path: str | Path) -> Experiment:
     if dup:
         raise _err(path, "workloads", f"workload name {dup[0]!r} is used twice")
     base = _base(path, raw)
+    limit = None
+    if "limit" in raw:
+        limit = (path.parent / _str(path, "limit", raw["limit"])).resolve()
+        check_limit(limit, f"{path}: limit")
     return Experiment(path=path, name=name, description=str(raw.get("description", "")), policies=policies,
-                      variants=variants, workloads=workloads, seeds=seeds, base=base, raw=raw)
+                      variants=variants, workloads=workloads, seeds=seeds, base=base, raw=raw, limit=limit)
+
+
+def check_limit(path: Path, where: str) -> None:
+    """A limit results.json that the report can read, else ExperimentError ``WHERE: what is wrong``."""
+    from vllm_mars.experiment.limit import load_limit
+
+    try:
+        load_limit(path)
+    except ValueError as e:
+        raise ExperimentError(f"{where}: {e}") from None

@@ -79,8 +79,10 @@ class SimBackend:
 
     def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, seed: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_blocks: int | None = None) -> None:
         self.profile = profile
+        #: KV blocks of the pool (None: the profile's); the step times are the profile's either way
+        self.num_blocks = num_blocks
         self.clock = clock
         self.policy = policy
         self.policy_options = dict(policy_options or {})
@@ -116,7 +118,7 @@ class SimBackend:
         model_dir = p.model_dir()
         self.vocab_size = config_vocab_size(model_dir)
         self.scheduler = make_scheduler(
-            self.policy, num_blocks=p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
+            self.policy, num_blocks=self.num_blocks or p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
             policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
         # KV block removals are counted where vLLM would emit them as events, without the events

@@ -1,0 +1,148 @@
+"""The no-thrash limit in the experiment report: the gap-closed computation on a hand-made pair of
+results, matching by cell and workload, the ``limit`` key / ``--limit`` / ``mars experiment gap``,
+and the shipped paper_grid_nothrash results (every run free of preemptions and evictions)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from vllm_mars.experiment.limit import MIN_GAP, gap_closed, limit_rows, load_limit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(mean: float, done: int = 10, preempt: int = 0, evicted: int = 0) -> dict:
+    return {"mean_e2e_s": mean, "completed": done, "workflows": 10, "preemptions": preempt,
+            "kv_blocks_removed": evicted}
+
+
+def _record(name: str, cells: list[tuple[str, float, dict[str, dict], str | None]], n: int = 10) -> dict:
+    """A results.json of workload W (preset ILR-4, ``n`` workflows) with the given cells."""
+    return {"experiment": name, "config": {
+        "workloads": [{"name": "W", "preset": "ILR-4", "path": None, "weka": None, "scale": None,
+                       "max_context": None, "max_tool_s": None, "num_workflows": n, "arrival": None}],
+        "replay": {"backend": "sim", "profile": "h200-qwen3-coder-30b-a3b", "arrival": "poisson",
+                   "num_workflows": None, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                   "max_model_len": 262144}},
+        "cells": [{"key": f"W/rps{rps:g}/seed0", "workload": "W", "rps": rps, "seed": 0, "policies": pols,
+                   "baseline": base} for _, rps, pols, base in cells]}
+
+
+GRID = _record("grid", [
+    ("W", 0.02, {"mars": _run(500.0), "fcfs": _run(900.0), "infercept": _run(800.0)}, "infercept"),
+    ("W", 0.04, {"mars": _run(1700.0), "fcfs": _run(1800.0), "infercept": _run(1500.0)}, "infercept"),
+    ("W", 0.01, {"mars": _run(400.0), "fcfs": _run(401.0)}, "fcfs"),
+    ("W", 0.005, {"mars": _run(380.0), "fcfs": _run(381.0)}, "fcfs"),
+])
+LIMIT = _record("limit", [
+    ("W", 0.02, {"fcfs": _run(400.0), "mars": _run(350.0, done=9)}, None),   # mars left out: 9/10 done
+    ("W", 0.04, {"fcfs": _run(500.0)}, None),
+    ("W", 0.01, {"fcfs": _run(399.0)}, None),                                  # 0.5 % gap: no gap
+])
+
+
+def test_gap_closed_is_the_share_of_baseline_minus_limit_that_mars_recovers():
+    assert gap_closed(800.0, 500.0, 400.0) == pytest.approx(0.75)
+    assert gap_closed(1500.0, 1700.0, 500.0) == pytest.approx(-0.2)
+    assert gap_closed(800.0, 400.0, 400.0) == pytest.approx(1.0)
+    assert gap_closed(401.0, 400.0, 399.0) is None, f"a gap under {MIN_GAP:.0%} of the limit is no gap"
+    assert gap_closed(390.0, 380.0, 400.0) is None and gap_closed(None, 1.0, 1.0) is None
+
+
+def test_limit_rows_match_cells_and_workloads_and_take_the_fastest_complete_limit_run():
+    rows, notes = limit_rows(GRID, LIMIT)
+    assert [r["key"] for r in rows] == ["W/rps0.02/seed0", "W/rps0.04/seed0", "W/rps0.01/seed0"]  # 0.005: no limit
+    r = rows[0]
+    assert (r["limit_policy"], r["limit_mean_e2e_s"], r["baseline"]) == ("fcfs", 400.0, "infercept")
+    assert r["gap_closed"] == pytest.approx(0.75) and r["mars_over_limit"] == pytest.approx(1.25)
+    assert rows[1]["gap_closed"] == pytest.approx(-0.2) and rows[2]["gap_closed"] is None
+    assert notes == []
+    # another workflow count is another workload: no row, a note that says why
+    rows, notes = limit_rows(GRID, _record("limit", [("W", 0.02, {"fcfs": _run(400.0)}, None)], n=20))
+    assert rows == [] and notes == [("W/rps0.02/seed0: not the same workload as the limit's "
+                                     "(num_workflows 10 vs 20)")]
+
+
+def test_report_and_gap_command_state_the_limit(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.limit import format_limit
+
+    grid, lim = tmp_path / "grid.json", tmp_path / "limit.json"
+    grid.write_text(json.dumps(GRID))
+    lim.write_text(json.dumps(LIMIT))
+    text = "\n".join(format_limit(*limit_rows(GRID, LIMIT), "`limit.json`"))
+    assert "| W | 0.02 | 0 | 400.00 | fcfs | 0 / 0 | infercept | 800.00 | 500.00 | 2.00x | 1.25x | 0.75 |" in text
+    assert "| W | 0.01 | 0 | 399.00 | fcfs | 0 / 0 | fcfs | 401.00 | 400.00 | 1.01x | 1.00x | - |" in text
+    thrashed = copy.deepcopy(LIMIT)
+    thrashed["cells"][1]["policies"]["fcfs"]["preemptions"] = 3
+    assert "| 3 / 0 ! |" in "\n".join(format_limit(*limit_rows(GRID, thrashed), "x"))
+    assert main(["experiment", "gap", str(grid), str(lim)]) == 0
+    assert "| 0.75 |" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cells": [{"key": 3}], "config": {}}))
+    assert main(["experiment", "gap", str(grid), str(bad)]) == 2
+    assert capsys.readouterr().err.strip().endswith("bad.json: cells[0]: needs 'key' and 'policies'")
+
+
+@pytest.mark.parametrize("value, text", [
+    ('"nope/results.json"', "not found"),
+    ('"exp.toml"', "not JSON"),
+    ("3", "expected a non-empty string"),
+])
+def test_a_bad_limit_in_the_file_is_a_one_line_error(tmp_path, capsys, value, text):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    src = (REPO / "experiments" / "paper_grid_nothrash.toml").read_text()
+    path = tmp_path / "exp.toml"
+    path.write_text(f"limit = {value}\n" + src)
+    with pytest.raises(ExperimentError) as e:
+        load_experiment(path)
+    assert str(e.value).startswith(f"{path}: limit: ") and text in str(e.value) and "\n" not in str(e.value)
+    assert main(["experiment", "run", str(REPO / "experiments" / "paper_grid_nothrash.toml"), "--limit",
+                 str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "--limit: " in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed():
+    from vllm_mars.experiment.spec import load_experiment
+
+    paper = load_experiment(REPO / "experiments" / "paper_grid.toml")
+    nothrash = load_experiment(REPO / "experiments" / "paper_grid_nothrash.toml")
+    assert paper.limit == (REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json").resolve()
+    assert nothrash.policies == ("fcfs",) and nothrash.base.kv_scale == 10.0 and nothrash.seeds == (0, 1, 2)
+    seed0 = {c.key for c in nothrash.cells() if c.seed == 0}
+    assert seed0 == {"ILR-3/rps0.08/seed0", "ILR-3/rps0.16/seed0", "ILR-4/rps0.02/seed0", "ILR-4/rps0.04/seed0",
+                     "ILR-4/rps0.08/seed0"}
+    assert seed0 <= {c.key for c in paper.cells()}
+    pw = {w.name: w for w in paper.workloads}
+    for w in nothrash.workloads:
+        assert (w.preset, w.num_workflows, w.scale, w.arrival) == (pw[w.name].preset, pw[w.name].num_workflows,
+                                                                    pw[w.name].scale, pw[w.name].arrival)
+    lim = load_limit(paper.limit)
+    for c in lim["cells"]:
+        d = c["policies"]["fcfs"]
+        assert d["completed"] == d["workflows"] and d["preemptions"] == 0 and d["kv_blocks_removed"] == 0, c["key"]
+    rows, notes = limit_rows(load_limit(REPO / "experiments" / "results" / "paper_grid" / "results.json"), lim)
+    assert len(rows) == 5 and notes == [] and all(r["limit_mean_e2e_s"] for r in rows)
+
+
+def test_the_experiment_report_carries_the_limit_section(tmp_path):
+    from dataclasses import replace
+
+    from vllm_mars.experiment.results import write_results
+    from vllm_mars.experiment.spec import load_experiment
+
+    exp = load_experiment(REPO / "experiments" / "paper_grid_nothrash.toml")
+    lim_path = REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json"
+    lim = load_limit(lim_path)
+    record = write_results(replace(exp, limit=lim_path), tmp_path, lim["cells"], None)
+    assert [r["key"] for r in record["limit"]["cells"]] == [c["key"] for c in lim["cells"]]
+    assert record["limit"]["file"] == "results/paper_grid_nothrash/results.json"
+    table = (tmp_path / "table.md").read_text()
+    assert "## Gap to the no-thrash limit" in table and "`results/paper_grid_nothrash/results.json`" in table
+    assert "No `mars` run in this experiment" in table and not (tmp_path / "speedup_heatmap.png").exists()
+    assert json.loads((tmp_path / "results.json").read_text())["limit"]["cells"][0]["limit_policy"] == "fcfs"
