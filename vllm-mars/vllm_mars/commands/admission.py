@@ -311,6 +311,7 @@ def _serve(args: argparse.Namespace) -> int:
     tool_args, parser = _tool_calling_args(args, extra)
     if parser is not None:
         policy_options["tool_parser"] = parser  # the scheduler reads the next tool with it
+        print(f"mars serve: the scheduler reads each call's next tool with parser {parser}", file=sys.stderr)
     if not any(a.startswith(("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log")) for a in extra):
         # the sidecar polls /metrics every --telemetry-interval: keep those polls (and /health)
         # out of vLLM's access log, which otherwise is mostly them
