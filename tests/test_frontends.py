@@ -286,6 +286,9 @@ def mars_serve(tiny_model, tmp_path_factory):
     try:
         srv.wait_ready(300)
         assert "tool calling on, parser hermes" in srv.log_path.read_text()
+        # the scheduler is told the same parser, to read the next tool from outputs (issue 10; an
+        # engine that did not take the key would have refused to start)
+        assert "the scheduler reads each call's next tool with parser hermes" in srv.log_path.read_text()
         yield srv
     finally:
         srv.stop()

@@ -65,7 +65,8 @@ def test_tag_parser_raises_only_value_error_and_bounds_what_it_accepts(xargs):
     assert info.prefill_tokens is None or 0 <= info.prefill_tokens <= MAX_TAG_INT
     float(info.turn)  # policies do float arithmetic on tags: never an OverflowError
     assert isinstance(info.last_step, bool)
-    assert all(v is None or 0 < len(v) <= MAX_ID_CHARS for v in (info.workflow, info.root, info.parent, info.tool))
+    assert all(v is None or 0 < len(v) <= MAX_ID_CHARS
+               for v in (info.workflow, info.root, info.parent, info.tool, info.next_tool))
 
 
 @pytest.mark.parametrize("value", [1e400, -1e400, math.inf, math.nan, 2**1024, "1e400", 1.5, -1, [1], {"a": 1}])

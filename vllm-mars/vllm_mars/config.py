@@ -35,13 +35,16 @@ class EngineConfig:
     cost_model: CostModel | None = None
     #: Fit the cost model online from the engine's step times while none is given.
     online_cost: bool = True
+    #: vLLM tool-call parser name (``hermes``, ``qwen3_coder``, ...): read the tool a finished call
+    #: is about to run from its output (:mod:`vllm_mars.engine.next_tool`). None: not read.
+    tool_parser: str | None = None
 
     @property
     def engine_keys(self) -> tuple[str, ...]:
         return ENGINE_KEYS
 
 
-ENGINE_KEYS = ("policy", "cost_model", "online_cost")
+ENGINE_KEYS = ("policy", "cost_model", "online_cost", "tool_parser")
 
 
 def parse_engine_config(additional_config: Mapping[str, Any] | None,
@@ -71,7 +74,13 @@ def parse_engine_config(additional_config: Mapping[str, Any] | None,
     online = raw.get("online_cost", True)
     if not isinstance(online, bool):
         raise ValueError(f'additional_config["mars"]["online_cost"] must be true or false, got {online!r}')  # noqa: TRY004
-    return EngineConfig(policy=policy, policy_options=options, cost_model=cost, online_cost=online)
+    parser = raw.get("tool_parser")
+    if parser is not None and not (isinstance(parser, str) and parser.strip()):
+        raise ValueError(f'additional_config["mars"]["tool_parser"] must be a parser name, got {parser!r}')
+    if isinstance(parser, str) and parser.lower() == "none":
+        parser = None
+    return EngineConfig(policy=policy, policy_options=options, cost_model=cost, online_cost=online,
+                        tool_parser=parser)
 
 
 def check_value(name: str, annotation: Any, value: Any, *, minimum: float | None = None,

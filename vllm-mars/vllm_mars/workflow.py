@@ -1,8 +1,8 @@
 """Workflow identity of one LLM call, read from ``SamplingParams.extra_args`` (OpenAI ``vllm_xargs``).
 
 Keys (SPEC section 1): ``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_turn``,
-``mars_last_step``, ``mars_tool``, ``mars_prefill_tokens``. A call without them is its own
-one-call workflow (plain chat traffic mixes with agents), identified by its request id.
+``mars_last_step``, ``mars_tool``, ``mars_next_tool``, ``mars_prefill_tokens``. A call without them
+is its own one-call workflow (plain chat traffic mixes with agents), identified by its request id.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ WORKFLOW_KEYS = (
     "mars_turn",
     "mars_last_step",
     "mars_tool",
+    "mars_next_tool",
     "mars_prefill_tokens",
 )
 
@@ -32,8 +33,11 @@ class WorkflowInfo:
     parent: str | None = None
     turn: int = 0
     last_step: bool = False
+    #: The tool that ran before this call (``mars_tool``: the one its previous turn called).
     tool: str | None = None
     prefill_tokens: int | None = None
+    #: The tool this call's output will call (``mars_next_tool``), when the client knows it.
+    next_tool: str | None = None
     #: False when the call carried no ``mars_workflow`` (a one-call workflow named by its request id).
     tagged: bool = True
 
@@ -45,7 +49,8 @@ class WorkflowInfo:
 #: Largest integer tag accepted (``mars_turn``, ``mars_prefill_tokens``): exact as a float, so
 #: policies may do float arithmetic on it without OverflowError.
 MAX_TAG_INT = 2**53
-#: Longest id a tag may carry (``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_tool``):
+#: Longest id a tag may carry (``mars_workflow``, ``mars_root``, ``mars_parent``, ``mars_tool``,
+#: ``mars_next_tool``):
 #: policies keep per-workflow and per-tool state keyed by them, so their size is bounded.
 MAX_ID_CHARS = 1024
 #: Longest id kept verbatim in logs and events (:func:`short_id`).
@@ -134,9 +139,10 @@ def workflow_from_extra_args(extra_args: Mapping[str, Any] | None, request_id: s
     else:
         last = not tagged
     tool = _as_id("mars_tool", extra_args.get("mars_tool"))
+    next_tool = _as_id("mars_next_tool", extra_args.get("mars_next_tool"))
     prefill = (
         _as_int("mars_prefill_tokens", extra_args["mars_prefill_tokens"], 0)
         if extra_args.get("mars_prefill_tokens") is not None
         else None
     )
-    return WorkflowInfo(workflow, root, parent, turn, last, tool, prefill, tagged)
+    return WorkflowInfo(workflow, root, parent, turn, last, tool, prefill, next_tool, tagged)

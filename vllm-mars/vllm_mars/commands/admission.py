@@ -248,19 +248,28 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
 
 
-def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> list[str]:
-    """Tool calling on by default with the parser that fits the model (issue 12); logged."""
-    from vllm_mars.engine.tool_calling import choose_tool_parser, user_set_tool_calling, validate_parser
+def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> tuple[list[str], str | None]:
+    """Tool calling on by default with the parser that fits the model (issue 12); logged.
+    Returns the server arguments to add and the parser in use (the scheduler reads the next tool
+    from outputs with the same one)."""
+    from vllm_mars.engine.tool_calling import (
+        choose_tool_parser,
+        known_parsers,
+        user_set_tool_calling,
+        user_tool_parser,
+        validate_parser,
+    )
 
     if args.tool_call_parser is not None:
         validate_parser(args.tool_call_parser)
     if user_set_tool_calling(cmd):
         print("mars serve: tool calling as configured in --vllm-args", file=sys.stderr)
-        return []
+        named = user_tool_parser(cmd)
+        return [], named if named in known_parsers() else None  # a plugin's parser: not read here
     choice = choose_tool_parser(args.model, args.served_model_name, args.tool_call_parser)
     state = f"on, parser {choice.parser}" if choice.parser else "off"
     print(f"mars serve: tool calling {state} ({choice.reason})", file=sys.stderr)
-    return choice.server_args()
+    return choice.server_args(), choice.parser
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -299,6 +308,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.num_blocks is not None:
         kw["num_blocks"] = args.num_blocks
     extra = shlex.split(args.vllm_args)
+    tool_args, parser = _tool_calling_args(args, extra)
+    if parser is not None:
+        policy_options["tool_parser"] = parser  # the scheduler reads the next tool with it
+        print(f"mars serve: the scheduler reads each call's next tool with parser {parser}", file=sys.stderr)
     if not any(a.startswith(("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log")) for a in extra):
         # the sidecar polls /metrics every --telemetry-interval: keep those polls (and /health)
         # out of vLLM's access log, which otherwise is mostly them
@@ -306,8 +319,7 @@ def _serve(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
-           *extra]
-    cmd += _tool_calling_args(args, cmd)
+           *extra, *tool_args]
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))

@@ -534,6 +534,8 @@ class Replay:
                     extra["mars_parent"] = plan.parent_id
                 if prev_tool:
                     extra["mars_tool"] = prev_tool
+                if turn.tool_name and k < last:  # replay's stand-in for parsing the output's tool call
+                    extra["mars_next_tool"] = turn.tool_name
                 rid = f"{wid}:t{k}"
                 submit = self.clock()
                 if plan.parent_id is None and k:

@@ -12,7 +12,9 @@ acts through:
 * admission gate: :class:`PolicyQueue` reports itself empty while the policy holds its head;
 * chunk caps: ``_reserve_prefill_lookahead``, called right before every ``allocate_slots``;
 * retention: ``_free_blocks`` keeps a finished call's cached blocks referenced
-  (:mod:`vllm_mars.engine.retention`), and a failed allocation releases retained KV first.
+  (:mod:`vllm_mars.engine.retention`), and a failed allocation releases retained KV first; with a
+  ``tool_parser`` configured it first reads the tool the call is about to run from its output
+  (:mod:`vllm_mars.engine.next_tool`).
 """
 
 from __future__ import annotations
@@ -217,6 +219,14 @@ class MarsSchedulerMixin:
         self._sched_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in shutdown()
         self._warned: set[str] = set()
         self._init_cost_model(cfg)
+        self._next_tool = None
+        if cfg.tool_parser is not None and policy.retains:
+            from vllm_mars.engine.next_tool import NextToolReader
+
+            self._next_tool = NextToolReader.for_model(cfg.tool_parser, self.vllm_config.model_config)
+            if self._next_tool is not None:
+                logger.info("MarsScheduler: reading the next tool from outputs with vLLM's %s tool parser",
+                            cfg.tool_parser)
         logger.info("MarsScheduler: policy=%s options=%s", cfg.policy, dict(cfg.policy_options))
 
     # -- the cost model -----------------------------------------------------------------------------
@@ -441,17 +451,20 @@ class MarsSchedulerMixin:
         if call is not None:
             aborted = request.status == _ABORTED
             policy = self.mars_policy
+            info = call.workflow
+            if self._next_tool is not None and not aborted and info.tagged and not info.last_step:
+                call.next_tool = self._next_tool.read(request.output_token_ids) or call.next_tool
             policy.on_finished(call, aborted)
             if self._sched_log is not None:
                 self._log_event("end", call, aborted=aborted, output_tokens=request.num_output_tokens,
                                 cached_tokens=call.cached_tokens,
-                                preemptions=request.num_preemptions)
-            wf = call.workflow.workflow
+                                preemptions=request.num_preemptions, next_tool=short_id(call.next_tool))
+            wf = info.workflow
             self._returning.pop(request.request_id, None)
             if aborted:
                 if wf in self.retention:
                     self.retention.release(wf, self.clock.now(), "on_abort")
-            elif policy.retains and call.workflow.tagged and not call.workflow.last_step:
+            elif policy.retains and info.tagged and not info.last_step:
                 self._maybe_retain(request, call)
         super()._free_blocks(request)
 

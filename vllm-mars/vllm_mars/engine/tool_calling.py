@@ -71,6 +71,16 @@ def user_set_tool_calling(vllm_args: list[str]) -> bool:
     return any(a.split("=", 1)[0] in ("--tool-call-parser", "--enable-auto-tool-choice") for a in vllm_args)
 
 
+def user_tool_parser(vllm_args: list[str]) -> str | None:
+    """The parser named by ``--tool-call-parser NAME`` (or ``=NAME``) in the user's ``--vllm-args``."""
+    for i, a in enumerate(vllm_args):
+        if a.startswith("--tool-call-parser="):
+            return a.split("=", 1)[1] or None
+        if a == "--tool-call-parser" and i + 1 < len(vllm_args):
+            return vllm_args[i + 1]
+    return None
+
+
 def known_parsers() -> set[str]:
     """Tool-call parser names this vLLM registers (imports vllm.tool_parsers only)."""
     from vllm.tool_parsers import ToolParserManager

@@ -58,7 +58,7 @@ class CallView:
     """
 
     __slots__ = ("_req", "request_id", "workflow", "arrival", "seq", "user_priority", "state",
-                 "last_scheduled", "cached_tokens")
+                 "last_scheduled", "cached_tokens", "next_tool")
 
     #: Set by the engine to vLLM's ``RequestStatus.RUNNING`` (keeps this module free of vllm).
     RUNNING_STATUS: ClassVar[Any] = None
@@ -75,6 +75,9 @@ class CallView:
         self.last_scheduled = arrival
         #: Prompt tokens served from the prefix cache when first scheduled (-1 before that).
         self.cached_tokens = -1
+        #: The tool this call's output calls, when known: the client's ``mars_next_tool``, replaced
+        #: by the engine's tool-call parser (when configured) once the call has finished.
+        self.next_tool: str | None = workflow.next_tool
 
     @property
     def num_prompt_tokens(self) -> int:

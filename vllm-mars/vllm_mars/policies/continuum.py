@@ -34,9 +34,11 @@ fewer than ``min_samples`` gaps have been observed in all.
 
 Our choices where the paper is open
 -----------------------------------
-* The tool the ending call is about to run is not known to the engine (the prototype parses it
-  from the output): we use the tool its previous turn ran (``mars_tool``), else the workflow's own
-  gaps. Return gaps come from :class:`~vllm_mars.policies.gaps.GapTracker` (no oracle).
+* The tool the ending call is about to run: like the prototype, parsed from the output (vLLM's
+  tool-call parser, when the engine is given one), else the client's ``mars_next_tool``, else the
+  tool its previous turn ran (``mars_tool``): :func:`~vllm_mars.policies.gaps.gap_tool`; without
+  any, the workflow's own gaps. Return gaps come from
+  :class:`~vllm_mars.policies.gaps.GapTracker` (no oracle).
 * Pins expire on time even when the workflow's next call is already waiting (the prototype keeps
   those until scheduled); the engine releases a pin once the returning call is scheduled.
 * The prototype prefers non-last-step victims; we use program LIFO only.
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
-from vllm_mars.policies.gaps import GapTracker
+from vllm_mars.policies.gaps import GapTracker, gap_tool
 from vllm_mars.policies.infercept import config_cost_model, prefill_seconds
 
 
@@ -107,7 +109,7 @@ class _ContinuumBase(Policy):
         if aborted or wf.last_step:
             self.gaps.forget(wf.workflow)
         else:
-            self.gaps.call_ended(wf.workflow, self.clock.now(), wf.tool)
+            self.gaps.call_ended(wf.workflow, self.clock.now(), call.next_tool)
 
     # -- order ------------------------------------------------------------------------------------
     def _pinned_now(self, workflow: str) -> bool:
@@ -149,7 +151,7 @@ class ContinuumPolicy(_ContinuumBase):
     def tool_mean(self, call: CallView) -> float:
         """Running mean return gap of the call's tool, else of its workflow; 0 when never seen."""
         wf = call.workflow
-        s = self.gaps.tool_samples(wf.tool) or self.gaps.workflow_samples(wf.workflow)
+        s = self.gaps.tool_samples(gap_tool(call)) or self.gaps.workflow_samples(wf.workflow)
         return s.mean if s else 0.0
 
     def ttl_s(self, call: CallView, num_blocks: int) -> float:
@@ -279,7 +281,7 @@ class ContinuumDyPolicy(_ContinuumBase):
         everything = self.gaps.all_samples()
         if len(everything) < cfg.min_samples:
             return cfg.cold_start_s
-        own = self.gaps.tool_samples(call.workflow.tool)
+        own = self.gaps.tool_samples(gap_tool(call))
         records = own if own is not None and len(own) >= cfg.min_samples else everything
         reload = prefill_seconds(self.cost, call.num_tokens)
         base = self.queue_delay_s * self.eta + reload

@@ -4,6 +4,10 @@ Shared by the policies that decide on KV across a tool call (mars retention, con
 continuum_dy, infercept). No oracle: a gap is observed only when the workflow actually returns.
 Memory is bounded: the last ``window`` gaps per key (tool name, workflow id) and a bounded number
 of keys (least recently used keys are forgotten).
+
+A gap is learned under the tool that ran in it, and looked up under the same tool
+(:func:`gap_tool`): the tool the finished call is about to run when known (the engine's tool-call
+parser, else the client's ``mars_next_tool``), else the tool its previous turn ran (``mars_tool``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,14 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from typing import Any
+
+
+def gap_tool(call: Any) -> str | None:
+    """The tool whose return gaps predict ``call``'s next gap (a :class:`CallView`, duck-typed): the
+    tool the call is about to run when known (``call.next_tool``), else the tool its previous turn
+    ran (``mars_tool``), else None (policies then fall back to the workflow's own gaps, then all)."""
+    return call.next_tool or call.workflow.tool
 
 
 class GapSamples:
@@ -58,8 +70,9 @@ class GapSamples:
 class GapTracker:
     """Observes call ends and arrivals; keeps per-tool and per-workflow gap samples.
 
-    Policies call :meth:`call_ended` from ``on_finished`` (non-aborted, not the last step) and
-    :meth:`call_arrived` from ``on_arrival``.
+    Policies call :meth:`call_ended` from ``on_finished`` (non-aborted, not the last step) with the
+    call's ``next_tool`` and :meth:`call_arrived` from ``on_arrival`` with the arriving call's
+    ``mars_tool``: both name the tool that ran in the gap, the key it is learned under.
     """
 
     def __init__(self, window: int = 256, max_keys: int = 4096) -> None:
@@ -84,6 +97,7 @@ class GapTracker:
         return s
 
     def call_ended(self, workflow: str, now: float, tool: str | None = None) -> None:
+        """``tool``: the tool the ended call is about to run (its ``next_tool``), when known."""
         self._open[workflow] = (now, tool)
         self._open.move_to_end(workflow)
         if len(self._open) > self.max_keys:

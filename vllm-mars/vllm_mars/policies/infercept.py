@@ -18,8 +18,9 @@ InferCept re-estimates the interception time every iteration as the time since t
 break-even point ``tau = min(waste_discard, waste_swap) / (C * M)``; past it the KV is released.
 We express exactly that as a retention of ``tau`` seconds. On top, the interception time is learned
 online (:class:`~vllm_mars.policies.gaps.GapTracker`: the workflow's own return gaps, else those
-after its previous tool, else all; at least ``min_samples``): when the learned mean already
-exceeds ``tau``, the KV is released at once (the paper's "discard when long"). No oracle.
+of the tool it is about to run (else of its previous tool), else all; at least ``min_samples``):
+when the learned mean already exceeds ``tau``, the KV is released at once (the paper's "discard
+when long"). No oracle.
 
 Order: FCFS by the *original* arrival of the request, i.e. of the workflow's first call: a call
 resuming after an interception keeps its workflow's place (InferCept resumes the same sequence),
@@ -31,8 +32,9 @@ Our choices where the paper is open
 * ``T_fwd(C) = prefill_s_per_token2 * C**2 + prefill_s_per_token * C + prefill_s_const``
   (defaults: the preview's 0.0002 s/token, linear); ``T_swap(C) = swap_s_per_token * C`` (default
   4e-5 s/token, InferCept's ``solver.py`` constant).
-* The tool the ending call is about to run is unknown to the engine (no output parsing): the
-  estimate uses the workflow's history, then the tool its previous turn ran (``mars_tool``).
+* The tool the ending call is about to run comes from the engine's tool-call parser or the
+  client's ``mars_next_tool`` when known, else the tool its previous turn ran (``mars_tool``):
+  :func:`~vllm_mars.policies.gaps.gap_tool`; the estimate uses the workflow's history first.
 * Under KV pressure the retention with the lowest expected saving
   (``waste_discard - mean_gap * C``) is released first.
 * The preview halves the discard waste (``/ 2``); the paper does not, and neither do we.
@@ -55,7 +57,7 @@ from typing import Any
 
 from vllm_mars.costmodel import CostModel, from_polynomial
 from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
-from vllm_mars.policies.gaps import GapTracker
+from vllm_mars.policies.gaps import GapTracker, gap_tool
 
 
 def prefill_seconds(cost: CostModel, tokens: int) -> float:
@@ -161,7 +163,7 @@ class InferceptPolicy(Policy):
             self.gaps.forget(wf.workflow)
             self._first_seq.pop(wf.workflow, None)
         else:
-            self.gaps.call_ended(wf.workflow, self.clock.now(), wf.tool)
+            self.gaps.call_ended(wf.workflow, self.clock.now(), call.next_tool)
 
     # -- order ------------------------------------------------------------------------------------
     def waiting_key(self, call: CallView) -> Any:
@@ -171,7 +173,7 @@ class InferceptPolicy(Policy):
 
     # -- decision ---------------------------------------------------------------------------------
     def expected_gap(self, call: CallView) -> float | None:
-        s = self.gaps.samples(tool=call.workflow.tool, workflow=call.workflow.workflow,
+        s = self.gaps.samples(tool=gap_tool(call), workflow=call.workflow.workflow,
                               min_samples=self.config.min_samples)
         return s.mean if s is not None else None
 

@@ -21,8 +21,9 @@ Mechanisms, each switched by one config field (the ablation policies flip them):
   KV. vLLM stops preempting as soon as the allocation fits; the scheduler releases retained KV
   (lowest ``retention_value`` first) before any preemption.
 * **Adaptive retention** (``retention``): a finished, non-final turn keeps its KV for the tau that
-  maximises ``P(gap <= tau) * saving - tau * cost``, from learned return gaps (per previous tool,
-  then per workflow, then all; :mod:`vllm_mars.policies.gaps`). With ``value_retention`` the
+  maximises ``P(gap <= tau) * saving - tau * cost``, from learned return gaps (per tool: the one
+  the turn is about to run when known, else the previous one; then per workflow, then all;
+  :mod:`vllm_mars.policies.gaps`). With ``value_retention`` the
   saving is the rebuild time times the calls it stalls and, under pressure, the cost is the waiting
   calls the blocks would serve; without it, a memory cost and no retention when free blocks are
   scarce (``min_free_fraction``).
@@ -44,7 +45,7 @@ from typing import Any
 from vllm_mars.clock import Clock
 from vllm_mars.costmodel import CostModel
 from vllm_mars.policies.base import CallView, Policy, register_policy
-from vllm_mars.policies.gaps import GapSamples, GapTracker
+from vllm_mars.policies.gaps import GapSamples, GapTracker, gap_tool
 
 _INF = float("inf")
 
@@ -258,7 +259,7 @@ class MarsPolicy(Policy):
         self._context.move_to_end(key)
         if len(self._context) > self.config.gap_max_keys:
             self._context.popitem(last=False)
-        self.gaps.call_ended(key, self.clock.now())
+        self.gaps.call_ended(key, self.clock.now(), call.next_tool)
 
     # -- levels -------------------------------------------------------------------------------------
     def entry_level(self, uncached_tokens: int) -> int:
@@ -403,11 +404,9 @@ class MarsPolicy(Policy):
 
     # -- retention ----------------------------------------------------------------------------------
     def _gap_samples(self, call: CallView) -> GapSamples | None:
-        # The tool the turn reported (the previous tool: the engine does not parse the output for
-        # the next one), else this workflow's own gaps, else all.
-        wf = call.workflow
-        return self.gaps.samples(tool=wf.tool, workflow=wf.workflow, min_samples=self.config.min_gap_samples,
-                                 tool_first=True)
+        # The tool about to run (else the previous one), else this workflow's own gaps, else all.
+        return self.gaps.samples(tool=gap_tool(call), workflow=call.workflow.workflow,
+                                 min_samples=self.config.min_gap_samples, tool_first=True)
 
     def _pressure(self) -> tuple[int, int, int]:
         """(blocks the waiting calls lack beyond the free ones, waiting calls, running calls), with
