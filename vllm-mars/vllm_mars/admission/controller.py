@@ -132,6 +132,12 @@ class MarsAdmissionConfig(WindowConfig):
     #: guard margin is for the blocks allocated now, and a projected peak is reached (if at all)
     #: only at the end of the roots' lives, when a retained context can still make room.
     life_target: float = 1.0
+    #: Cost rule: a root's queueing cost is at least the time it has already waited (ski rental:
+    #: it waits at most about what its admission is expected to cost in rebuilds). Off by default:
+    #: on the paper grid it gains up to 1.08x at ILR-3 and loses 1.54x at ILR-4 at 4x the thrash
+    #: onset, where the queue is structural and admitting moves the wait onto the others as
+    #: rebuilds (experiments/admission_tuning.toml).
+    ski_rental: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -555,11 +561,14 @@ class MarsAdmissionController(ControllerBase):
             elif cost_rule and not cpu_over:
                 overflow = max(b - max(remaining, 0), 0) + over
                 rebuild_s = self._rebuild_cost_s(r, overflow)
-                if rebuild_s >= queue_s:
+                # Ski rental: a root that has already waited as long as its admission would cost
+                # goes in (never waits more than that for a slot the estimate promised sooner).
+                wait_s = max(queue_s, now - r.arrival) if cfg.ski_rental else queue_s
+                if rebuild_s >= wait_s:
                     continue
                 out.append((r, "cost_overflow", b, {**why, "overflow_blocks": overflow,
                                                     "expected_rebuild_s": round(rebuild_s, 6),
-                                                    "expected_queue_s": round(queue_s, 6)}))
+                                                    "expected_queue_s": round(wait_s, 6)}))
             else:
                 continue
             remaining -= b
