@@ -534,3 +534,28 @@ def test_life_peak_is_reached_just_before_a_root_ends():
     # remaining turns, context: at tau=5 both live (100+50 + 200+50); at tau=8 only the first.
     assert c._life_peak([(8.0, 100.0), (5.0, 200.0)]) == pytest.approx(max(100 + 80, 300 + 2 * 50))
     assert c._life_peak([]) == 0.0
+
+
+def test_ski_rental_admits_a_root_once_its_wait_matches_its_rebuild_cost():
+    # Rebuilds cost 0.64 s per turn per stalled call here (test_cost_admission_holds_roots_...):
+    # held at first; with ski_rental the same root goes in once it has waited longer than that.
+    from vllm_mars.costmodel import CostModel
+
+    def scenario(ski):
+        c = mars(window_min=2, window_max=8, ski_rental=ski)
+        c.set_cost_model(CostModel(prefill_s_per_token=2e-3, source="test"))
+        c.observe(tel(0, free=48, total=48, bs=32))
+        for i in range(3):
+            offer(c, f"a{i}", tokens=32 * 10)
+        c.finish(c.tick(0.0)[0], 4.0)
+        c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                            recomputed_tokens=0, kv_blocks_removed=0))
+        offer(c, "q", t=4.0, tokens=32 * 10)
+        held = c.tick(4.0)
+        late = 4.0 + 100.0  # past turns x rebuild_s x (1 + running) = 4 x 0.64 x 3 s
+        c.observe(Telemetry(ts=late, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                            recomputed_tokens=0, kv_blocks_removed=0))
+        return held, c.tick(late)
+
+    assert scenario(True) == ([], ["q"])
+    assert scenario(False) == ([], [])
