@@ -234,3 +234,28 @@ def test_sidecar_splits_strangers_under_one_session_id(openai_server, tmp_path):
     assert arrivals == [("cont-shared", 0), ("cont-shared~1", 0), ("cont-shared~2", 0), ("cont-shared~1", 1)]
     evs = [json.loads(x) for x in events.read_text().splitlines()]
     assert [e["kind"] for e in evs if e["event"] == "workflow_continuity"] == ["new_workflow", "new_workflow"]
+
+
+def test_sidecar_agent_turns_teach_the_controller_growth_and_size_roots_by_their_life():
+    """Behind the sidecar each larger agent prompt is a new turn: the one controller learns the
+    per-turn growth from it (before any root ends) and the whole-life rule then holds a root that
+    the free blocks alone would admit. 1000 blocks x 16 = 16k tokens; no cost model, so no cost
+    overflow: the projection decides."""
+    t, ctl, clock = _table(window=4)
+    for s in ("A", "B"):
+        _call(t, clock, s, tokens=1000)
+    for turn in range(1, 4):
+        for s in ("A", "B"):
+            ident = t.sessions.resolve(identify(oc(s), chat("s", s)))
+            r = t.arrive(ident, 1000 + 1500 * turn)
+            t.prompt_seen(r, 1000 + 1500 * turn)
+            t.call_started(r, ident)
+            clock.advance(1.0)
+            t.call_ended(r, ident, ok=True, final_answer=False)
+    assert ctl.turn_growth == pytest.approx(1500)
+    # A and B: 5500 tokens each, (default_turns 4 - 4 seen + 1) = 1 turn to go: 14k projected; C's
+    # whole life (1000 + 4 x 1500) lifts the peak to 16.5k, past the 16k pool. With size="turn" C
+    # would be admitted: its first turn fits the 600 free blocks.
+    ctl.observe(Telemetry(ts=clock.now(), free_blocks=600, total_blocks=1000, block_size=16, kv_usage=0.4))
+    c = t.arrive(identify(oc("C"), chat("s", "C")), 1000)
+    assert not c.admitted and ctl.is_queued("C")
