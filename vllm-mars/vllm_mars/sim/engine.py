@@ -117,10 +117,17 @@ class SimBackend:
         p = self.profile
         model_dir = p.model_dir()
         self.vocab_size = config_vocab_size(model_dir)
+        # The profile prices rebuilds from the first step (the driver pins the same model after its
+        # calibration calls): the policies never start on the uncalibrated default.
+        options = dict(self.policy_options)
+        if "cost_model" not in options:
+            from vllm_mars.costmodel import CostModel
+
+            options["cost_model"] = CostModel.from_profile(p).as_dict()
         self.scheduler = make_scheduler(
             self.policy, num_blocks=self.num_blocks or p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
-            policy_options=self.policy_options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
+            policy_options=options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
         # KV block removals are counted where vLLM would emit them as events, without the events
         self.scheduler.count_block_removals()
         enable_engine_core_env_cache()
