@@ -78,7 +78,7 @@ class MarsAdmissionConfig(WindowConfig):
     window_min: int = 4
     #: Upper bound of the window (the preview's active pool size P was 30). With the cost rule and
     #: "life" sizing, KV gates admission and the window is only the safety net: at 30 it queued
-    #: roots with the pool a tenth free (paper grid ILR-2 at 0.4 rps: 287.1 s vs 285.6 s at 256).
+    #: roots with the pool a tenth free (paper grid ILR-2 at 0.4 rps: 286.9 s vs 285.8 s at 256).
     window_max: int = 256
     #: Multiplicative decrease factor under pressure.
     dec_factor: float = 0.7
