@@ -51,3 +51,17 @@ class ConstantProfile(LinearProfile):
 
     def step_seconds(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
         return self.step_s
+
+
+def use_profiles(monkeypatch, *profiles) -> None:
+    """Make ``--profile NAME`` resolve to these test profiles (by ``name``) for one test."""
+    from vllm_mars.sim import engine as sim_engine
+
+    by_name = {p.name: p for p in profiles}
+
+    def get(name):
+        if name not in by_name:
+            raise ValueError(f"profile {name!r} unknown; available: {', '.join(by_name)}")
+        return by_name[name]
+
+    monkeypatch.setattr(sim_engine, "get_profile", get)

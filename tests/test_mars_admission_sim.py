@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from sim_profiles import LinearProfile
+from sim_profiles import LinearProfile, use_profiles
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.metrics.events import read_events
-from vllm_mars.sim import engine as sim_engine
 
 RPS = 0.5
 PROFILE = dataclasses.replace(LinearProfile(), name="test-growing", capacity_tokens=250 * 16,
@@ -23,12 +22,7 @@ PROFILE = dataclasses.replace(LinearProfile(), name="test-growing", capacity_tok
 
 @pytest.fixture
 def growing_profile(monkeypatch):
-    def get(name):
-        if name != PROFILE.name:
-            raise ValueError(f"profile {name!r} unknown; available: {PROFILE.name}")
-        return PROFILE
-
-    monkeypatch.setattr(sim_engine, "get_profile", get)
+    use_profiles(monkeypatch, PROFILE)
     return PROFILE
 
 

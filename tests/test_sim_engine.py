@@ -10,12 +10,11 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from sim_profiles import ConstantProfile, LinearProfile
+from sim_profiles import ConstantProfile, LinearProfile, use_profiles
 from vllm_mars.clock import VirtualClock
 from vllm_mars.driver.runner import ReplayConfig, RunClock, run_replay
 from vllm_mars.engine.rig import assert_no_leaks, fake_model_output, make_request, make_scheduler
 from vllm_mars.metrics.events import read_events
-from vllm_mars.sim import engine as sim_engine
 from vllm_mars.sim.engine import SimBackend
 from vllm_mars.sim.loop import run_virtual
 
@@ -25,15 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def linear_profile(monkeypatch):
     """``--profile test-linear`` resolves to the linear test profile (until shipped profiles exist)."""
-    profiles = {"test-linear": LinearProfile(), "test-constant": ConstantProfile()}
-
-    def get(name):
-        if name not in profiles:
-            raise ValueError(f"profile {name!r} unknown; available: {', '.join(profiles)}")
-        return profiles[name]
-
-    monkeypatch.setattr(sim_engine, "get_profile", get)
-    return profiles["test-linear"]
+    linear = LinearProfile()
+    use_profiles(monkeypatch, linear, ConstantProfile())
+    return linear
 
 
 def _workload(path: Path, n: int = 8) -> Path:

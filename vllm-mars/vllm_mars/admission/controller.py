@@ -13,10 +13,15 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   the preview: overload is set at the high mark and cleared at the low one. The effective limit is
   ``min(W, cpu_cap, kv_cap)``, each >= ``window_min``.
 * **Footprint** of a waiting root: ``ceil((prefill_tokens + turn_growth) / block_size)``: the KV its
-  first call needs plus one turn of growth, where ``turn_growth`` is an EMA of tokens added per turn,
-  ``(final tokens - first prompt) / turns``, over finished workflows that reported their final size
-  and turn count. (Scaling by the whole-life growth instead reserved a workflow's peak at
-  admission and serialised small-KV runs: 26 s vs 10 s mean E2E on the compact demo, 48 blocks.)
+  first call needs plus one turn of growth, checked against the budget (what is free now).
+  ``turn_growth`` is an EMA of tokens added per turn, learned from each active root's next turn
+  (``update_estimate``) and, for roots that never showed one, ``(final tokens - first prompt) /
+  turns`` at their finish.
+* **Whole-life sizing** (``size = "life"``): every active root's context is projected over its
+  remaining turns (``turn_growth`` per turn, freed after its last); a root goes in only while the
+  projection's peak with its whole life added stays within ``life_target`` of the pool; else its
+  overflow is priced by the cost rule below. (With the footprint rules alone, reserving whole
+  lives serialised small-KV runs: 26 s vs 10 s mean E2E on the compact demo, 48 blocks.)
 * **Selection.** Light load (no pressure, everything queued fits the slots and the budget):
   arrival order. CPU overloaded: largest footprint first (fewer, heavier workflows). Otherwise
   smallest footprint first; a root that does not fit the remaining budget is skipped, never
@@ -125,7 +130,7 @@ class MarsAdmissionConfig(WindowConfig):
     #: hands its calibrated model instead (``set_cost_model``).
     cost_model: str | None = None
     #: Root sizing: "life" (the active roots' projected contexts over their remaining turns, plus
-    #: the candidate's whole life, must stay within ``kv_target`` of the pool at every future turn)
+    #: the candidate's whole life, must stay within ``life_target`` of the pool at every future turn)
     #: or "turn" (the prefix plus one turn of growth against the free blocks only).
     size: str = "life"
     #: "life" sizing: the share of the pool the projected peak may reach. Above ``kv_target``: the
@@ -186,10 +191,10 @@ class _Active:
     admitted_at: float
     blocks: int
     long: bool
+    #: Its latest context: the prompt of its latest turn seen (the offer's estimate until then).
     prefill_tokens: int
     turns: int | None = None
-    #: Latest observed context (prompt tokens of its latest turn) and turns observed so far.
-    context: int = 0
+    #: Turns observed so far.
     seen: int = 1
 
 
@@ -283,14 +288,13 @@ class MarsAdmissionController(ControllerBase):
     def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
         # A later turn's prompt: the context grew by one turn (tool output, the previous answer).
         # Learned online from every active root, so early roots are sized before any finishes.
-        if act.context and prefill_tokens > act.context:
+        if act.prefill_tokens and prefill_tokens > act.prefill_tokens:
             a = self.config.growth_alpha
-            step = min(self.config.turn_growth_max_tokens, prefill_tokens - act.context)
+            step = min(self.config.turn_growth_max_tokens, prefill_tokens - act.prefill_tokens)
             self._turn_growth = step if self._grown == 0 else (1 - a) * self._turn_growth + a * step
             self._grown += 1
             act.seen += 1
             self._life_version += 1
-        act.context = max(act.context, prefill_tokens)
         # growth is measured from the agent's context, not from a short side call it was offered on
         act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
 
@@ -496,7 +500,7 @@ class MarsAdmissionController(ControllerBase):
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
             self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                           turns if isinstance(turns, int) else None, context=tokens),
+                                           turns if isinstance(turns, int) else None),
                         blocks, self.config.promise_s)
             self._life_version += 1
             out.append(root.workflow)
@@ -590,7 +594,7 @@ class MarsAdmissionController(ControllerBase):
         c = self._life_cache
         if c is not None and c[0] == self._life_version:
             return c[1]
-        items = sorted(((max(self._pred_turns(a.turns) - a.seen + 1, 1.0), float(a.context or a.prefill_tokens))
+        items = sorted(((max(self._pred_turns(a.turns) - a.seen + 1, 1.0), float(a.prefill_tokens))
                         for a in self._active.values()), reverse=True)
         self._life_cache = (self._life_version, items)
         return items
@@ -619,9 +623,7 @@ class MarsAdmissionController(ControllerBase):
         beyond the budget: that much context is evicted during tool gaps and rebuilt once per turn,
         and each rebuild stalls the running batch."""
         assert self.cost is not None
-        turns = root.meta.get("turns") if root.meta else None
-        if not isinstance(turns, int) or turns < 1:
-            turns = self._turns
+        turns = self._pred_turns(root.meta.get("turns") if root.meta else None)
         t = self._tel
         running = t.running if t is not None and t.running is not None else len(self._active)
         return turns * self.cost.rebuild_s(overflow_blocks * self._block_size()) * (1 + running)
