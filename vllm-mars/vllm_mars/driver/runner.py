@@ -664,13 +664,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
             # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.
             long_prompt = SIM_CALIBRATE_PROMPT if cfg.backend == "sim" else 512
             cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=long_prompt)
-        policy_cost = cost
-        if cfg.backend == "sim":
-            from vllm_mars.sim.engine import get_profile
-
-            # The profile itself: its attention term prices long-context rebuilds, which a linear
-            # solo-call fit misses.
-            policy_cost = CostModel.from_profile(get_profile(cfg.profile))
+        # The sim prices rebuilds with its profile (SimBackend.cost_model), else the calibration.
+        policy_cost = getattr(backend, "cost_model", None) or cost
         setter = (getattr(backend, "set_cost_model", None)
                   or getattr(getattr(backend, "scheduler", None), "set_cost_model", None))
         if policy_cost is not None and setter is not None and "cost_model" not in cfg.policy_options:

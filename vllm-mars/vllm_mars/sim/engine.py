@@ -107,6 +107,8 @@ class SimBackend:
         self.busy_s = 0.0
         self.idle_steps = 0
         self.leak_error: str | None = None
+        #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
+        self.cost_model: Any = None
 
     async def start(self) -> None:
         from vllm_mars.engine.rig import PrefixReusingHasher, enable_engine_core_env_cache, make_scheduler
@@ -117,13 +119,15 @@ class SimBackend:
         p = self.profile
         model_dir = p.model_dir()
         self.vocab_size = config_vocab_size(model_dir)
-        # The profile prices rebuilds from the first step (the driver pins the same model after its
-        # calibration calls): the policies never start on the uncalibrated default.
-        options = dict(self.policy_options)
-        if "cost_model" not in options:
-            from vllm_mars.costmodel import CostModel
+        # The profile prices rebuilds from the first step (the driver hands the same model to the
+        # controller and pins it after its calibration calls): the policies never start on the
+        # uncalibrated default. Its attention term prices long-context rebuilds, which a linear
+        # solo-call fit misses.
+        from vllm_mars.costmodel import CostModel
 
-            options["cost_model"] = CostModel.from_profile(p).as_dict()
+        self.cost_model = CostModel.from_profile(p)
+        options = dict(self.policy_options)
+        options.setdefault("cost_model", self.cost_model.as_dict())
         self.scheduler = make_scheduler(
             self.policy, num_blocks=self.num_blocks or p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
