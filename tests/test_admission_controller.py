@@ -536,6 +536,53 @@ def test_life_peak_is_reached_just_before_a_root_ends():
     assert c._life_peak([]) == 0.0
 
 
+def _late_overflow_scenario(overflow):
+    """A 1000-block pool (16k tokens). Two 10-turn roots admitted at t=0 have each shown one turn of
+    400 tokens' growth (3400 tokens, 9 turns to go: 2 x 7000 at their end, within the pool). A third
+    10-turn root of 3000 tokens arrives at t=100: the three together pass the pool only from their
+    6th coming turn on (by 1000, 2200, 3400 and 4600 tokens at turns 6-9; 4600 at the peak). Rebuilds
+    at 1 ms per token stall 3 calls; a slot is expected in 100 s / 2 active = 50 s."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, overflow=overflow)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
+    c.observe(tel(0, free=1000, total=1000))
+    for i in range(2):
+        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
+    assert c.tick(0.0) == ["a0", "a1"]
+    for i in range(2):
+        c.update_estimate(f"a{i}", 3400, 50.0)
+    c.observe(Telemetry(ts=100.0, free_blocks=600, total_blocks=1000, block_size=16, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
+    return c.tick(100.0), c
+
+
+def test_overflow_priced_per_turn_admits_a_root_whose_overflow_comes_only_at_the_end():
+    # "peak": 10 turns x rebuild(4608 tokens) x 3 calls = 138 s > 50 s: held.
+    held, c = _late_overflow_scenario("peak")
+    assert held == []
+    # "turns": only turns 6-9 overflow, (1000 + 2200 + 3400 + 4600) tokens x 1 ms x 3 = 34 s < 50 s.
+    admitted, c = _late_overflow_scenario("turns")
+    assert admitted == ["b"]
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["mode"] == "cost_overflow" and ev[0].data["overflow_turns"] == 4
+    assert ev[0].data["expected_rebuild_s"] == pytest.approx(3 * 1e-3 * (1000 + 2200 + 3400 + 4600), rel=0.01)
+
+
+def test_projection_by_turn_and_the_candidates_marginal_overflow():
+    c = mars()
+    c._turn_growth = 10.0
+    # remaining turns, context: both live through turn 5, only the first through turns 6-8
+    items = [(8.0, 100.0), (5.0, 200.0)]
+    assert c._projection(items) == pytest.approx([320, 340, 360, 380, 400, 160, 170, 180])
+    grown = sorted([*items, (3.0, 50.0)], reverse=True)
+    # with cap 380: before, turn 5 is over by 20 (not the candidate's); the candidate adds 50 + 10 k
+    # at turns 1-3: 380 (fits), 410 and 440
+    assert c._marginal_overflow(items, grown, 380.0) == pytest.approx([0, 30, 60, 0, 0, 0, 0, 0])
+    assert c._projection([]) == []
+
+
 def test_ski_rental_admits_a_root_once_its_wait_matches_its_rebuild_cost():
     # Rebuilds cost 0.64 s per turn per stalled call here (test_cost_admission_holds_roots_...):
     # held at first; with ski_rental the same root goes in once it has waited longer than that.

@@ -143,6 +143,11 @@ class MarsAdmissionConfig(WindowConfig):
     #: onset, where the queue is structural and admitting moves the wait onto the others as
     #: rebuilds (experiments/admission_tuning.toml).
     ski_rental: bool = False
+    #: Cost rule, "life" sizing: how a candidate's projected overflow is priced. "peak": the
+    #: projection's peak overflow, rebuilt at every one of its turns (the worst case); "turns":
+    #: at each coming turn only what the projection exceeds the pool by then, so an overflow
+    #: reached only as the lives end is charged for the turns it lasts.
+    overflow: str = "peak"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,6 +188,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("size", "'life' or 'turn'")
         if not 0.1 <= self.life_target <= 2.0:
             raise bad("life_target", "in [0.1, 2.0]")
+        if self.overflow not in ("peak", "turns"):
+            raise bad("overflow", "'peak' or 'turns'")
 
 
 @dataclass
@@ -563,8 +570,14 @@ class MarsAdmissionController(ControllerBase):
             if b <= remaining and over == 0:
                 out.append((r, mode, b, why))
             elif cost_rule and not cpu_over:
-                overflow = max(b - max(remaining, 0), 0) + over
-                rebuild_s = self._rebuild_cost_s(r, overflow)
+                short = max(b - max(remaining, 0), 0)
+                overflow = short + over
+                if cap is not None and cfg.overflow == "turns":
+                    per_turn = self._marginal_overflow(items, grown, cap)
+                    rebuild_s = self._rebuild_cost_s(r, short, per_turn)
+                    why = {**why, "overflow_turns": sum(1 for x in per_turn if x > 0)}
+                else:
+                    rebuild_s = self._rebuild_cost_s(r, overflow)
                 # Ski rental: a root that has already waited as long as its admission would cost
                 # goes in (never waits more than that for a slot the estimate promised sooner).
                 wait_s = max(queue_s, now - r.arrival) if cfg.ski_rental else queue_s
@@ -618,15 +631,51 @@ class MarsAdmissionController(ControllerBase):
         assert t is not None and t.total_blocks
         return t.total_blocks * self._block_size() * self.config.life_target
 
-    def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int) -> float:
+    def _projection(self, items: list[tuple[float, float]]) -> list[float]:
+        """The projected sum of the active contexts at each coming turn k = 1, 2, ... (tokens):
+        the roots with at least k turns left, each grown by k turns of the learned growth."""
+        if not items:
+            return []
+        g = self._turn_growth
+        out = [0.0] * math.ceil(items[0][0])
+        j = n = 0
+        base = 0.0
+        for k in range(len(out), 0, -1):
+            while j < len(items) and items[j][0] >= k:
+                base += items[j][1]
+                n += 1
+                j += 1
+            out[k - 1] = base + g * k * n
+        return out
+
+    def _marginal_overflow(self, items: list[tuple[float, float]], grown: list[tuple[float, float]],
+                           cap: float) -> list[float]:
+        """Tokens the candidate adds beyond ``cap`` at each coming turn (``grown`` = ``items`` with
+        the candidate)."""
+        before, after = self._projection(items), self._projection(grown)
+        return [max(0.0, a - cap) - max(0.0, (before[k] if k < len(before) else 0.0) - cap)
+                for k, a in enumerate(after)]
+
+    def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int,
+                        per_turn_tokens: list[float] | None = None) -> float:
         """Expected engine-time cost (call-seconds) of admitting ``root`` with ``overflow_blocks``
         beyond the budget: that much context is evicted during tool gaps and rebuilt once per turn,
-        and each rebuild stalls the running batch."""
+        and each rebuild stalls the running batch. With ``per_turn_tokens`` (overflow "turns"),
+        turn k rebuilds those tokens on top of the blocks short now, for the root's turns."""
         assert self.cost is not None
         turns = self._pred_turns(root.meta.get("turns") if root.meta else None)
         t = self._tel
         running = t.running if t is not None and t.running is not None else len(self._active)
-        return turns * self.cost.rebuild_s(overflow_blocks * self._block_size()) * (1 + running)
+        bs = self._block_size()
+        if per_turn_tokens is None:
+            return turns * self.cost.rebuild_s(overflow_blocks * bs) * (1 + running)
+        n = max(math.ceil(turns), len(per_turn_tokens))
+        total = 0.0
+        for k in range(n):
+            tok = (overflow_blocks * bs if k < turns else 0) + (per_turn_tokens[k] if k < len(per_turn_tokens) else 0.0)
+            if tok > 0:
+                total += self.cost.rebuild_s(math.ceil(tok))
+        return total * (1 + running)
 
     def _queue_cost_s(self, now: float) -> float:
         """Expected wait for the next slot: a root's mean active time over the roots active (before
