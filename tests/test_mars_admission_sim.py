@@ -41,9 +41,10 @@ def _workload(path: Path, n: int = 8, turns: int = 10) -> Path:
     return path
 
 
-def _run(tmp_path: Path, policy: str) -> tuple[dict, list[dict]]:
+def _run(tmp_path: Path, policy: str, **admission) -> tuple[dict, list[dict]]:
     cfg = ReplayConfig(workload=str(_workload(tmp_path / "wl.jsonl")), policy=policy, rps=RPS, backend="sim",
-                       profile=PROFILE.name, progress=False, out=str(tmp_path / policy))
+                       profile=PROFILE.name, progress=False, out=str(tmp_path / (policy + "".join(admission))),
+                       admission_options=admission)
     out, _ = run_replay(cfg)
     events = read_events(out)
     end = [e for e in events if e["event"] == "run_end"][-1]["engine"]
@@ -58,9 +59,24 @@ def test_life_sizing_keeps_growing_roots_from_thrashing_the_pool(tmp_path, growi
     admits = [e for e in ev if e["event"] == "admission_admit"]
     assert any(e.get("life_peak_tokens") for e in admits), "the projection is in the admission events"
     # Off, contexts admitted on their first turn outgrow the pool and are evicted during tools and
-    # rebuilt; on, the projection admits them as they fit: more prefix hits, fewer evictions. (At
-    # this scale mean E2E is a tie, 34.6 s vs 33.9 s; the paper grid measures the E2E effect.)
+    # rebuilt; on, the projection admits them as they fit: more prefix hits, fewer evictions, and
+    # here a faster run (31.5 s vs 33.9 s mean E2E).
     hit = {k: s["engine"]["prefix_hit_tokens"] / s["engine"]["prompt_tokens"] for k, s in (("life", life), ("turn", turn))}
     removed = {k: s["engine"]["kv_blocks_removed"] for k, s in (("life", life), ("turn", turn))}
-    assert hit["life"] > hit["turn"] + 0.05, hit
-    assert removed["life"] < 0.8 * removed["turn"], removed
+    assert hit["life"] > hit["turn"] + 0.03, hit
+    assert removed["life"] < 0.92 * removed["turn"], removed
+    assert life["e2e_s"]["mean"] < 0.97 * turn["e2e_s"]["mean"], (life["e2e_s"]["mean"], turn["e2e_s"]["mean"])
+
+
+def test_overflow_priced_at_the_peak_holds_more_than_per_turn(tmp_path, growing_profile):
+    # The same workload: pricing the overflow at its peak for every turn (overflow="peak") holds
+    # roots that per-turn pricing (the default) admits: more hits, more admission wait (11.7 s vs
+    # 7.7 s mean) and here a slower run (34.6 s vs 31.5 s mean E2E).
+    per_turn, _ = _run(tmp_path, "mars")
+    peak, ev = _run(tmp_path, "mars", overflow="peak")
+    assert peak["completed"] == per_turn["completed"] == 8
+    hit = {k: s["engine"]["prefix_hit_tokens"] / s["engine"]["prompt_tokens"] for k, s in (("peak", peak), ("turns", per_turn))}
+    assert hit["peak"] > hit["turns"] + 0.03, hit
+    assert peak["admission"]["wait_s"]["mean"] > 1.3 * per_turn["admission"]["wait_s"]["mean"]
+    admits = [e for e in ev if e["event"] == "admission_admit" and e.get("mode") == "cost_overflow"]
+    assert admits and not any("overflow_turns" in e for e in admits)
