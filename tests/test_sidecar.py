@@ -325,9 +325,13 @@ def test_backend_faults_with_restart(tiny_model, tmp_path):
     kw = {"num_blocks": 128, "max_model_len": 2048, "max_num_seqs": 8}
     srv = ServerProcess(tiny_model, tmp_path, **kw)
     srv.wait_ready()
+    # telemetry_timeout_s 10: the frozen server (SIGSTOP below) answers no poll, and at the default
+    # 2 s the sidecar can mark it down (a new root then gets 503) before Q's call reaches it on a
+    # loaded box: Q was not queued within 20 s in 2 of 4 runs while two sim grids ran alongside.
+    # Once killed, its polls are refused at once.
     cfg = SidecarConfig(backends=(srv.url,), controller="mars", port=free_port(), retry_after_s=1,
                         controller_options={"window_min": 2, "window_max": 2, "interval_s": 0.05},
-                        telemetry_interval_s=0.1)
+                        telemetry_interval_s=0.1, telemetry_timeout_s=10.0)
     srv2 = None
     try:
         with SidecarThread(cfg) as sc:
