@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
 from vllm_mars.engine.rig import assert_no_leaks, fake_model_output, make_request, make_scheduler
 from vllm_mars.engine.scheduler import AsyncMarsScheduler
 
@@ -32,7 +31,6 @@ def test_async_variant_matches_stock_async_scheduler():
 @pytest.mark.gpu
 def test_async_mars_scheduler_serves_on_gpu(tiny_model):
     from vllm import LLM, SamplingParams
-
     from vllm_mars.engine.local import engine_kwargs
 
     llm = LLM(**engine_kwargs(tiny_model, policy="fcfs", cpu=False, gpu_memory_utilization=0.2))

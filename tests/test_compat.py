@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from vllm_mars import REQUIRED_VLLM_VERSION
 from vllm_mars.engine import compat
 
@@ -19,7 +18,6 @@ def test_every_member_we_rely_on_has_the_expected_signature():
 
 def test_scheduler_and_request_attributes_exist():
     from vllm.v1.request import Request
-
     from vllm_mars.engine.rig import make_request, make_scheduler
 
     s = make_scheduler("fcfs", num_blocks=16)

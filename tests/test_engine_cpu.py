@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from vllm_mars.demo import make_workflows, run_engine_workload
 from vllm_mars.engine.rig import assert_no_leaks
 
@@ -12,7 +11,6 @@ from vllm_mars.engine.rig import assert_no_leaks
 def engine(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_mars.engine.local import engine_kwargs
 
     # 40 blocks x 32 tokens = 1248 usable tokens for 16 workflows of 200-400 tokens: must preempt.
@@ -41,7 +39,6 @@ def test_sixteen_multi_turn_workflows_finish_under_kv_pressure(engine):
 def test_unknown_policy_fails_at_engine_start(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_mars.engine.local import engine_kwargs
 
     with pytest.raises(ValueError, match="unknown policy 'no-such-policy'"):  # our launchers refuse first

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
-
 from vllm_mars.clock import VirtualClock
 from vllm_mars.engine.rig import (
     assert_block_invariants,
@@ -34,8 +33,8 @@ def _trace(seed: int, n: int = 200):
         step_no += rng.choice((0, 0, 1, 1, 2, 5))
         ids = list(rng.choice(prefixes)) if rng.random() < 0.5 else []
         ids += [rng.randrange(3, 4000) for _ in range(rng.randint(8, 300))]
-        arrivals.append((step_no, dict(request_id=f"r{i:03d}", prompt_token_ids=ids,
-                                       max_tokens=rng.randint(1, 40), priority=rng.randint(0, 3))))
+        arrivals.append((step_no, {"request_id": f"r{i:03d}", "prompt_token_ids": ids,
+                                       "max_tokens": rng.randint(1, 40), "priority": rng.randint(0, 3)}))
     aborts = {step_no: f"r{rng.randrange(n):03d}" for step_no in rng.sample(range(1, 400), 25)}
     return arrivals, aborts
 
@@ -46,7 +45,7 @@ def _snapshot(so):
 
 
 def test_fcfs_matches_stock_vllm_step_by_step():
-    kw = dict(num_blocks=160, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
+    kw = {"num_blocks": 160, "block_size": 16, "max_num_seqs": 32, "max_num_batched_tokens": 512}
     ours = make_scheduler("fcfs", **kw)
     stock = make_scheduler(stock=True, **kw)
     assert type(ours) is MarsScheduler and type(stock) is Scheduler

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from vllm_mars.tiny_model import TinyModelSpec, build_tiny_model, model_digest
 
 

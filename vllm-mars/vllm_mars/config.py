@@ -55,10 +55,10 @@ def parse_engine_config(additional_config: Mapping[str, Any] | None,
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ValueError(f'additional_config["mars"] must be a JSON object, got {type(raw).__name__}')
+        raise ValueError(f'additional_config["mars"] must be a JSON object, got {type(raw).__name__}')  # noqa: TRY004  (callers report ValueError as bad config)
     policy = raw.get("policy", environ.get(ENV_POLICY) or DEFAULT_POLICY)
     if not isinstance(policy, str):
-        raise ValueError(f'additional_config["mars"]["policy"] must be a string, got {policy!r}')
+        raise ValueError(f'additional_config["mars"]["policy"] must be a string, got {policy!r}')  # noqa: TRY004
     cls = get_policy_class(policy)  # ValueError listing the available policies
     known = set(ENGINE_KEYS) | set(config_fields(cls))
     unknown = sorted(set(raw) - known)

@@ -3,7 +3,7 @@
 Importing this package registers every built-in policy; ``available_policies()`` lists them.
 """
 
-from vllm_mars.policies.base import (
+from vllm_mars.policies.base import (  # noqa: I001  (the import order is the registration order)
     CallView,
     EngineView,
     Policy,

@@ -57,8 +57,18 @@ class CallView:
     ``state`` is the policy's own per-call scratch (any object); the engine never reads it.
     """
 
-    __slots__ = ("_req", "request_id", "workflow", "arrival", "seq", "user_priority", "state",
-                 "last_scheduled", "cached_tokens", "next_tool")
+    __slots__ = (
+        "_req",
+        "arrival",
+        "cached_tokens",
+        "last_scheduled",
+        "next_tool",
+        "request_id",
+        "seq",
+        "state",
+        "user_priority",
+        "workflow",
+    )
 
     #: Set by the engine to vLLM's ``RequestStatus.RUNNING`` (keeps this module free of vllm).
     RUNNING_STATUS: ClassVar[Any] = None
