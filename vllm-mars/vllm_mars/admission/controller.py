@@ -140,8 +140,8 @@ class MarsAdmissionConfig(WindowConfig):
     life_target: float = 1.0
     #: Cost rule: a root's queueing cost is at least the time it has already waited (ski rental:
     #: it waits at most about what its admission is expected to cost in rebuilds). Off by default:
-    #: on the paper grid it gains up to 1.08x at ILR-3 and loses 1.54x at ILR-4 at 4x the thrash
-    #: onset, where the queue is structural and admitting moves the wait onto the others as
+    #: on the paper grid it gains 1.03x at ILR-3 @ 0.08 and loses 1.72x at ILR-4 @ 0.08 (4x the
+    #: thrash onset), where the queue is structural and admitting moves the wait onto the others as
     #: rebuilds (experiments/admission_tuning.toml).
     ski_rental: bool = False
     #: Cost rule, "life" sizing: how a candidate's projected overflow is priced. "turns": at each
