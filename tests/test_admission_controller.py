@@ -606,3 +606,56 @@ def test_ski_rental_admits_a_root_once_its_wait_matches_its_rebuild_cost():
 
     assert scenario(True) == ([], ["q"])
     assert scenario(False) == ([], [])
+
+
+def _no_fit_scenario(queue_wait):
+    """A 100-block pool (1600 tokens) that two active 3000-token roots (10 turns, 400 tokens of
+    growth per turn, 9 to go) already overflow at every coming turn. Root b (3000 tokens, 10 turns)
+    arrives at t=100 with nothing free: its overflow now is its whole context at every turn plus its
+    footprint short of the budget, 84,480 tokens x 0.4 ms x 3 stalled calls = 101 s, above the 50 s
+    a slot is expected in. But no slot makes it fit: with both roots gone (100 s) b alone still
+    overflows the pool from its first turn on (36,000 tokens: 43 s)."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, queue_wait=queue_wait)
+    c.set_cost_model(CostModel(prefill_s_per_token=4e-4, source="test"))
+    c.observe(tel(0, free=100, total=100))
+    for i in range(2):
+        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
+    assert c.tick(0.0) == ["a0", "a1"]  # nothing active: any wait is worse than a rebuild
+    for i in range(2):
+        c.update_estimate(f"a{i}", 3400, 50.0)
+    c.observe(Telemetry(ts=100.0, free_blocks=0, total_blocks=100, block_size=16, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
+    return c.tick(100.0), c
+
+
+def test_queue_wait_fit_does_not_hold_a_root_for_a_slot_that_would_not_make_it_fit():
+    held, _ = _no_fit_scenario("slot")
+    assert held == []  # 101 s of rebuilds > the 50 s to the next slot
+    admitted, c = _no_fit_scenario("fit")
+    assert admitted == ["b"]
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["mode"] == "cost_overflow" and ev[0].data["wait_slots"] == 2
+    assert ev[0].data["expected_rebuild_s"] == pytest.approx(3 * 4e-4 * 84_480, rel=0.01)
+    # waiting for both roots (2 x 50 s) and then still rebuilding 36,000 tokens beats waiting for one
+    assert ev[0].data["expected_queue_s"] == pytest.approx(100.0 + 3 * 4e-4 * 36_000, rel=0.01)
+
+
+@pytest.mark.parametrize("queue_wait", ["slot", "fit"])
+def test_queue_wait_fit_still_holds_a_root_that_the_next_slot_makes_fit(queue_wait):
+    # The expensive-rebuild scenario: one slot frees the budget the held roots need, so "fit"
+    # weighs the same wait as "slot" and holds them too.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=8, queue_wait=queue_wait)
+    c.set_cost_model(CostModel(prefill_s_per_token=2e-3, source="test"))
+    c.observe(tel(0, free=48, total=48, bs=32))
+    for i in range(3):
+        offer(c, f"a{i}", tokens=32 * 10)
+    c.finish(c.tick(0.0)[0], 4.0)
+    c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    offer(c, "q", t=4.0, tokens=32 * 10)
+    assert c.tick(4.0) == []

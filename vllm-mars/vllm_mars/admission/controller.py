@@ -153,6 +153,12 @@ class MarsAdmissionConfig(WindowConfig):
     #: seed (0.86x at ILR-4 @ 0.04 seed 1, still 2.3x the baselines) (paper_grid_ablations.toml,
     #: paper_grid_seeds.toml, variant mars-overflow-peak).
     overflow: str = "turns"
+    #: Cost rule, "life" sizing: the queueing cost a held root is weighed against. "slot": the wait
+    #: for the next slot (a root's mean active time over the roots active), as if that slot made it
+    #: fit. "fit": the cheapest of waiting for the k soonest-ending roots (k slots) and then paying
+    #: the rebuilds still left, ``min_k (k * slot wait + rebuild cost then)``: a root whose overflow a
+    #: slot would not remove is not held for it.
+    queue_wait: str = "slot"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -195,6 +201,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("life_target", "in [0.1, 2.0]")
         if self.overflow not in ("peak", "turns"):
             raise bad("overflow", "'peak' or 'turns'")
+        if self.queue_wait not in ("slot", "fit"):
+            raise bad("queue_wait", "'slot' or 'fit'")
 
 
 @dataclass
@@ -585,7 +593,12 @@ class MarsAdmissionController(ControllerBase):
                     rebuild_s = self._rebuild_cost_s(r, overflow)
                 # Ski rental: a root that has already waited as long as its admission would cost
                 # goes in (never waits more than that for a slot the estimate promised sooner).
-                wait_s = max(queue_s, now - r.arrival) if cfg.ski_rental else queue_s
+                wait_s = queue_s
+                if rebuild_s >= wait_s and cap is not None and cfg.queue_wait == "fit":
+                    wait_s, k = self._fit_wait_s(r, items, cand, cap, queue_s)
+                    why = {**why, "wait_slots": k}
+                if cfg.ski_rental:
+                    wait_s = max(wait_s, now - r.arrival)
                 if rebuild_s >= wait_s:
                     continue
                 out.append((r, "cost_overflow", b, {**why, "overflow_blocks": overflow,
@@ -681,6 +694,30 @@ class MarsAdmissionController(ControllerBase):
             if tok > 0:
                 total += self.cost.rebuild_s(math.ceil(tok))
         return total * (1 + running)
+
+    def _fit_wait_s(self, root: PendingRoot, items: list[tuple[float, float]], cand: tuple[float, float],
+                    cap: float, slot_s: float, levels: int = 32) -> tuple[float, int]:
+        """Queueing cost of holding ``root`` ("fit"): ``min over k`` of ``k * slot_s`` plus the
+        rebuilds its overflow would still cost once the k soonest-ending active roots have left
+        (the others grown by the turns that took). Returns (cost, k); k = 0: no level checked."""
+        g = self._turn_growth
+        best, best_k = math.inf, 0
+        done = set()
+        for rem, _ in sorted(items):  # soonest-ending first
+            if rem in done:
+                continue
+            done.add(rem)
+            if len(done) > levels:
+                break
+            k = sum(1 for x, _ in items if x <= rem)
+            later = [(x - rem, ctx + g * rem) for x, ctx in items if x > rem]
+            grown = sorted([*later, cand], reverse=True)
+            cost = k * slot_s + self._rebuild_cost_s(root, 0, self._marginal_overflow(later, grown, cap))
+            if cost < best:
+                best, best_k = cost, k
+            if not later:
+                break
+        return best, best_k
 
     def _queue_cost_s(self, now: float) -> float:
         """Expected wait for the next slot: a root's mean active time over the roots active (before
