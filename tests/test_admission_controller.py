@@ -542,17 +542,24 @@ def _late_overflow_scenario(overflow):
     10-turn root of 3000 tokens arrives at t=100: the three together pass the pool only from their
     6th coming turn on (by 1000, 2200, 3400 and 4600 tokens at turns 6-9; 4600 at the peak). Rebuilds
     at 1 ms per token stall 3 calls; a slot is expected in 100 s / 2 active = 50 s."""
+    return _third_root(1000, 600, 1e-3, overflow=overflow)
+
+
+def _third_root(pool, free_then, s_per_token, **kw):
+    """Two 10-turn 3000-token roots admitted at t=0 into a ``pool``-block pool (16-token blocks)
+    show 400 tokens of growth; root b (3000 tokens, 10 turns) arrives at t=100 with ``free_then``
+    blocks free, rebuilds priced at ``s_per_token``. Returns (b's first tick, the controller)."""
     from vllm_mars.costmodel import CostModel
 
-    c = mars(window_min=1, window_max=16, overflow=overflow)
-    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
-    c.observe(tel(0, free=1000, total=1000))
+    c = mars(window_min=1, window_max=16, **kw)
+    c.set_cost_model(CostModel(prefill_s_per_token=s_per_token, source="test"))
+    c.observe(tel(0, free=pool, total=pool))
     for i in range(2):
         c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
     assert c.tick(0.0) == ["a0", "a1"]
     for i in range(2):
         c.update_estimate(f"a{i}", 3400, 50.0)
-    c.observe(Telemetry(ts=100.0, free_blocks=600, total_blocks=1000, block_size=16, running=2,
+    c.observe(Telemetry(ts=100.0, free_blocks=free_then, total_blocks=pool, block_size=16, running=2,
                         recomputed_tokens=0, kv_blocks_removed=0))
     c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
     return c.tick(100.0), c
@@ -583,22 +590,28 @@ def test_projection_by_turn_and_the_candidates_marginal_overflow():
     assert c._projection([]) == []
 
 
+def _expensive_hold(**kw):
+    """Rebuilds at 2 ms per token: two active 10-block roots (one finished after 4 s), the 48-block
+    pool spent, and root q arriving at t=4. Returns the controller and q's first tick."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=8, **kw)
+    c.set_cost_model(CostModel(prefill_s_per_token=2e-3, source="test"))
+    c.observe(tel(0, free=48, total=48, bs=32))
+    for i in range(3):
+        offer(c, f"a{i}", tokens=32 * 10)
+    c.finish(c.tick(0.0)[0], 4.0)
+    c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    offer(c, "q", t=4.0, tokens=32 * 10)
+    return c, c.tick(4.0)
+
+
 def test_ski_rental_admits_a_root_once_its_wait_matches_its_rebuild_cost():
     # Rebuilds cost 0.64 s per turn per stalled call here (test_cost_admission_holds_roots_...):
     # held at first; with ski_rental the same root goes in once it has waited longer than that.
-    from vllm_mars.costmodel import CostModel
-
     def scenario(ski):
-        c = mars(window_min=2, window_max=8, ski_rental=ski)
-        c.set_cost_model(CostModel(prefill_s_per_token=2e-3, source="test"))
-        c.observe(tel(0, free=48, total=48, bs=32))
-        for i in range(3):
-            offer(c, f"a{i}", tokens=32 * 10)
-        c.finish(c.tick(0.0)[0], 4.0)
-        c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
-                            recomputed_tokens=0, kv_blocks_removed=0))
-        offer(c, "q", t=4.0, tokens=32 * 10)
-        held = c.tick(4.0)
+        c, held = _expensive_hold(ski_rental=ski)
         late = 4.0 + 100.0  # past turns x rebuild_s x (1 + running) = 4 x 0.64 x 3 s
         c.observe(Telemetry(ts=late, free_blocks=2, total_blocks=48, block_size=32, running=2,
                             recomputed_tokens=0, kv_blocks_removed=0))
@@ -615,20 +628,8 @@ def _no_fit_scenario(queue_wait):
     footprint short of the budget, 84,480 tokens x 0.4 ms x 3 stalled calls = 101 s, above the 50 s
     a slot is expected in. But no slot makes it fit: with both roots gone (100 s) b alone still
     overflows the pool from its first turn on (36,000 tokens: 43 s)."""
-    from vllm_mars.costmodel import CostModel
-
-    c = mars(window_min=1, window_max=16, queue_wait=queue_wait)
-    c.set_cost_model(CostModel(prefill_s_per_token=4e-4, source="test"))
-    c.observe(tel(0, free=100, total=100))
-    for i in range(2):
-        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
-    assert c.tick(0.0) == ["a0", "a1"]  # nothing active: any wait is worse than a rebuild
-    for i in range(2):
-        c.update_estimate(f"a{i}", 3400, 50.0)
-    c.observe(Telemetry(ts=100.0, free_blocks=0, total_blocks=100, block_size=16, running=2,
-                        recomputed_tokens=0, kv_blocks_removed=0))
-    c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
-    return c.tick(100.0), c
+    # (the two roots go in at t=0: with nothing active any wait is worse than a rebuild)
+    return _third_root(100, 0, 4e-4, queue_wait=queue_wait)
 
 
 def test_queue_wait_fit_does_not_hold_a_root_for_a_slot_that_would_not_make_it_fit():
@@ -647,15 +648,5 @@ def test_queue_wait_fit_does_not_hold_a_root_for_a_slot_that_would_not_make_it_f
 def test_queue_wait_fit_still_holds_a_root_that_the_next_slot_makes_fit(queue_wait):
     # The expensive-rebuild scenario: one slot frees the budget the held roots need, so "fit"
     # weighs the same wait as "slot" and holds them too.
-    from vllm_mars.costmodel import CostModel
-
-    c = mars(window_min=2, window_max=8, queue_wait=queue_wait)
-    c.set_cost_model(CostModel(prefill_s_per_token=2e-3, source="test"))
-    c.observe(tel(0, free=48, total=48, bs=32))
-    for i in range(3):
-        offer(c, f"a{i}", tokens=32 * 10)
-    c.finish(c.tick(0.0)[0], 4.0)
-    c.observe(Telemetry(ts=4.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
-                        recomputed_tokens=0, kv_blocks_removed=0))
-    offer(c, "q", t=4.0, tokens=32 * 10)
-    assert c.tick(4.0) == []
+    _, held = _expensive_hold(queue_wait=queue_wait)
+    assert held == []
