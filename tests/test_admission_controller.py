@@ -268,6 +268,8 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
+    with pytest.raises(ValueError, match="queue_wait.*'slot' or 'fit'"):
+        make_controller("mars", {"queue_wait": "fast"})
     with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
     with pytest.raises(ValueError, match="window_max must be int"):

@@ -257,6 +257,9 @@ class MarsSchedulerMixin:
         """Pin a calibrated cost model (the driver's calibration); online fitting stops."""
         self.mars_policy.set_cost_model(model)
         self._cost_fit = None
+        if self.mars_policy.uses_cost:
+            logger.info("MarsScheduler: policy %s now prices rebuilds with %s (pinned)",
+                        self.mars_config.policy, getattr(model, "source", model))
 
     def _record_step_work(self, out: Any) -> None:
         requests = self.requests
