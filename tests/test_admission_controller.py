@@ -268,7 +268,7 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
-    with pytest.raises(ValueError, match="queue_wait.*'slot' or 'fit'"):
+    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit' or 'fit_within'"):
         make_controller("mars", {"queue_wait": "fast"})
     with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
@@ -547,9 +547,9 @@ def _late_overflow_scenario(overflow):
     return _third_root(1000, 600, 1e-3, overflow=overflow)
 
 
-def _third_root(pool, free_then, s_per_token, **kw):
+def _third_root(pool, free_then, s_per_token, b_tokens=3000, **kw):
     """Two 10-turn 3000-token roots admitted at t=0 into a ``pool``-block pool (16-token blocks)
-    show 400 tokens of growth; root b (3000 tokens, 10 turns) arrives at t=100 with ``free_then``
+    show 400 tokens of growth; root b (``b_tokens``, 10 turns) arrives at t=100 with ``free_then``
     blocks free, rebuilds priced at ``s_per_token``. Returns (b's first tick, the controller)."""
     from vllm_mars.costmodel import CostModel
 
@@ -563,7 +563,7 @@ def _third_root(pool, free_then, s_per_token, **kw):
         c.update_estimate(f"a{i}", 3400, 50.0)
     c.observe(Telemetry(ts=100.0, free_blocks=free_then, total_blocks=pool, block_size=16, running=2,
                         recomputed_tokens=0, kv_blocks_removed=0))
-    c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
+    c.offer(PendingRoot("b", 100.0, b_tokens, {"turns": 10}))
     return c.tick(100.0), c
 
 
@@ -652,3 +652,17 @@ def test_queue_wait_fit_still_holds_a_root_that_the_next_slot_makes_fit(queue_wa
     # weighs the same wait as "slot" and holds them too.
     _, held = _expensive_hold(queue_wait=queue_wait)
     assert held == []
+
+
+def test_queue_wait_fit_within_reads_the_projection_only_while_the_active_roots_fit():
+    # The active roots' own lives fit the 1000-block pool (2 x 7000 of 16,000 tokens at their last
+    # turn); b (17,000 tokens) overflows it even alone. Its rebuilds (67 s at 0.1 ms per token) are
+    # above the 50 s to a slot, so "slot" holds it; waiting for both roots (100 s) still leaves 9.6 s
+    # of rebuilds, so "fit" and "fit_within" let it in.
+    for queue_wait, want in (("slot", []), ("fit", ["b"]), ("fit_within", ["b"])):
+        admitted, _ = _third_root(1000, 600, 1e-4, b_tokens=17_000, queue_wait=queue_wait)
+        assert admitted == want, (queue_wait, admitted)
+    # With the active roots already past the pool (the no-fit scenario), "fit_within" holds like
+    # "slot": there a root let in early costs more than its priced rebuilds.
+    assert _no_fit_scenario("fit_within")[0] == []
+    assert _no_fit_scenario("fit")[0] == ["b"]
