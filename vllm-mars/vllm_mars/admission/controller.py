@@ -710,15 +710,16 @@ class MarsAdmissionController(ControllerBase):
         (the others grown by the turns that took). Returns (cost, k); k = 0: no level checked."""
         g = self._turn_growth
         best, best_k = math.inf, 0
-        done = set()
-        for rem, _ in sorted(items):  # soonest-ending first
-            if rem in done:
-                continue
-            done.add(rem)
-            if len(done) > levels:
+        ends = sorted(items)  # soonest-ending first
+        checked = 0
+        for i, (rem, _) in enumerate(ends):
+            if i + 1 < len(ends) and ends[i + 1][0] == rem:
+                continue  # roots ending at the same turn leave together
+            checked += 1
+            if checked > levels:
                 break
-            k = sum(1 for x, _ in items if x <= rem)
-            later = [(x - rem, ctx + g * rem) for x, ctx in items if x > rem]
+            k = i + 1
+            later = [(x - rem, ctx + g * rem) for x, ctx in ends[k:]]
             grown = sorted([*later, cand], reverse=True)
             cost = k * slot_s + self._rebuild_cost_s(root, 0, self._marginal_overflow(later, grown, cap))
             if cost < best:
