@@ -666,3 +666,27 @@ def test_queue_wait_fit_within_reads_the_projection_only_while_the_active_roots_
     # "slot": there a root let in early costs more than its priced rebuilds.
     assert _no_fit_scenario("fit_within")[0] == []
     assert _no_fit_scenario("fit")[0] == ["b"]
+
+
+def test_fit_wait_is_the_cheapest_of_waiting_for_each_group_of_ending_roots():
+    # Three active roots ending after 3, 5 and 8 more turns; "fit" weighs waiting 1, 2 or 3 slots
+    # (the rest grown by the turns that took, most turns left first as the projection needs: the
+    # long root alone passes the pool, which the candidate's overflow must not be charged for) plus
+    # the candidate's rebuilds then.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(queue_wait="fit")
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
+    c._turn_growth = 10.0
+    root = PendingRoot("b", 0.0, 300, {"turns": 4})
+    items, cand, cap = [(8.0, 470.0), (5.0, 20.0), (3.0, 50.0)], (4.0, 300.0), 400.0
+
+    def then(k, later):
+        grown = sorted([*later, cand], reverse=True)
+        return k * 1.0 + c._rebuild_cost_s(root, 0, c._marginal_overflow(later, grown, cap))
+
+    one = [(5.0, 500.0), (2.0, 50.0)]
+    want = min(then(1, one), then(2, [(3.0, 520.0)]), then(3, []))
+    got, k = c._fit_wait_s(root, items, cand, cap, 1.0)
+    assert got == pytest.approx(want) and 1 <= k <= 3
+    assert then(1, one) != pytest.approx(then(1, one[::-1]))  # the order matters here

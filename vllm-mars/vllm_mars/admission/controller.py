@@ -719,7 +719,8 @@ class MarsAdmissionController(ControllerBase):
             if checked > levels:
                 break
             k = i + 1
-            later = [(x - rem, ctx + g * rem) for x, ctx in ends[k:]]
+            # ``items`` order (most turns left first), as _projection needs
+            later = [(x - rem, ctx + g * rem) for x, ctx in items if x > rem]
             grown = sorted([*later, cand], reverse=True)
             cost = k * slot_s + self._rebuild_cost_s(root, 0, self._marginal_overflow(later, grown, cap))
             if cost < best:
