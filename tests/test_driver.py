@@ -178,6 +178,12 @@ def _check_run(run_dir: Path, wl: Path) -> dict:
                                                        / sum(c["prompt_tokens"] for c in calls))
     samples = [e for e in events if e["event"] == "kv_sample"]
     assert summary["preemptions"] == samples[-1]["preemptions"] - samples[0]["preemptions"]
+    # Engine readings are dated on the run clock: none after the instant it was taken at, and the
+    # controller never works on a reading from its future (the calibration's last one was once
+    # kept that way for seconds, every real reading rejected as older).
+    assert all(e["engine_ts"] <= e["ts"] + 1e-6 for e in samples)
+    ages = [e["telemetry_age_s"] for e in events if e["event"] == "admission_admit" and "telemetry_age_s" in e]
+    assert all(a is None or a >= 0 for a in ages)
     # prompts grow turn by turn: turn k = turn k-1 + its output + the appended tool output
     plans = {p.workflow_id: p for root in load_plans(wl) for p in root.walk()}
     traces = {t["workflow"]: t for t in read_jsonl(run_dir / "traces.jsonl")}

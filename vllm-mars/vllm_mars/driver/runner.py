@@ -427,6 +427,17 @@ class Replay:
         t.add_done_callback(self.tasks.discard)
         return t
 
+    def _reading_ts(self, s: Telemetry) -> float:
+        """The run-clock time of an engine reading. A backend caches its latest reading, and the one
+        it holds when the run starts was taken on the clock before its restart (the calibration's
+        last step: seconds later than the run's now). A reading can never be newer than now, so that
+        one counts as now (the engine refreshes it within a step or an idle wait). Kept as stamped,
+        the controller held it as its newest telemetry, rejected every real reading as older until
+        the run clock caught up (3.5 s into the embedded default), and then measured every block
+        evicted so far as one interval's rebuilds."""
+        now = self.clock()
+        return now if s.ts == 0.0 or s.ts > now else s.ts
+
     def _telemetry(self) -> Telemetry:
         s = self.backend.sample()
         ts = self.tools.stats()
@@ -435,7 +446,7 @@ class Replay:
         # to run out of: the recorded tool times already hold any contention. Report no CPU signal
         # rather than "n tools on an unknown number of cores".
         cpu = ts.workers is not None
-        return Telemetry(ts=self.clock() if s.ts == 0.0 else s.ts, free_blocks=s.free_blocks,
+        return Telemetry(ts=self._reading_ts(s), free_blocks=s.free_blocks,
                          total_blocks=s.num_blocks, block_size=s.block_size, kv_usage=s.kv_usage,
                          prefix_hit_rate=(cached / prompt) if prompt else None,
                          tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
@@ -471,7 +482,7 @@ class Replay:
         s = self.backend.sample()
         tstats = self.tools.stats()
         engine = {k: v for k, v in s.as_dict().items() if k != "ts"}
-        self.events.emit("kv_sample", engine_ts=round(s.ts, 6), **engine, active=self.ctrl.num_active,
+        self.events.emit("kv_sample", engine_ts=round(self._reading_ts(s), 6), **engine, active=self.ctrl.num_active,
                          queued=self.ctrl.num_queued, tools_in_flight=tstats.in_flight)
         self.progress.status(self.ctrl.num_active, self.ctrl.num_queued, s.kv_usage, self.clock())
 
