@@ -1,0 +1,125 @@
+"""The embedded default (`mars compare`'s setup) in alternating rounds, with the VM's steal time.
+
+Each round runs every variant once on README command 1's setup (the bundled compact workload, the
+tiny CPU model, 48 KV blocks of 32 tokens, 4 roots/s), the order rotated by one per round so no
+variant always runs first or last; one process, one calibrated cost model for all runs. Around every
+run it reads the CPU time the hypervisor stole from this VM (/proc/stat), because on a shared host a
+burst of steal moves one run's wall time by 10-80 % while the box looks idle. Reports per round each
+variant's mean E2E over fcfs's (the speedup), and the medians over all rounds and over the quiet ones
+(no run in the round with more than ``--max-steal`` of its CPU time stolen).
+
+    .venv/bin/python benchmark/perf/cpu_default_rounds.py --rounds 5
+    .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --rounds 9 --out /tmp/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: label -> driver policy and admission options (the experiment files' variant form)
+VARIANTS = {
+    "fcfs": {"policy": "fcfs"},
+    "mars": {"policy": "mars"},
+    "mars-no-admission": {"policy": "mars-no-admission"},
+    "mars-queue-wait-fit": {"policy": "mars", "admission_options": {"queue_wait": "fit"}},
+    "mars-fit-within": {"policy": "mars", "admission_options": {"queue_wait": "fit_within"}},
+}
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(all CPU jiffies, stolen jiffies) since boot, over every CPU of this VM."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    steal = fields[7] if len(fields) > 7 else 0
+    return sum(fields[:8]), steal
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="fcfs,mars,mars-queue-wait-fit,mars-fit-within",
+                    help=f"comma-separated, from {', '.join(VARIANTS)} (fcfs is the baseline and always runs)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-steal", type=float, default=0.02,
+                    help="a round is quiet when no run in it lost more than this share of CPU time to steal")
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_rounds.json"))
+    args = ap.parse_args(argv)
+    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
+    bad = [x for x in labels if x not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    if "fcfs" not in labels:
+        labels.insert(0, "fcfs")
+    if args.rounds < 1:
+        ap.error("--rounds: must be >= 1")
+
+    from vllm_mars.cli import build_parser
+    from vllm_mars.commands.driver import _quiet_engine, compare_config
+    from vllm_mars.driver.compare import policy_config
+    from vllm_mars.driver.runner import run_replay
+
+    cargs = build_parser().parse_args(["compare", "--no-progress"])
+    _quiet_engine(cargs)
+    base, _ = compare_config(cargs)
+    base = base.with_profile()
+    rps = 4.0
+    cost = None
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="mars-rounds-") as tmp:
+        for r in range(args.rounds):
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            row = {}
+            for label in order:
+                cfg = policy_config(base, label, VARIANTS[label], rps=rps, out=str(Path(tmp) / f"r{r}" / label))
+                all0, st0 = _cpu_jiffies()
+                run_dir, cost = run_replay(cfg, cost)
+                all1, st1 = _cpu_jiffies()
+                s = json.loads((Path(run_dir) / "summary.json").read_text())
+                adm = s.get("admission") or {}
+                row[label] = {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
+                              "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean"),
+                              "steal_share": round((st1 - st0) / max(1, all1 - all0), 4)}
+                print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "
+                      f"steal {row[label]['steal_share']:.1%}", flush=True)
+            rounds.append({"order": order, "runs": row})
+
+    def medians(rows: list[dict]) -> dict[str, float | None]:
+        out = {}
+        for label in labels:
+            if label == "fcfs":
+                continue
+            vals = [x["runs"]["fcfs"]["mean_e2e_s"] / x["runs"][label]["mean_e2e_s"] for x in rows]
+            out[label] = round(statistics.median(vals), 4) if vals else None
+        return out
+
+    quiet = [x for x in rounds if max(v["steal_share"] for v in x["runs"].values()) <= args.max_steal]
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU",
+        "command": "python benchmark/perf/cpu_default_rounds.py " + " ".join(argv),
+        "variants": {k: VARIANTS[k] for k in labels}, "rps": rps, "max_steal": args.max_steal,
+        "cost_model": cost.as_dict() if cost else None, "rounds": rounds,
+        "median_speedup_vs_fcfs": medians(rounds), "quiet_rounds": len(quiet),
+        "median_speedup_vs_fcfs_quiet": medians(quiet),
+    }
+    dest = Path(args.out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"median speedup vs fcfs, all {len(rounds)} rounds: {record['median_speedup_vs_fcfs']}")
+    print(f"... quiet rounds ({len(quiet)}): {record['median_speedup_vs_fcfs_quiet']}")
+    print(f"wrote {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
