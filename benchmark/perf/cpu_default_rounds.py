@@ -6,7 +6,9 @@ variant always runs first or last; one process, one calibrated cost model for al
 run it reads the CPU time the hypervisor stole from this VM (/proc/stat), because on a shared host a
 burst of steal moves one run's wall time by 10-80 % while the box looks idle. Reports per round each
 variant's mean E2E over fcfs's (the speedup), and the medians over all rounds and over the quiet ones
-(no run in the round with more than ``--max-steal`` of its CPU time stolen).
+(no run in the round with more than ``--max-steal`` of its CPU time stolen). A label is a driver
+policy (``mars policies``) or a variant of ``--variants-from`` (an experiment file's
+``[variants.LABEL]``: default ``experiments/cpu_default_queue_wait.toml``).
 
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --rounds 5
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --rounds 9 --out /tmp/r.json
@@ -25,15 +27,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-#: label -> driver policy and admission options (the experiment files' variant form)
-VARIANTS = {
-    "fcfs": {"policy": "fcfs"},
-    "mars": {"policy": "mars"},
-    "mars-no-admission": {"policy": "mars-no-admission"},
-    "mars-queue-wait-fit": {"policy": "mars", "admission_options": {"queue_wait": "fit"}},
-    "mars-fit-within": {"policy": "mars", "admission_options": {"queue_wait": "fit_within"}},
-}
+REPO = HERE.parent.parent
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -48,31 +42,46 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="fcfs,mars,mars-queue-wait-fit,mars-fit-within",
-                    help=f"comma-separated, from {', '.join(VARIANTS)} (fcfs is the baseline and always runs)")
+                    help="comma-separated driver policies or variant labels (fcfs is the baseline and always runs)")
+    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_queue_wait.toml"),
+                    help="experiment file whose [variants.LABEL] tables define the variant labels")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-steal", type=float, default=0.02,
                     help="a round is quiet when no run in it lost more than this share of CPU time to steal")
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_rounds.json"))
     args = ap.parse_args(argv)
-    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
-    bad = [x for x in labels if x not in VARIANTS]
-    if bad:
-        ap.error(f"--variants: unknown {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
-    if "fcfs" not in labels:
-        labels.insert(0, "fcfs")
     if args.rounds < 1:
         ap.error("--rounds: must be >= 1")
+    if not 0 <= args.max_steal <= 1:
+        ap.error("--max-steal: must be in [0, 1]")
 
     from vllm_mars.cli import build_parser
     from vllm_mars.commands.driver import _quiet_engine, compare_config
-    from vllm_mars.driver.compare import policy_config
+    from vllm_mars.driver.compare import DEFAULT_RPS, policy_config
+    from vllm_mars.driver.control import check_policy
     from vllm_mars.driver.runner import run_replay
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    try:
+        variants = load_experiment(args.variants_from).variants
+    except (ExperimentError, OSError) as e:
+        ap.error(f"--variants-from: {e}")
+    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
+    if "fcfs" not in labels:
+        labels.insert(0, "fcfs")
+    for label in labels:
+        if label not in variants:
+            try:
+                check_policy(label)
+            except ValueError as e:
+                ap.error(f"--variants: {label!r} is neither a variant of {args.variants_from} "
+                         f"({', '.join(variants) or 'none'}) nor a driver policy: {e}")
 
     cargs = build_parser().parse_args(["compare", "--no-progress"])
     _quiet_engine(cargs)
     base, _ = compare_config(cargs)
     base = base.with_profile()
-    rps = 4.0
+    rps = DEFAULT_RPS[0]
     cost = None
     rounds = []
     with tempfile.TemporaryDirectory(prefix="mars-rounds-") as tmp:
@@ -80,7 +89,7 @@ def main(argv: list[str]) -> int:
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             row = {}
             for label in order:
-                cfg = policy_config(base, label, VARIANTS[label], rps=rps, out=str(Path(tmp) / f"r{r}" / label))
+                cfg = policy_config(base, label, variants.get(label), rps=rps, out=str(Path(tmp) / f"r{r}" / label))
                 all0, st0 = _cpu_jiffies()
                 run_dir, cost = run_replay(cfg, cost)
                 all1, st1 = _cpu_jiffies()
@@ -107,7 +116,7 @@ def main(argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU",
         "command": "python benchmark/perf/cpu_default_rounds.py " + " ".join(argv),
-        "variants": {k: VARIANTS[k] for k in labels}, "rps": rps, "max_steal": args.max_steal,
+        "variants": {k: variants.get(k, {"policy": k}) for k in labels}, "rps": rps, "max_steal": args.max_steal,
         "cost_model": cost.as_dict() if cost else None, "rounds": rounds,
         "median_speedup_vs_fcfs": medians(rounds), "quiet_rounds": len(quiet),
         "median_speedup_vs_fcfs_quiet": medians(quiet),

@@ -163,8 +163,9 @@ class MarsAdmissionConfig(WindowConfig):
     #: own projection fits the pool, else "slot". "slot" is the default: "fit" gains at most 1.5 % on
     #: the paper grid's pressure cells and loses up to 1.87x in ILR-4's deep overload, where the roots
     #: it lets in cost more than their priced rebuilds; "fit_within" is faster in 9 of 21 of those
-    #: cells (up to 1.05x) and slower in 5 (at most 0.2 %), with goodput lower in 5 (up to 3 %): not
-    #: yet re-run across every grid, so not the default (experiments/queue_wait.toml).
+    #: cells (up to 1.05x) and slower in 5 (at most 0.2 %), with goodput lower in 5 (up to 3 %), and
+    #: 0.89x fcfs on the embedded default against 0.96x for "slot" (experiments/queue_wait.toml,
+    #: benchmark/perf/cpu_default_rounds.py): not the default.
     queue_wait: str = "slot"
 
     def __post_init__(self) -> None:
@@ -598,13 +599,13 @@ class MarsAdmissionController(ControllerBase):
                     why = {**why, "overflow_turns": sum(1 for x in per_turn if x > 0)}
                 else:
                     rebuild_s = self._rebuild_cost_s(r, overflow)
-                # Ski rental: a root that has already waited as long as its admission would cost
-                # goes in (never waits more than that for a slot the estimate promised sooner).
                 wait_s = queue_s
                 if rebuild_s >= wait_s and cap is not None and (
                         cfg.queue_wait == "fit" or (cfg.queue_wait == "fit_within" and peak <= cap)):
                     wait_s, k = self._fit_wait_s(r, items, cand, cap, queue_s)
                     why = {**why, "wait_slots": k}
+                # Ski rental: a root that has already waited as long as its admission would cost
+                # goes in (never waits more than that for a slot the estimate promised sooner).
                 if cfg.ski_rental:
                     wait_s = max(wait_s, now - r.arrival)
                 if rebuild_s >= wait_s:
