@@ -213,7 +213,8 @@ class MarsSchedulerMixin:
                 self.policy = SchedulingPolicy.PRIORITY
             self.waiting = PolicyQueue(self, gated=policy.gates)
             self.kv_holding_waiting = PolicyQueue(self)
-        if policy.retains:
+        self._victims_ranked = True  # custom victim ranks are set lazily, when an allocation fails
+        if policy.retains or (policy.orders and policy.custom_victims):
             self._wrap_allocate_for_reclaim()
         self._kv_events = None
         if self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events:
@@ -418,10 +419,24 @@ class MarsSchedulerMixin:
         running = self.running
         running.sort(key=lambda r: rkey(calls[r.request_id]))
         if policy.custom_victims:
-            vkey = policy.victim_key
-            running = sorted(running, key=lambda r: vkey(calls[r.request_id]))
+            # Ranked only when vLLM is about to preempt (a running call's allocation failed):
+            # most steps preempt nobody, and the rank is a sort with a Python key per call.
+            self._victims_ranked = False
+            return
         for i, r in enumerate(running):
             r.priority = i
+
+    def _rank_victims(self) -> None:
+        """Set each running request's ``priority`` to its victim rank (vLLM's PRIORITY mode
+        preempts the largest). The keys read what the step's ordering pass filled in, and
+        preemption happens only in vLLM's pass over the running calls, before any waiting call
+        joins them, so a rank taken at the first failed allocation equals one taken at the step's
+        start."""
+        calls = self._calls
+        vkey = self.mars_policy.victim_key
+        for i, r in enumerate(sorted(self.running, key=lambda r: vkey(calls[r.request_id]))):
+            r.priority = i
+        self._victims_ranked = True
 
     def _release_returned(self, scheduled: dict[str, int], now: float) -> None:
         for rid in [r for r in self._returning if r in scheduled]:
@@ -522,6 +537,8 @@ class MarsSchedulerMixin:
                 while blocks is None and store:
                     store.release_lowest_value(self.clock.now())
                     blocks = allocate(request, num_new_tokens, *args, **kwargs)
+            if blocks is None and not self._victims_ranked and request.status == _RUNNING:
+                self._rank_victims()  # vLLM preempts next, by these ranks
             return blocks
 
         manager.allocate_slots = allocate_slots
