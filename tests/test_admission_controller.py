@@ -268,7 +268,7 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
-    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit' or 'fit_within'"):
+    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit', 'fit_within' or 'pool'"):
         make_controller("mars", {"queue_wait": "fast"})
     with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
@@ -547,7 +547,7 @@ def _late_overflow_scenario(overflow):
     return _third_root(1000, 600, 1e-3, overflow=overflow)
 
 
-def _third_root(pool, free_then, s_per_token, b_tokens=3000, **kw):
+def _third_root(pool, free_then, s_per_token, b_tokens=3000, waiting=None, **kw):
     """Two 10-turn 3000-token roots admitted at t=0 into a ``pool``-block pool (16-token blocks)
     show 400 tokens of growth; root b (``b_tokens``, 10 turns) arrives at t=100 with ``free_then``
     blocks free, rebuilds priced at ``s_per_token``. Returns (b's first tick, the controller)."""
@@ -562,7 +562,7 @@ def _third_root(pool, free_then, s_per_token, b_tokens=3000, **kw):
     for i in range(2):
         c.update_estimate(f"a{i}", 3400, 50.0)
     c.observe(Telemetry(ts=100.0, free_blocks=free_then, total_blocks=pool, block_size=16, running=2,
-                        recomputed_tokens=0, kv_blocks_removed=0))
+                        waiting=waiting, recomputed_tokens=0, kv_blocks_removed=0))
     c.offer(PendingRoot("b", 100.0, b_tokens, {"turns": 10}))
     return c.tick(100.0), c
 
@@ -666,6 +666,30 @@ def test_queue_wait_fit_within_reads_the_projection_only_while_the_active_roots_
     # "slot": there a root let in early costs more than its priced rebuilds.
     assert _no_fit_scenario("fit_within")[0] == []
     assert _no_fit_scenario("fit")[0] == ["b"]
+
+
+def test_queue_wait_pool_holds_only_where_holding_can_keep_contexts_or_relieve_the_engine():
+    # The no-fit scenario's pool (1600 tokens) holds fewer than window_min (1 here) of the current
+    # contexts (3400, 3400 and b's 3000): no active set the controller keeps lets them survive a
+    # tool gap. With no call waiting in the engine, "pool" then reads the wait from the projection
+    # like "fit" and lets b in ...
+    admitted, c = _no_fit_scenario_waiting("pool", waiting=0)
+    assert admitted == ["b"]
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["wait_slots"] == 2 and ev[0].data["engine_waiting_ema"] == 0
+    # ... but while calls queue in the engine (an EMA of 3 waiting), or when the engine does not
+    # say (no reading of its queue), holding b relieves the batch: it holds like "slot".
+    assert _no_fit_scenario_waiting("pool", waiting=3)[0] == []
+    assert _no_fit_scenario_waiting("pool", waiting=None)[0] == []
+    # A pool that holds the contexts (16,000 tokens against a mean of 7,933): "pool" is "slot"
+    # even with the engine idle, where "fit" lets b in.
+    for queue_wait, want in (("slot", []), ("pool", []), ("fit", ["b"])):
+        admitted, _ = _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0, queue_wait=queue_wait)
+        assert admitted == want, (queue_wait, admitted)
+
+
+def _no_fit_scenario_waiting(queue_wait, waiting):
+    return _third_root(100, 0, 4e-4, waiting=waiting, queue_wait=queue_wait)
 
 
 def test_fit_wait_is_the_cheapest_of_waiting_for_each_group_of_ending_roots():

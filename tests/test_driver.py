@@ -184,6 +184,10 @@ def _check_run(run_dir: Path, wl: Path) -> dict:
     assert all(e["engine_ts"] <= e["ts"] + 1e-6 for e in samples)
     ages = [e["telemetry_age_s"] for e in events if e["event"] == "admission_admit" and "telemetry_age_s" in e]
     assert all(a is None or a >= 0 for a in ages)
+    # ... and it sees every field the engine reports, its queue included (the driver once passed
+    # on only some of them: no controller saw a call waiting in the engine)
+    seen = [e for e in events if e["event"] == "admission_admit" and e.get("telemetry_age_s") is not None]
+    assert all(e["engine_waiting"] is not None and e["engine_running"] is not None for e in seen)
     # prompts grow turn by turn: turn k = turn k-1 + its output + the appended tool output
     plans = {p.workflow_id: p for root in load_plans(wl) for p in root.walk()}
     traces = {t["workflow"]: t for t in read_jsonl(run_dir / "traces.jsonl")}

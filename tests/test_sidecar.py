@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess, free_port
+from vllm_mars.admission.placement import pooled_telemetry
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
@@ -196,6 +197,16 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
             return sc.app.placement.place("R3")
 
         assert sc.call(place_when_b2_has_more_budget) is b2
+
+        def pooled_and_members():  # on the sidecar's loop: one consistent view
+            return pooled_telemetry(sc.app.backends), [b.telemetry.last for b in sc.app.backends]
+
+        # The controller sees the replicas' engine queues summed (the pooled view once carried only
+        # their KV, so no sidecar controller saw a call waiting in an engine).
+        pooled, members = sc.call(pooled_and_members)
+        assert all(t.waiting is not None and t.running is not None for t in members)
+        assert pooled.waiting == sum(t.waiting for t in members)
+        assert pooled.running == sum(t.running for t in members)
 
 
 def test_idle_timeout_api_key_and_event_log(openai_server, tmp_path):

@@ -236,3 +236,16 @@ def test_fit_recovers_known_coefficients():
     assert res_abs.profile.efficiency.mfu == pytest.approx(0.42, rel=0.05) and abs(res_abs.total_err) < 0.01
     with pytest.raises(ValueError, match="loss"):
         fit_profile(start, samples, loss="median")
+
+
+def test_step_scale_scales_every_step_and_keeps_the_pool():
+    for name in ("cpu-tiny", "h200-qwen3-coder-30b-a3b"):
+        p = load_profile(name)
+        for factor in (0.5, 2.0):
+            q = p.with_step_scale(factor)
+            assert q.num_kv_blocks() == p.num_kv_blocks()
+            assert q.max_num_seqs == p.max_num_seqs and q.block_size == p.block_size
+            for prefill, decode in ([(512, 0)], []), ([], [100] * 32), ([(2048, 30000)], [5000] * 8):
+                assert q.step_seconds(prefill, decode) == pytest.approx(factor * p.step_seconds(prefill, decode))
+    with pytest.raises(ValueError, match="step scale"):
+        load_profile("cpu-tiny").with_step_scale(0)

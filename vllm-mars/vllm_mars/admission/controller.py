@@ -42,7 +42,10 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   below the expected cost of its queueing (the learned mean active time of a root over the number
   active: the wait for the next slot; ``queue_wait = "fit"``: the cheapest of waiting for the k
   soonest-ending roots plus the rebuilds still left then; ``"fit_within"``: that only while the
-  active roots' own projection fits the pool). The AIMD window starts at ``window_max`` and shrinks on
+  active roots' own projection fits the pool; ``"pool"``, the default: that only while the pool holds
+  fewer than ``window_min`` of the current contexts, so that no active set the controller keeps saves
+  them across tool gaps, and fewer than half a call waits in the engine on average, so that holding
+  does not relieve the batch either; else the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
   priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
   when rebuilds are cheap.
@@ -159,14 +162,17 @@ class MarsAdmissionConfig(WindowConfig):
     #: for the next slot (a root's mean active time over the roots active), as if that slot made it
     #: fit. "fit": the cheapest of waiting for the k soonest-ending roots (k slots) and then paying
     #: the rebuilds still left, ``min_k (k * slot wait + rebuild cost then)``: a root whose overflow a
-    #: slot would not remove is not held for it. "fit_within": "fit" only while the active roots'
-    #: own projection fits the pool, else "slot". "slot" is the default: "fit" gains at most 1.5 % on
-    #: the paper grid's pressure cells and loses up to 1.87x in ILR-4's deep overload, where the roots
-    #: it lets in cost more than their priced rebuilds; "fit_within" is faster in 9 of 21 of those
-    #: cells (up to 1.05x) and slower in 5 (at most 0.2 %), with goodput lower in 5 (up to 3 %), and
-    #: 0.89x fcfs on the embedded default against 0.96x for "slot" (experiments/queue_wait.toml,
-    #: benchmark/perf/cpu_default_rounds.py): not the default.
-    queue_wait: str = "slot"
+    #: slot would not remove is not held for it. "fit_within": "fit" only while the active roots' own
+    #: projection fits the pool, else "slot". "pool" (the default): "fit" only where holding can
+    #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
+    #: current contexts (the active roots' and the candidate's mean) and the EMA of calls waiting in
+    #: the engine is below 0.5; else "slot". Against "slot" it is equal in 30 of the 33 grid cells
+    #: with pressure and faster in 3 (H100 top level seed 0: 0.982x / 0.997x of the fastest baseline
+    #: instead of 0.980x / 0.994x; ILR-2 @ 0.4 seed 0), and on the embedded default in virtual time
+    #: faster at step speeds 0.35-1.0x and equal at 1.5x (benchmark/perf/cpu_default_speed_sim.py).
+    #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
+    #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
+    queue_wait: str = "pool"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -209,8 +215,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("life_target", "in [0.1, 2.0]")
         if self.overflow not in ("peak", "turns"):
             raise bad("overflow", "'peak' or 'turns'")
-        if self.queue_wait not in ("slot", "fit", "fit_within"):
-            raise bad("queue_wait", "'slot', 'fit' or 'fit_within'")
+        if self.queue_wait not in ("slot", "fit", "fit_within", "pool"):
+            raise bad("queue_wait", "'slot', 'fit', 'fit_within' or 'pool'")
 
 
 @dataclass
@@ -242,6 +248,7 @@ class MarsAdmissionController(ControllerBase):
         self._service_s = 0.0  # EMA of a root's active time (admission to finish)
         self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
         self._rebuild_share: float | None = None  # measured share of engine time spent rebuilding
+        self._waiting_ema: float | None = None  # EMA of calls waiting in the engine, per reading
         self._prev_rebuild: tuple[float, int] | None = None  # (ts, cumulative rebuilt tokens)
         self._cost_warned = False
         self._last_window_update: float | None = None
@@ -293,6 +300,9 @@ class MarsAdmissionController(ControllerBase):
         super().observe(telemetry)
         if self._tel is telemetry:
             self._measure_rebuilds(telemetry)
+            if telemetry.waiting is not None:
+                w = float(telemetry.waiting)
+                self._waiting_ema = w if self._waiting_ema is None else 0.8 * self._waiting_ema + 0.2 * w
 
     def _measure_rebuilds(self, t: Telemetry) -> None:
         """Share of engine time spent recomputing lost KV (preempted tokens + evicted blocks,
@@ -430,6 +440,9 @@ class MarsAdmissionController(ControllerBase):
             "tool_workers": None if t is None else t.tool_workers,
             "tool_queue_wait_s": None if t is None else t.tool_queue_wait_s,
             "cpu_backlog_ratio": ratio,
+            "engine_running": None if t is None else t.running,
+            "engine_waiting": None if t is None else t.waiting,
+            "engine_waiting_ema": None if self._waiting_ema is None else round(self._waiting_ema, 4),
         }
 
     # -- the control step -------------------------------------------------------------------------
@@ -601,7 +614,8 @@ class MarsAdmissionController(ControllerBase):
                     rebuild_s = self._rebuild_cost_s(r, overflow)
                 wait_s = queue_s
                 if rebuild_s >= wait_s and cap is not None and (
-                        cfg.queue_wait == "fit" or (cfg.queue_wait == "fit_within" and peak <= cap)):
+                        cfg.queue_wait == "fit" or (cfg.queue_wait == "fit_within" and peak <= cap)
+                        or (cfg.queue_wait == "pool" and self._unkeepable(cap, items, cand))):
                     wait_s, k = self._fit_wait_s(r, items, cand, cap, queue_s)
                     why = {**why, "wait_slots": k}
                 # Ski rental: a root that has already waited as long as its admission would cost
@@ -729,6 +743,16 @@ class MarsAdmissionController(ControllerBase):
             if not later:
                 break
         return best, best_k
+
+    def _unkeepable(self, cap: float, items: list[tuple[float, float]], cand: tuple[float, float]) -> bool:
+        """``queue_wait = "pool"``: True when holding a root can neither keep contexts nor relieve
+        the engine: the pool holds fewer than ``window_min`` of the current contexts (the active
+        roots' and the candidate's mean), so at the fewest roots the controller ever keeps active
+        they are still evicted in every tool gap, and no call waits in the engine."""
+        ctx = [c for _, c in items] + [cand[1]]
+        mean_ctx = sum(ctx) / len(ctx)
+        idle = self._waiting_ema is not None and self._waiting_ema < 0.5
+        return idle and cap < self.config.window_min * mean_ctx
 
     def _queue_cost_s(self, now: float) -> float:
         """Expected wait for the next slot: a root's mean active time over the roots active (before

@@ -54,9 +54,15 @@ def pooled_telemetry(backends: Sequence[Backend]) -> Telemetry | None:
         return None
     free = sum(t.free_blocks or 0 for t in tels)
     total = sum(t.total_blocks or 0 for t in tels)
+
+    def summed(name: str) -> int | None:  # known only when every live backend reports it
+        vals = [getattr(t, name) for t in tels]
+        return None if any(v is None for v in vals) else sum(vals)
+
     return Telemetry(ts=min(t.ts for t in tels), free_blocks=free, total_blocks=total,
                      block_size=tels[0].block_size, kv_usage=(1 - free / total) if total else None,
-                     prefix_hit_rate=tels[0].prefix_hit_rate if len(tels) == 1 else None)
+                     prefix_hit_rate=tels[0].prefix_hit_rate if len(tels) == 1 else None,
+                     running=summed("running"), waiting=summed("waiting"), preemptions=summed("preemptions"))
 
 
 class Placement:

@@ -446,12 +446,12 @@ class Replay:
         # to run out of: the recorded tool times already hold any contention. Report no CPU signal
         # rather than "n tools on an unknown number of cores".
         cpu = ts.workers is not None
-        return Telemetry(ts=self._reading_ts(s), free_blocks=s.free_blocks,
-                         total_blocks=s.num_blocks, block_size=s.block_size, kv_usage=s.kv_usage,
-                         prefix_hit_rate=(cached / prompt) if prompt else None,
-                         tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
-                         tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None, running=s.running,
-                         recomputed_tokens=s.recomputed_tokens, kv_blocks_removed=s.kv_blocks_removed)
+        # Every engine field passes through (waiting, retained blocks and preemptions were once
+        # dropped here, so a controller never saw calls queued in the engine); the driver adds its
+        # own clock, the hit rate of the calls it saw and the tool plane.
+        return replace(s, ts=self._reading_ts(s), prefix_hit_rate=(cached / prompt) if prompt else None,
+                       tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
+                       tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None)
 
     async def _arrivals(self) -> None:
         for wid in sorted(self.order, key=lambda w: self.arrivals[w]):

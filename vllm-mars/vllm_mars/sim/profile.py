@@ -211,6 +211,26 @@ class Profile:
         kw.update(changes, efficiency=efficiency)
         return Profile(**kw)
 
+    def with_step_scale(self, factor: float) -> Profile:
+        """The same engine ``factor`` times slower (< 1: faster): every step takes ``factor`` x its
+        time here (peak rates / factor, latencies and overheads x factor); the KV pool and the
+        engine limits stay. For asking how a result depends on the step speed, e.g. the CPU
+        engine on a quiet box against one whose steps a busy host slows."""
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < math.inf):
+            raise ValueError(f"step scale must be a positive number, got {factor!r}")
+        hw = self.hardware
+        scaled_hw = type(hw)(**{**asdict(hw), "peak_flops": hw.peak_flops / factor,
+                                "hbm_bandwidth": hw.hbm_bandwidth / factor,
+                                "interconnect_bandwidth": hw.interconnect_bandwidth / factor,
+                                "allreduce_latency_s": hw.allreduce_latency_s * factor})
+        e = self.efficiency
+        eff = Efficiency(**{**asdict(e), "step_overhead_s": e.step_overhead_s * factor,
+                            "per_seq_overhead_s": e.per_seq_overhead_s * factor,
+                            "source": f"{e.source}; step times x {factor:g}".lstrip("; ")})
+        # The KV pool is what the unscaled hardware holds (bytes are not time).
+        return self.with_efficiency(eff, hardware=scaled_hw, name=f"{self.name}-x{factor:g}",
+                                    num_blocks=self.num_kv_blocks())
+
     # -- files ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The file form (what :func:`load_profile` reads back)."""
