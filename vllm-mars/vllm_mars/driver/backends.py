@@ -169,6 +169,10 @@ class InProcessBackend:
                     if cmd[0] == "abort":
                         engine.abort_request([cmd[1]])
                         continue
+                    if cmd[0] == "reset":
+                        ok = engine.reset_prefix_cache()
+                        self._loop.call_soon_threadsafe(cmd[1].set_result, ok)
+                        continue
                     rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
@@ -249,6 +253,14 @@ class InProcessBackend:
             return  # finished (or never sent)
         self._cmds.put(("abort", request_id))
         self._wake.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (on the stepper thread, between steps; the engine must be
+        idle, as after calibration). Returns vLLM's answer (False: something still held blocks)."""
+        done = self._loop.create_future()
+        self._cmds.put(("reset", done))
+        self._wake.set()
+        return await asyncio.wait_for(done, 30)
 
     def set_cost_model(self, cost: Any) -> None:
         """Hand the calibrated cost model to the scheduler's policy (pinned: no online refits)."""

@@ -672,9 +672,7 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         if backend.vocab_size is not None and backend.vocab_size < 4096:
             raise ValueError(f"the model's vocabulary ({backend.vocab_size}) is below the workload's token ids (4096)")
         if cost is None and cfg.calibrate:
-            # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.
-            long_prompt = SIM_CALIBRATE_PROMPT if cfg.backend == "sim" else 512
-            cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=long_prompt)
+            cost = await _calibrate_apart(cfg, backend, clock, policy.scheduler_policy)
         # The sim prices rebuilds with its profile (SimBackend.cost_model), else the calibration.
         policy_cost = getattr(backend, "cost_model", None) or cost
         setter = (getattr(backend, "set_cost_model", None)
@@ -713,6 +711,31 @@ def _tokenizer(cfg: ReplayConfig):
     except (OSError, ValueError) as e:
         raise ValueError(f"live-agent (mas_task_v1) tasks need the model's tokenizer locally; --model {model!r}: "
                          f"{e}") from None
+
+
+async def _calibrate_apart(cfg: ReplayConfig, backend: Any, clock: Any, scheduler_policy: str) -> CostModel:
+    """The T_ideal calibration, leaving the run's engine as a run handed the model finds it.
+
+    Calibrating on the run's own engine left its prompts in the prefix cache (and, in the sim, its
+    calls in the policy's learned state), so the one run of a comparison that calibrated (the first)
+    started from another state than the others: in the first cell of ``experiments/queue_wait.toml``
+    that alone moved mars from 285.02 s to 285.52 s. The sim calibrates on an engine of its own
+    (free in virtual time); the in-process engine calibrates on itself and then empties its prefix
+    cache; a server behind ``--backend http`` keeps the calibration prompts in its cache."""
+    if cfg.backend == "sim":
+        cal = make_backend(cfg, clock, scheduler_policy)
+        await cal.start()
+        try:
+            # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.
+            return await calibrate(cal, 4096, cfg.effective_max_model_len(), long_prompt=SIM_CALIBRATE_PROMPT)
+        finally:
+            await cal.close()
+    cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=512)
+    reset = getattr(backend, "reset_prefix_cache", None)
+    if reset is not None and not await reset():
+        logger.warning("the engine's prefix cache could not be emptied after calibration: the run starts "
+                       "with the calibration prompts cached")
+    return cost
 
 
 def run_replay(cfg: ReplayConfig, cost: CostModel | None = None) -> tuple[Path, CostModel | None]:
