@@ -166,9 +166,9 @@ class MarsAdmissionConfig(WindowConfig):
     #: projection fits the pool, else "slot". "pool" (the default): "fit" only where holding can
     #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
     #: current contexts (the active roots' and the candidate's mean) and the EMA of calls waiting in
-    #: the engine is below 0.5; else "slot". Against "slot" it is equal in 30 of the 33 grid cells
-    #: with pressure and faster in 3 (H100 top level seed 0: 0.982x / 0.997x of the fastest baseline
-    #: instead of 0.980x / 0.994x; ILR-2 @ 0.4 seed 0), and on the embedded default in virtual time
+    #: the engine is below 0.5; else "slot". Against "slot" it is equal in 31 of the 33 grid cells
+    #: with pressure and faster in 2 (H100 top level seed 0: 0.982x / 0.997x of the fastest baseline
+    #: instead of 0.980x / 0.994x), and on the embedded default in virtual time
     #: faster at step speeds 0.35-1.0x and equal at 1.5x (benchmark/perf/cpu_default_speed_sim.py).
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
     #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
