@@ -58,6 +58,35 @@ def paired_summary(ratios: list[float], resamples: int = 4000, seed: int = 0) ->
             "ci90": [round(math.exp(lo), 4), round(math.exp(hi), 4)], "faster": sum(1 for x in ratios if x > 1)}
 
 
+def print_interval(label: str, iv: dict) -> None:
+    """One line of :func:`paired_summary`."""
+    print(f"{label}: geometric mean {iv['geomean']}x, 90% CI {iv['ci90'][0]}-{iv['ci90'][1]}x "
+          f"(bootstrap over {iv['rounds']} paired rounds), faster in {iv['faster']} of {iv['rounds']}")
+
+
+def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str) -> tuple[list[str], dict]:
+    """``--variants`` and ``--variants-from`` checked: (labels, fcfs first if missing; the file's
+    variant tables). A label must be a variant of the file or a driver policy; else a usage error."""
+    from vllm_mars.driver.control import check_policy
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    try:
+        variants = load_experiment(variants_from).variants
+    except (ExperimentError, OSError) as e:
+        ap.error(f"--variants-from: {e}")
+    labels = [x.strip() for x in names.split(",") if x.strip()]
+    if "fcfs" not in labels:
+        labels.insert(0, "fcfs")
+    for label in labels:
+        if label not in variants:
+            try:
+                check_policy(label)
+            except ValueError as e:
+                ap.error(f"--variants: {label!r} is neither a variant of {variants_from} "
+                         f"({', '.join(variants) or 'none'}) nor a driver policy: {e}")
+    return labels, variants
+
+
 def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
     try:
         record = json.loads(Path(path).read_text())
@@ -67,9 +96,7 @@ def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
     except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as e:
         ap.error(f"--summarize {path}: not an output of this script ({type(e).__name__}: {e})")
     for label, vals in per.items():
-        iv = paired_summary(vals)
-        print(f"{label}: geometric mean {iv['geomean']}x, 90% CI {iv['ci90'][0]}-{iv['ci90'][1]}x "
-              f"(bootstrap over {iv['rounds']} paired rounds), faster in {iv['faster']} of {iv['rounds']}")
+        print_interval(label, paired_summary(vals))
     return 0
 
 
@@ -97,24 +124,9 @@ def main(argv: list[str]) -> int:
     from vllm_mars.cli import build_parser
     from vllm_mars.commands.driver import _quiet_engine, compare_config
     from vllm_mars.driver.compare import DEFAULT_RPS, policy_config
-    from vllm_mars.driver.control import check_policy
     from vllm_mars.driver.runner import run_replay
-    from vllm_mars.experiment.spec import ExperimentError, load_experiment
 
-    try:
-        variants = load_experiment(args.variants_from).variants
-    except (ExperimentError, OSError) as e:
-        ap.error(f"--variants-from: {e}")
-    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
-    if "fcfs" not in labels:
-        labels.insert(0, "fcfs")
-    for label in labels:
-        if label not in variants:
-            try:
-                check_policy(label)
-            except ValueError as e:
-                ap.error(f"--variants: {label!r} is neither a variant of {args.variants_from} "
-                         f"({', '.join(variants) or 'none'}) nor a driver policy: {e}")
+    labels, variants = resolve_variants(ap, args.variants, args.variants_from)
 
     cargs = build_parser().parse_args(["compare", "--no-progress"])
     _quiet_engine(cargs)
@@ -173,8 +185,7 @@ def main(argv: list[str]) -> int:
     print(f"median speedup vs fcfs, all {len(rounds)} rounds: {record['median_speedup_vs_fcfs']}")
     print(f"... quiet rounds ({len(quiet)}): {record['median_speedup_vs_fcfs_quiet']}")
     for label, iv in record["speedup_vs_fcfs"].items():
-        print(f"{label}: geometric mean {iv['geomean']}x, 90% CI {iv['ci90'][0]}-{iv['ci90'][1]}x "
-              f"(bootstrap over {iv['rounds']} paired rounds), faster in {iv['faster']} of {iv['rounds']}")
+        print_interval(label, iv)
     print(f"wrote {dest}")
     return 0
 

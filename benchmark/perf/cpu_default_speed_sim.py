@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from cpu_default_rounds import paired_summary  # this directory's other script
+from cpu_default_rounds import paired_summary, resolve_variants  # this directory's other script
 
 DEFAULT_PROFILE = HERE / "results" / "life" / "cpu_tiny_steps_20261202.toml"
 
@@ -72,8 +72,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_speed_sim.json"))
     args = ap.parse_args(argv)
 
-    from vllm_mars.driver.control import check_policy
-    from vllm_mars.experiment.spec import ExperimentError, load_experiment
     from vllm_mars.sim.profile import load_profile
 
     try:
@@ -92,19 +90,7 @@ def main(argv: list[str]) -> int:
         prof = load_profile(args.profile)
     except (ValueError, OSError) as e:
         ap.error(f"--profile: {e}")
-    try:
-        variants = load_experiment(args.variants_from).variants
-    except (ExperimentError, OSError) as e:
-        ap.error(f"--variants-from: {e}")
-    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
-    if "fcfs" not in labels:
-        labels.insert(0, "fcfs")
-    for label in labels:
-        if label not in variants:
-            try:
-                check_policy(label)
-            except ValueError as e:
-                ap.error(f"--variants: {label!r} is neither a variant of {args.variants_from} nor a driver policy: {e}")
+    labels, variants = resolve_variants(ap, args.variants, args.variants_from)
 
     with tempfile.TemporaryDirectory(prefix="mars-speed-prof-") as tmp:
         paths = {}

@@ -22,7 +22,7 @@ import json
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -218,15 +218,12 @@ class Profile:
         engine on a quiet box against one whose steps a busy host slows."""
         if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < math.inf):
             raise ValueError(f"step scale must be a positive number, got {factor!r}")
-        hw = self.hardware
-        scaled_hw = type(hw)(**{**asdict(hw), "peak_flops": hw.peak_flops / factor,
-                                "hbm_bandwidth": hw.hbm_bandwidth / factor,
-                                "interconnect_bandwidth": hw.interconnect_bandwidth / factor,
-                                "allreduce_latency_s": hw.allreduce_latency_s * factor})
-        e = self.efficiency
-        eff = Efficiency(**{**asdict(e), "step_overhead_s": e.step_overhead_s * factor,
-                            "per_seq_overhead_s": e.per_seq_overhead_s * factor,
-                            "source": f"{e.source}; step times x {factor:g}".lstrip("; ")})
+        hw, e = self.hardware, self.efficiency
+        scaled_hw = replace(hw, peak_flops=hw.peak_flops / factor, hbm_bandwidth=hw.hbm_bandwidth / factor,
+                            interconnect_bandwidth=hw.interconnect_bandwidth / factor,
+                            allreduce_latency_s=hw.allreduce_latency_s * factor)
+        eff = replace(e, step_overhead_s=e.step_overhead_s * factor, per_seq_overhead_s=e.per_seq_overhead_s * factor,
+                      source=f"{e.source}; step times x {factor:g}".lstrip("; "))
         # The KV pool is what the unscaled hardware holds (bytes are not time).
         return self.with_efficiency(eff, hardware=scaled_hw, name=f"{self.name}-x{factor:g}",
                                     num_blocks=self.num_kv_blocks())
