@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from vllm_mars.sim.fit import Sample, fit_profile, nnls
+from vllm_mars.sim.fit import Sample, fit_profile, nnls, step_speed
 from vllm_mars.sim.profile import Efficiency, available_profiles, load_profile
 from vllm_mars.sim.shapes import ModelShape
 
@@ -249,3 +249,17 @@ def test_step_scale_scales_every_step_and_keeps_the_pool():
                 assert q.step_seconds(prefill, decode) == pytest.approx(factor * p.step_seconds(prefill, decode))
     with pytest.raises(ValueError, match="step scale"):
         load_profile("cpu-tiny").with_step_scale(0)
+
+
+def test_step_speed_is_measured_over_predicted_time_for_the_same_batches():
+    """A run whose steps took 1.5x what the profile predicts, whatever its batch mix, reads 1.5;
+    steps with no batch are left out; nothing to compare is a ValueError."""
+    prof = load_profile("h200-llama-3.1-8b")
+    batches = [(((512, 0),), ()), ((), (4096,) * 8), (((256, 1024),), (2048, 300))]
+    slow = [Sample(p, d, 1.5 * prof.step_seconds(p, d)) for p, d in batches]
+    assert step_speed(prof, slow + [Sample((), (), 9.0)]) == pytest.approx(1.5)
+    # The mix does not matter: one heavy prefill and many decodes, each 1.5x, still read 1.5.
+    assert step_speed(prof, slow[:1] + slow[1:2] * 20) == pytest.approx(1.5)
+    assert step_speed(prof, [Sample(p, d, prof.step_seconds(p, d)) for p, d in batches]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no timed steps"):
+        step_speed(prof, [Sample((), (), 1.0)])

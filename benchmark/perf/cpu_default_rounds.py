@@ -12,8 +12,16 @@ those for an earlier output without running anything). A label is a driver
 policy (``mars policies``) or a variant of ``--variants-from`` (an experiment file's
 ``[variants.LABEL]``: default ``experiments/cpu_default_queue_wait.toml``).
 
+With ``--concurrent`` the variants of a round run at the same time instead, each in its own process
+pinned to its own core (at most one variant per core), so the steal bursts and the box's speed
+changes that move one sequential run against the next hit both runs of a pair alike; each engine
+then has one core, a slower regime than the sequential runs' two. Every run records its steps, and
+``step_speed`` (its recorded step seconds over what the fitted CPU profile predicts for the same
+batches) shows how alike the pair's engines ran.
+
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --rounds 5
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --rounds 9 --out /tmp/r.json
+    .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --concurrent --rounds 12
 """
 
 from __future__ import annotations
@@ -28,10 +36,14 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+#: the step-time profile fitted to this engine's recorded steps (the ``step_speed`` reference)
+STEP_PROFILE = HERE / "results" / "life" / "cpu_tiny_steps_20261202.toml"
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -56,6 +68,46 @@ def paired_summary(ratios: list[float], resamples: int = 4000, seed: int = 0) ->
     lo, hi = means[int(0.05 * (resamples - 1))], means[int(0.95 * (resamples - 1))]
     return {"rounds": n, "geomean": round(math.exp(sum(logs) / n), 4),
             "ci90": [round(math.exp(lo), 4), round(math.exp(hi), 4)], "faster": sum(1 for x in ratios if x > 1)}
+
+
+def speed_adjusted(pairs: list[tuple[float, float]]) -> dict | None:
+    """Per-round (speedup, fcfs's step speed over the variant's) pairs: the speedup at equal step
+    speed, the intercept of a least-squares line of log speedup on log speed ratio, with a 90 %
+    normal interval. Within a concurrent pair the two engines still ran at different speeds (one
+    core hosts the parent process; a policy's batch mix fits the profile differently); this takes
+    that out. None with fewer than 3 rounds or no spread in the speed ratios."""
+    if len(pairs) < 3:
+        return None
+    ys = [math.log(r) for r, _ in pairs]
+    xs = [math.log(v) for _, v in pairs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - slope * mx
+    resid = sum((y - a - slope * x) ** 2 for x, y in zip(xs, ys)) / max(n - 2, 1)
+    se = math.sqrt(resid * (1 / n + mx * mx / sxx))
+    return {"rounds": n, "speedup": round(math.exp(a), 4), "ci90": [round(math.exp(a - 1.645 * se), 4),
+            round(math.exp(a + 1.645 * se), 4)], "slope": round(slope, 3), "mean_speed_ratio": round(math.exp(mx), 4)}
+
+
+def _speed_pairs(rounds: list[dict], label: str) -> list[tuple[float, float]]:
+    out = []
+    for x in rounds:
+        f, v = x["runs"]["fcfs"], x["runs"][label]
+        if f.get("step_speed") and v.get("step_speed"):
+            out.append((f["mean_e2e_s"] / v["mean_e2e_s"], f["step_speed"] / v["step_speed"]))
+    return out
+
+
+def print_adjusted(label: str, adj: dict | None) -> None:
+    """One line of :func:`speed_adjusted` (nothing when it is None)."""
+    if adj:
+        print(f"{label}: at equal step speed {adj['speedup']}x, 90% CI {adj['ci90'][0]}-{adj['ci90'][1]}x "
+              f"(log speedup on log step-speed ratio over {adj['rounds']} rounds, slope {adj['slope']}; "
+              f"mean step-speed ratio fcfs/{label} {adj['mean_speed_ratio']})")
 
 
 def print_interval(label: str, iv: dict) -> None:
@@ -87,6 +139,42 @@ def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str
     return labels, variants
 
 
+def _row(run_dir: Path, steal_share: float) -> dict:
+    """A run's figures for the record."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    adm = s.get("admission") or {}
+    return {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
+            "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean"),
+            "steal_share": steal_share}
+
+
+def _step_speed(steps_file: Path) -> float | None:
+    """The run's recorded steps against the fitted CPU profile (``vllm_mars.sim.fit.step_speed``);
+    None when nothing was recorded."""
+    from vllm_mars.sim.fit import load_samples, step_speed
+    from vllm_mars.sim.profile import load_profile
+
+    try:
+        return round(step_speed(load_profile(str(STEP_PROFILE)), load_samples(str(steps_file))), 4)
+    except (OSError, ValueError):
+        return None
+
+
+def _concurrent_run(job: tuple) -> tuple[str, dict, object]:
+    """One run of a concurrent round, in its own process pinned to core ``core``: (label, its
+    figures, the cost model it used)."""
+    label, cfg, core, cost = job
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from dataclasses import replace
+
+    from vllm_mars.driver.runner import run_replay
+
+    run_dir, cost = run_replay(replace(cfg, cpu_gpu=str(core), record_steps=True), cost)
+    row = _row(Path(run_dir), steal_share=float("nan"))
+    row["step_speed"] = _step_speed(Path(run_dir) / "steps.jsonl")
+    return label, row, cost
+
+
 def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
     try:
         record = json.loads(Path(path).read_text())
@@ -97,6 +185,7 @@ def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
         ap.error(f"--summarize {path}: not an output of this script ({type(e).__name__}: {e})")
     for label, vals in per.items():
         print_interval(label, paired_summary(vals))
+        print_adjusted(label, speed_adjusted(_speed_pairs(rounds, label)))
     return 0
 
 
@@ -111,6 +200,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-steal", type=float, default=0.02,
                     help="a round is quiet when no run in it lost more than this share of CPU time to steal")
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_rounds.json"))
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run a round's variants at the same time, one process pinned to one core each")
     ap.add_argument("--summarize", metavar="FILE",
                     help="run nothing: print the paired speedups of an earlier --out file (its rounds)")
     args = ap.parse_args(argv)
@@ -120,6 +211,7 @@ def main(argv: list[str]) -> int:
         ap.error("--rounds: must be >= 1")
     if not 0 <= args.max_steal <= 1:
         ap.error("--max-steal: must be in [0, 1]")
+    cores = sorted(os.sched_getaffinity(0))
 
     from vllm_mars.cli import build_parser
     from vllm_mars.commands.driver import _quiet_engine, compare_config
@@ -127,6 +219,9 @@ def main(argv: list[str]) -> int:
     from vllm_mars.driver.runner import run_replay
 
     labels, variants = resolve_variants(ap, args.variants, args.variants_from)
+    if args.concurrent and len(labels) > len(cores):
+        ap.error(f"--concurrent: {len(labels)} variants ({', '.join(labels)}) but {len(cores)} usable cores; "
+                 "one variant per core")
 
     cargs = build_parser().parse_args(["compare", "--no-progress"])
     _quiet_engine(cargs)
@@ -136,22 +231,38 @@ def main(argv: list[str]) -> int:
     cost = None
     rounds = []
     with tempfile.TemporaryDirectory(prefix="mars-rounds-") as tmp:
-        for r in range(args.rounds):
-            order = labels[r % len(labels):] + labels[:r % len(labels)]
-            row = {}
-            for label in order:
-                cfg = policy_config(base, label, variants.get(label), rps=rps, out=str(Path(tmp) / f"r{r}" / label))
-                all0, st0 = _cpu_jiffies()
-                run_dir, cost = run_replay(cfg, cost)
-                all1, st1 = _cpu_jiffies()
-                s = json.loads((Path(run_dir) / "summary.json").read_text())
-                adm = s.get("admission") or {}
-                row[label] = {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
-                              "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean"),
-                              "steal_share": round((st1 - st0) / max(1, all1 - all0), 4)}
-                print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "
-                      f"steal {row[label]['steal_share']:.1%}", flush=True)
-            rounds.append({"order": order, "runs": row})
+        pool = ProcessPoolExecutor(max_workers=len(labels), mp_context=get_context("spawn")) if args.concurrent else None
+        try:
+            for r in range(args.rounds):
+                order = labels[r % len(labels):] + labels[:r % len(labels)]
+                cfgs = {label: policy_config(base, label, variants.get(label), rps=rps,
+                                             out=str(Path(tmp) / f"r{r}" / label)) for label in order}
+                row = {}
+                if pool is not None:
+                    # all at once; the core a variant gets rotates with the order
+                    all0, st0 = _cpu_jiffies()
+                    done = list(pool.map(_concurrent_run, [(label, cfgs[label], cores[i], cost)
+                                                           for i, label in enumerate(order)]))
+                    all1, st1 = _cpu_jiffies()
+                    steal = round((st1 - st0) / max(1, all1 - all0), 4)
+                    for label, fig, run_cost in done:
+                        row[label] = {**fig, "steal_share": steal}
+                        cost = cost or run_cost  # later rounds use the first calibration
+                else:
+                    for label in order:
+                        all0, st0 = _cpu_jiffies()
+                        run_dir, cost = run_replay(cfgs[label], cost)
+                        all1, st1 = _cpu_jiffies()
+                        row[label] = _row(Path(run_dir), round((st1 - st0) / max(1, all1 - all0), 4))
+                for label in order:
+                    speed = row[label].get("step_speed")
+                    print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "
+                          f"steal {row[label]['steal_share']:.1%}" + (f"  step speed {speed:.3f}" if speed else ""),
+                          flush=True)
+                rounds.append({"order": order, "runs": row})
+        finally:
+            if pool is not None:
+                pool.shutdown()
 
     def ratios(rows: list[dict], label: str) -> list[float]:
         return [x["runs"]["fcfs"]["mean_e2e_s"] / x["runs"][label]["mean_e2e_s"] for x in rows]
@@ -173,11 +284,14 @@ def main(argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU",
         "command": "python benchmark/perf/cpu_default_rounds.py " + " ".join(argv),
+        "mode": "concurrent (one core per run)" if args.concurrent else "sequential",
         "variants": {k: variants.get(k, {"policy": k}) for k in labels}, "rps": rps, "max_steal": args.max_steal,
         "cost_model": cost.as_dict() if cost else None, "rounds": rounds,
         "median_speedup_vs_fcfs": medians(rounds), "quiet_rounds": len(quiet),
         "median_speedup_vs_fcfs_quiet": medians(quiet),
         "speedup_vs_fcfs": intervals(rounds),
+        "speedup_vs_fcfs_at_equal_step_speed": {label: speed_adjusted(_speed_pairs(rounds, label))
+                                                for label in labels if label != "fcfs"},
     }
     dest = Path(args.out)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +300,7 @@ def main(argv: list[str]) -> int:
     print(f"... quiet rounds ({len(quiet)}): {record['median_speedup_vs_fcfs_quiet']}")
     for label, iv in record["speedup_vs_fcfs"].items():
         print_interval(label, iv)
+        print_adjusted(label, record["speedup_vs_fcfs_at_equal_step_speed"][label])
     print(f"wrote {dest}")
     return 0
 

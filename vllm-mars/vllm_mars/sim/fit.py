@@ -188,6 +188,18 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
     return FitResult(fitted, points, rms, it, total)
 
 
+def step_speed(profile: Profile, samples: Sequence[Sample]) -> float:
+    """How slowly an engine ran against ``profile``: the samples' measured seconds over what the
+    profile predicts for the same batches (1: as fast as the profile; 1.3: 30 % slower). Two runs
+    of different policies on one box compare by it, the batch mix each policy made priced alike.
+    ValueError when no sample has a batch."""
+    timed = [s for s in samples if s.prefill or s.decode]
+    pred = sum(profile.step_seconds(s.prefill, s.decode) for s in timed)
+    if not timed or not pred > 0:
+        raise ValueError("no timed steps with a batch to compare against the profile")
+    return sum(s.seconds for s in timed) / pred
+
+
 def step_label(prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> str:
     """A coarse label of a recorded batch (kind and token count rounded to a power of two)."""
     tokens = sum(c for c, _ in prefill) + len(decode)

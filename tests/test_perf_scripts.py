@@ -1,0 +1,48 @@
+"""The paired-rounds script of the embedded default (benchmark/perf/cpu_default_rounds.py): its
+speed-adjusted estimate and its checks of --concurrent, without running an engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmark" / "perf" / "cpu_default_rounds.py"
+
+
+@pytest.fixture(scope="module")
+def rounds_script():
+    spec = importlib.util.spec_from_file_location("cpu_default_rounds", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_speed_adjusted_speedup_is_the_intercept_at_equal_step_speed(rounds_script):
+    # log speedup = 0.05 + 1.2 * log(speed ratio) exactly: the speedup at equal speed is e^0.05,
+    # however unevenly the pairs' engines ran.
+    ratios = [0.8, 0.9, 1.0, 1.1, 1.25]
+    pairs = [(math.exp(0.05 + 1.2 * math.log(v)), v) for v in ratios]
+    adj = rounds_script.speed_adjusted(pairs)
+    assert adj["speedup"] == pytest.approx(math.exp(0.05), abs=1e-4)
+    assert adj["slope"] == pytest.approx(1.2, abs=1e-3)
+    assert adj["ci90"][0] == pytest.approx(adj["speedup"], abs=1e-3) == pytest.approx(adj["ci90"][1], abs=1e-3)
+    assert adj["rounds"] == 5
+    # With noise the interval widens around the intercept, not around the raw mean.
+    noisy = [(r * (1.03 if i % 2 else 0.97), v) for i, (r, v) in enumerate(pairs)]
+    wide = rounds_script.speed_adjusted(noisy)
+    assert wide["ci90"][0] < math.exp(0.05) < wide["ci90"][1]
+    # Too few rounds, or no spread in the speed ratios: no estimate.
+    assert rounds_script.speed_adjusted(pairs[:2]) is None
+    assert rounds_script.speed_adjusted([(1.1, 1.0)] * 4) is None
+
+
+def test_concurrent_needs_a_core_per_variant(rounds_script, monkeypatch, capsys):
+    monkeypatch.setattr(rounds_script.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit) as e:
+        rounds_script.main(["--variants", "fcfs,mars", "--concurrent", "--rounds", "1", "--out", "/dev/null"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--concurrent: 2 variants (fcfs, mars) but 1 usable cores" in err and "one variant per core" in err
