@@ -688,6 +688,21 @@ def test_queue_wait_pool_holds_only_where_holding_can_keep_contexts_or_relieve_t
         assert admitted == want, (queue_wait, admitted)
 
 
+def test_queue_wait_pool_reads_keepable_from_the_contexts_the_roots_will_have():
+    # A 4800-token pool holds window_min (1) of the current contexts (3400, 3400 and b's 3000: a
+    # mean of 3267) but not of those they reach over their remaining 10 turns at 400 tokens a turn
+    # (7400, 7400, 7000): the pool keeps none of them across a tool gap by the end of their lives,
+    # the horizon the hold is decided on. With the engine idle "pool" then reads the wait from the
+    # projection and lets b in, where "slot" holds it.
+    assert _third_root(300, 0, 4e-4, waiting=0, queue_wait="slot")[0] == []
+    admitted, c = _third_root(300, 0, 4e-4, waiting=0, queue_wait="pool")
+    assert admitted == ["b"] and c._turn_growth == pytest.approx(400.0)
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["wait_slots"] >= 1
+    # Calls queued in the engine: holding b relieves the batch, so "pool" holds like "slot".
+    assert _third_root(300, 0, 4e-4, waiting=3, queue_wait="pool")[0] == []
+
+
 def _no_fit_scenario_waiting(queue_wait, waiting):
     return _third_root(100, 0, 4e-4, waiting=waiting, queue_wait=queue_wait)
 

@@ -43,8 +43,8 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   active: the wait for the next slot; ``queue_wait = "fit"``: the cheapest of waiting for the k
   soonest-ending roots plus the rebuilds still left then; ``"fit_within"``: that only while the
   active roots' own projection fits the pool; ``"pool"``, the default: that only while the pool holds
-  fewer than ``window_min`` of the current contexts, so that no active set the controller keeps saves
-  them across tool gaps, and fewer than half a call waits in the engine on average, so that holding
+  fewer than ``window_min`` of the contexts the roots will have (each grown by its remaining turns,
+  the projection's horizon), so that no active set the controller keeps saves them across tool gaps, and fewer than half a call waits in the engine on average, so that holding
   does not relieve the batch either; else the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
   priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
@@ -165,11 +165,13 @@ class MarsAdmissionConfig(WindowConfig):
     #: slot would not remove is not held for it. "fit_within": "fit" only while the active roots' own
     #: projection fits the pool, else "slot". "pool" (the default): "fit" only where holding can
     #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
-    #: current contexts (the active roots' and the candidate's mean) and the EMA of calls waiting in
-    #: the engine is below 0.5; else "slot". Against "slot" it is equal in 31 of the 33 grid cells
-    #: with pressure and faster in 2 (H100 top level seed 0: 0.982x / 0.997x of the fastest baseline
-    #: instead of 0.980x / 0.994x), and on the embedded default in virtual time
-    #: faster at step speeds 0.35-1.0x and equal at 1.5x (benchmark/perf/cpu_default_speed_sim.py).
+    #: contexts the roots will have (the active roots' and the candidate's mean, each grown by its
+    #: remaining turns) and the EMA of calls waiting in the engine is below 0.5; else "slot". Against
+    #: "slot" it is equal in 30 of the 33 grid cells with pressure and faster in 3 (H100 top level
+    #: seed 0: 0.994x / 0.997x of the fastest baseline instead of 0.980x / 0.994x), and on the
+    #: embedded default in virtual time faster at step speeds 0.35-1.0x and equal at 1.5x
+    #: (benchmark/perf/cpu_default_speed_sim.py). With current contexts instead of grown ones it was
+    #: 0.982x at that ILR-1 cell (experiments/queue_wait_h100.toml).
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
     #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
     queue_wait: str = "pool"
@@ -746,10 +748,14 @@ class MarsAdmissionController(ControllerBase):
 
     def _unkeepable(self, cap: float, items: list[tuple[float, float]], cand: tuple[float, float]) -> bool:
         """``queue_wait = "pool"``: True when holding a root can neither keep contexts nor relieve
-        the engine: the pool holds fewer than ``window_min`` of the current contexts (the active
-        roots' and the candidate's mean), so at the fewest roots the controller ever keeps active
-        they are still evicted in every tool gap, and no call waits in the engine."""
-        ctx = [c for _, c in items] + [cand[1]]
+        the engine: the pool holds fewer than ``window_min`` of the contexts the roots will have
+        (the active roots' and the candidate's mean, each grown by its remaining turns as in the
+        projection that decides the hold), so at the fewest roots the controller ever keeps active
+        they are still evicted in every tool gap, and no call waits in the engine. (Current
+        contexts instead held a root 36.7 s on the H100 grid, ILR-1 @ 0.036 seed 0, where 4 of
+        them fit the pool and their lives did not.)"""
+        g = self._turn_growth
+        ctx = [c + g * rem for rem, c in items] + [cand[1] + g * cand[0]]
         mean_ctx = sum(ctx) / len(ctx)
         idle = self._waiting_ema is not None and self._waiting_ema < 0.5
         return idle and cap < self.config.window_min * mean_ctx
