@@ -139,13 +139,12 @@ def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str
     return labels, variants
 
 
-def _row(run_dir: Path, steal_share: float) -> dict:
-    """A run's figures for the record."""
+def _row(run_dir: Path) -> dict:
+    """A run's figures for the record (the caller adds its steal share)."""
     s = json.loads((run_dir / "summary.json").read_text())
     adm = s.get("admission") or {}
     return {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
-            "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean"),
-            "steal_share": steal_share}
+            "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean")}
 
 
 def _step_speed(steps_file: Path) -> float | None:
@@ -170,9 +169,7 @@ def _concurrent_run(job: tuple) -> tuple[str, dict, object]:
     from vllm_mars.driver.runner import run_replay
 
     run_dir, cost = run_replay(replace(cfg, cpu_gpu=str(core), record_steps=True), cost)
-    row = _row(Path(run_dir), steal_share=float("nan"))
-    row["step_speed"] = _step_speed(Path(run_dir) / "steps.jsonl")
-    return label, row, cost
+    return label, {**_row(Path(run_dir)), "step_speed": _step_speed(Path(run_dir) / "steps.jsonl")}, cost
 
 
 def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
@@ -253,7 +250,7 @@ def main(argv: list[str]) -> int:
                         all0, st0 = _cpu_jiffies()
                         run_dir, cost = run_replay(cfgs[label], cost)
                         all1, st1 = _cpu_jiffies()
-                        row[label] = _row(Path(run_dir), round((st1 - st0) / max(1, all1 - all0), 4))
+                        row[label] = {**_row(Path(run_dir)), "steal_share": round((st1 - st0) / max(1, all1 - all0), 4)}
                 for label in order:
                     speed = row[label].get("step_speed")
                     print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "

@@ -44,8 +44,9 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   soonest-ending roots plus the rebuilds still left then; ``"fit_within"``: that only while the
   active roots' own projection fits the pool; ``"pool"``, the default: that only while the pool holds
   fewer than ``window_min`` of the contexts the roots will have (each grown by its remaining turns,
-  the projection's horizon), so that no active set the controller keeps saves them across tool gaps, and fewer than half a call waits in the engine on average, so that holding
-  does not relieve the batch either; else the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
+  the projection's horizon), so that no active set the controller keeps saves them across tool gaps,
+  and fewer than half a call waits in the engine on average, so that holding does not relieve the
+  batch either; else the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
   priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
   when rebuilds are cheap.
@@ -167,8 +168,9 @@ class MarsAdmissionConfig(WindowConfig):
     #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
     #: contexts the roots will have (the active roots' and the candidate's mean, each grown by its
     #: remaining turns) and the EMA of calls waiting in the engine is below 0.5; else "slot". Against
-    #: "slot" it is equal in 30 of the 33 grid cells with pressure and faster in 3 (H100 top level
-    #: seed 0: 0.994x / 0.997x of the fastest baseline instead of 0.980x / 0.994x), and on the
+    #: "slot" it is equal in 30 of the 33 grid cells with pressure, faster in 2 (H100 top level
+    #: seed 0: 0.994x / 0.997x of the fastest baseline instead of 0.980x / 0.994x) and 0.05 s slower
+    #: in 1 (H100 ILR-1 @ 0.036 seed 1: 199.48 vs 199.43 s), and on the
     #: embedded default in virtual time faster at step speeds 0.35-1.0x and equal at 1.5x
     #: (benchmark/perf/cpu_default_speed_sim.py). With current contexts instead of grown ones it was
     #: 0.982x at that ILR-1 cell (experiments/queue_wait_h100.toml).
