@@ -275,12 +275,15 @@ def test_mars_serve_and_backend_dying_mid_stream(tiny_model, tmp_path):
         log = (tmp_path / "engine.log").read_text()
         assert '"POST /v1/chat/completions' in log and '"GET /metrics' not in log, log[-2000:]
         lines: list[str] = []
+        engine_pid = _engine_pid(engine_port)  # found before the stream: the kill must land mid-stream
         with httpx.stream("POST", url + "/v1/chat/completions", json=LONG,
                           headers={"X-MARS-Workflow": "M"}, timeout=60) as r:
             it = r.iter_lines()
             lines += [next(it) for _ in range(4)]
+            # frozen first, so a fast machine cannot finish the 1500 tokens while the metric is read
+            os.killpg(engine_pid, signal.SIGSTOP)
             assert metric(url, "mars_admission_active") == 2
-            os.killpg(_engine_pid(engine_port), signal.SIGKILL)
+            os.killpg(engine_pid, signal.SIGKILL)
             lines += list(it)
         data = [x[6:] for x in lines if x.startswith("data: ")]
         assert "[DONE]" not in data
