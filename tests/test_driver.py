@@ -275,15 +275,28 @@ def test_num_workflows_cycles_the_file_with_unique_ids_and_context_is_checked(tm
     from vllm_mars.driver.runner import check_context, select_plans
     from vllm_mars.workload.materialize import load_plans
 
-    plans = load_plans(write_workload(tmp_path / "wl.jsonl", n=3))
+    path = write_workload(tmp_path / "wl.jsonl", n=3)
+    plans = load_plans(path)
     assert [p.workflow_id for p in select_plans(plans, 2)] == ["t0", "t1"]
-    more = select_plans(plans, 7)
+    assert [p.initial_ids for p in load_plans(path, num_workflows=2)] == [p.initial_ids for p in plans[:2]]
+    more = load_plans(path, num_workflows=7)
     ids = [p.workflow_id for p in more]
     assert ids == ["t0", "t1", "t2", "t0~1", "t1~1", "t2~1", "t0~2"]
     child = more[4].children[0][1]
     assert (child.workflow_id, child.root_id, child.parent_id) == ("t1.c0~1", "t1~1", "t1~1")
-    assert more[3].initial_ids == plans[0].initial_ids
-    check_context(plans, 2048)
+    # a repeat is another session of the same shape: the keyed system prefix (64 tokens) is shared,
+    # its task and turn tokens are its own (the originals' would share its whole context in the cache)
+    assert more[:3] == plans
+    for rep in (more[3], more[6]):
+        assert rep.initial_ids[:64] == plans[0].initial_ids[:64]
+        assert rep.initial_ids[64:] != plans[0].initial_ids[64:] and len(rep.initial_ids) == len(plans[0].initial_ids)
+        assert [len(t.appended_ids) for t in rep.turns] == [len(t.appended_ids) for t in plans[0].turns]
+        assert rep.turns[1].appended_ids != plans[0].turns[1].appended_ids
+    assert more[3].initial_ids[64:] != more[6].initial_ids[64:]
+    # plans built already (live tasks) are renamed as they are
+    again = select_plans(plans, 4)
+    assert again[3].workflow_id == "t0~1" and again[3].initial_ids == plans[0].initial_ids
+    check_context(more, 2048)
     with pytest.raises(ValueError, match=r"workflow 't\d' reaches \d+ tokens of context, above max_model_len=100"):
         check_context(plans, 100)
 

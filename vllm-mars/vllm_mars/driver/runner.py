@@ -263,21 +263,17 @@ def default_out_dir(policy: str) -> Path:
 
 
 def select_plans(plans: list, n: int | None) -> list:
-    """The first ``n`` roots, cycling the file with ids suffixed ``~k`` on the k-th repeat."""
-    if not plans:
-        raise ValueError("the workload has no workflows")
-    if n is None or n <= len(plans):
-        return plans[: n or len(plans)]
+    """The first ``n`` roots, cycling the file with ids suffixed ``~k`` on the k-th repeat. Token
+    workloads are cycled before their ids are drawn (``load_plans(num_workflows=...)``: a repeat has
+    its own tokens); this renames already-built plans (live tasks: a repeat has the same text)."""
+    from vllm_mars.workload.materialize import cycle_roots
+
     def renamed(p, suffix, root, parent):
         wid = p.workflow_id + suffix
         kids = [(k, renamed(c, suffix, root, wid)) for k, c in p.children]
         return replace(p, workflow_id=wid, root_id=root, parent_id=parent, children=kids)
 
-    out = list(plans)
-    for i in range(len(plans), n):
-        p, rep = plans[i % len(plans)], i // len(plans)
-        out.append(renamed(p, f"~{rep}", p.workflow_id + f"~{rep}", None))
-    return out
+    return cycle_roots(plans, n, lambda p, suffix: renamed(p, suffix, p.workflow_id + suffix, None))
 
 
 def check_context(plans: list, max_model_len: int) -> None:
@@ -658,8 +654,8 @@ async def _replay(cfg: ReplayConfig, out: Path, cost: CostModel | None) -> tuple
         plans = select_plans(load_live_plans(cfg.workload, tokenizer), cfg.num_workflows)
         live = (tokenizer, LiveOptions())
     else:
-        plans = select_plans(load_plans(cfg.workload, seed=cfg.seed, max_model_len=cfg.effective_max_model_len()),
-                             cfg.num_workflows)
+        plans = load_plans(cfg.workload, seed=cfg.seed, max_model_len=cfg.effective_max_model_len(),
+                           num_workflows=cfg.num_workflows)
     check_context(plans, cfg.effective_max_model_len())
     arrivals = arrival_times(len(plans), process=cfg.arrival, rps=cfg.rps, seed=cfg.seed,
                              trace=[p.arrival_s for p in plans])

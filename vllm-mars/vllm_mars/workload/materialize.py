@@ -147,6 +147,30 @@ def materialize(wf: Workflow, tokens: TokenSource, root_id: str | None = None,
     )
 
 
+def cycle_roots(roots: list, n: int | None, rename) -> list:
+    """The first ``n`` of ``roots``, cycling the list when ``n`` is larger: the k-th repeat of a root
+    is ``rename(root, f"~{k}")``. The one cycling rule for workflows and plans alike."""
+    if not roots:
+        raise ValueError("the workload has no workflows")
+    if n is None or n <= len(roots):
+        return list(roots[: n or len(roots)])
+    return [*roots, *(rename(roots[i % len(roots)], f"~{i // len(roots)}") for i in range(len(roots), n))]
+
+
+def _renamed_workflow(wf: Workflow, suffix: str) -> Workflow:
+    kids = [c.model_copy(update={"workflow": _renamed_workflow(c.workflow, suffix)}) for c in wf.children]
+    return wf.model_copy(update={"workflow_id": wf.workflow_id + suffix, "children": kids})
+
+
+def cycle_workflows(workflows: list[Workflow], n: int | None) -> list[Workflow]:
+    """The first ``n`` roots, cycling the file with ids suffixed ``~k`` on the k-th repeat (children
+    too). Done before token ids are drawn, so a repeat is another session of the same shape: its
+    task and turn tokens are its own (drawn per workflow id) and only keyed prefix segments are
+    shared, as with any two workflows. (Repeats with the original's ids would share their whole
+    context through the prefix cache: no KV of their own.)"""
+    return cycle_roots(workflows, n, _renamed_workflow)
+
+
 def materialize_all(workflows: list[Workflow], vocab_size: int = 4096, seed: int = 0) -> list[WorkflowPlan]:
     tokens = TokenSource(vocab_size, seed)
     return [materialize(wf, tokens) for wf in workflows]
@@ -163,10 +187,11 @@ def check_context(path: str | Path, workflows: list[Workflow], max_model_len: in
 
 
 def load_plans(path: str | Path, vocab_size: int = 4096, seed: int = 0,
-               max_model_len: int | None = None) -> list[WorkflowPlan]:
+               max_model_len: int | None = None, num_workflows: int | None = None) -> list[WorkflowPlan]:
     """Load a schema-v1 JSONL workload (errors name file, line, field) and materialize token ids;
-    with ``max_model_len``, a workflow that cannot fit is an error before anything is materialised."""
+    with ``max_model_len``, a workflow that cannot fit is an error before anything is materialised;
+    with ``num_workflows``, the first that many roots (the file cycled, see ``cycle_workflows``)."""
     workflows = load_workload(path)
     if max_model_len is not None:
         check_context(path, workflows, max_model_len)
-    return materialize_all(workflows, vocab_size=vocab_size, seed=seed)
+    return materialize_all(cycle_workflows(workflows, num_workflows), vocab_size=vocab_size, seed=seed)
