@@ -40,7 +40,8 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
                    help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
     p.add_argument("--num-workflows", type=int, default=None,
-                   help="root workflows to run (default: all in the file; more cycles the file)")
+                   help="root workflows to run (default: all in the file; more cycles the file, each "
+                        "repeat with its own task and turn tokens)")
     p.add_argument("--arrival", choices=("fixed", "poisson", "trace"), default="fixed",
                    help="arrival process: fixed i/rps, poisson at rate rps, or the workload's arrival_s")
     p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")

@@ -63,7 +63,8 @@ class ReplayConfig:
     rps: float = 1.0
     #: fixed (i/rps), poisson (rate rps) or trace (the workload's arrival_s)
     arrival: str = "fixed"
-    #: roots to run (None: every workflow in the file once; more than the file cycles it)
+    #: roots to run (None: every workflow in the file once; more than the file cycles it, each repeat
+    #: a new session of the same shape: see ``cycle_workflows``)
     num_workflows: int | None = None
     #: seed for token ids and Poisson arrivals
     seed: int = 0
