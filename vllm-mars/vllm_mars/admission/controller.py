@@ -168,12 +168,12 @@ class MarsAdmissionConfig(WindowConfig):
     #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
     #: contexts the roots will have (the active roots' and the candidate's mean, each grown by its
     #: remaining turns) and the EMA of calls waiting in the engine is below 0.5; else "slot". Against
-    #: "slot" it is equal in 30 of the 33 grid cells with pressure, faster in 2 (H100 top level
-    #: seed 0: 0.994x / 0.997x of the fastest baseline instead of 0.980x / 0.994x) and 0.05 s slower
-    #: in 1 (H100 ILR-1 @ 0.036 seed 1: 199.48 vs 199.43 s), and on the
-    #: embedded default in virtual time faster at step speeds 0.35-1.0x and equal at 1.5x
-    #: (benchmark/perf/cpu_default_speed_sim.py). With current contexts instead of grown ones it was
-    #: 0.982x at that ILR-1 cell (experiments/queue_wait_h100.toml).
+    #: "slot" it is equal in all 21 H200 grid cells with pressure; of the 12 H100 cells faster in 3
+    #: (ILR-1 @ 0.036 seed 0: 167.18 vs 167.60 s) and 0.5 % slower in 1 (ILR-2 @ 0.036 seed 0: 98.76
+    #: vs 98.28 s); on the embedded default in virtual time faster at step speeds 0.35-1.0x and
+    #: equal at 1.5x (benchmark/perf/cpu_default_speed_sim.py). With current contexts instead of
+    #: grown ones it held roots longer at the H100 ILR-1 top cell (measured while the grid's cycled
+    #: roots still shared their token ids; experiments/queue_wait_h100.toml).
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
     #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
     queue_wait: str = "pool"
@@ -755,7 +755,7 @@ class MarsAdmissionController(ControllerBase):
         projection that decides the hold), so at the fewest roots the controller ever keeps active
         they are still evicted in every tool gap, and no call waits in the engine. (Current
         contexts instead held a root 36.7 s on the H100 grid, ILR-1 @ 0.036 seed 0, where 4 of
-        them fit the pool and their lives did not.)"""
+        them fit the pool and their lives did not; measured while its cycled roots shared ids.)"""
         g = self._turn_growth
         ctx = [c + g * rem for rem, c in items] + [cand[1] + g * cand[0]]
         mean_ctx = sum(ctx) / len(ctx)
