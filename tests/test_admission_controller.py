@@ -729,3 +729,55 @@ def test_fit_wait_is_the_cheapest_of_waiting_for_each_group_of_ending_roots():
     got, k = c._fit_wait_s(root, items, cand, cap, 1.0)
     assert got == pytest.approx(want) and 1 <= k <= 3
     assert then(1, one) != pytest.approx(then(1, one[::-1]))  # the order matters here
+
+
+def _shared_prefix_candidate(shared):
+    """Two active 10-turn roots of 3000 tokens in a 1200-block pool (19200 tokens), each grown by
+    400; a1's first call found 2500 of its tokens cached (a prefix it shares with a0). Root b
+    (3000 tokens, 10 turns) arrives at t=100 with 600 blocks free. Returns (b's first tick, the
+    admit event of b or None, the controller)."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, shared=shared, overflow="peak")
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
+    c.observe(tel(0, free=1200, total=1200))
+    for i in range(2):
+        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
+    assert c.tick(0.0) == ["a0", "a1"]
+    c.observe_cached("a0", 0)
+    c.observe_cached("a1", 2500)
+    c.observe_cached("a1", 3000)  # a later report is not its first call's: ignored
+    for i in range(2):
+        c.update_estimate(f"a{i}", 3400, 50.0)
+    c.observe(Telemetry(ts=100.0, free_blocks=600, total_blocks=1200, block_size=16, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
+    out = c.tick(100.0)
+    ev = [e.data for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    return out, (ev[0] if ev else None), c
+
+
+def test_shared_prefix_counts_once_in_the_projection():
+    # "full": with b the three lives peak at 9800 + 3 x 9 x 400 = 20600 tokens against 19200: b
+    # goes in only as a priced overflow (88 blocks).
+    out, ev, c = _shared_prefix_candidate("full")
+    assert out == ["b"] and ev["mode"] == "cost_overflow" and ev["life_peak_tokens"] == 20600
+    # "unique": a1's 2500 cached tokens are a0's, so its own context is 900 tokens; with b the
+    # peak is 18100 and b fits the pool.
+    out, ev, c = _shared_prefix_candidate("unique")
+    assert out == ["b"] and ev["mode"] == "cost_fit" and ev["life_peak_tokens"] == 18100
+    with pytest.raises(ValueError, match="shared"):
+        mars(shared="twice")
+
+
+def test_observe_cached_ignores_what_it_cannot_use():
+    c = mars(shared="unique")
+    c.observe(tel(0, free=1000, total=1000))
+    c.offer(PendingRoot("a", 0.0, 100))
+    assert c.tick(0.0) == ["a"]
+    for bad in (-1, 2.5, "3", None, True):
+        c.observe_cached("a", bad)
+    c.observe_cached("nobody", 50)
+    assert c._active["a"].shared is None
+    c.observe_cached("a", 10_000)  # more than its context: it adds nothing of its own
+    assert c._own_tokens(c._active["a"]) == 0.0

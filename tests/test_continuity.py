@@ -259,3 +259,17 @@ def test_sidecar_agent_turns_teach_the_controller_growth_and_size_roots_by_their
     ctl.observe(Telemetry(ts=clock.now(), free_blocks=600, total_blocks=1000, block_size=16, kv_usage=0.4))
     c = t.arrive(identify(oc("C"), chat("s", "C")), 1000)
     assert not c.admitted and ctl.is_queued("C")
+
+
+def test_the_sidecar_reports_what_a_roots_first_call_found_cached():
+    t, ctl, clock = _table(window=4)
+    ident = identify(oc("A"), chat("s", "A"))
+    r = t.arrive(ident, 100)
+    t.call_started(r, ident)
+    r.cached = 64  # the proxy read prompt_tokens_details.cached_tokens of the response
+    t.call_ended(r, ident, ok=True)
+    assert ctl._active["A"].shared == 64
+    t.call_started(r, ident)  # a later turn's hit is its own context, not shared KV
+    r.cached = 90
+    t.call_ended(r, ident, ok=True)
+    assert ctl._active["A"].shared == 64

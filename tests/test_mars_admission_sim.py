@@ -26,7 +26,7 @@ def growing_profile(monkeypatch):
     return PROFILE
 
 
-def _workload(path: Path, n: int = 8, turns: int = 10) -> Path:
+def _workload(path: Path, n: int = 8, turns: int = 10, shared_prefix: int = 0) -> Path:
     """``n`` workflows of ``turns`` turns, each turn adding ~150 tokens after a 2 s tool: a root
     starts at 150 tokens (it fits anywhere) and ends at ~1650 (two or three fill the pool). At
     ``RPS`` the first turns' growth is seen before most roots arrive."""
@@ -35,14 +35,17 @@ def _workload(path: Path, n: int = 8, turns: int = 10) -> Path:
         ts = [{"output_tokens": 30, "tool_s": 2.0, "tool": "bash"}]
         ts += [{"append_tokens": 120, "output_tokens": 30, "tool_s": 2.0, "tool": "bash"} for _ in range(turns - 2)]
         ts += [{"append_tokens": 120, "output_tokens": 30}]
-        lines.append(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"g{i}", "prompt_tokens": 150 + i,
-                                 "turns": ts}))
+        line = {"schema": "mars_workload_v1", "workflow_id": f"g{i}", "prompt_tokens": 150 + i, "turns": ts}
+        if shared_prefix:
+            line["prefix"] = [{"key": "sys", "tokens": shared_prefix}]
+        lines.append(json.dumps(line))
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def _run(tmp_path: Path, policy: str, **admission) -> tuple[dict, list[dict]]:
-    cfg = ReplayConfig(workload=str(_workload(tmp_path / "wl.jsonl")), policy=policy, rps=RPS, backend="sim",
+def _run(tmp_path: Path, policy: str, shared_prefix: int = 0, **admission) -> tuple[dict, list[dict]]:
+    wl = _workload(tmp_path / f"wl{shared_prefix}.jsonl", shared_prefix=shared_prefix)
+    cfg = ReplayConfig(workload=str(wl), policy=policy, rps=RPS, backend="sim",
                        profile=PROFILE.name, progress=False, out=str(tmp_path / (policy + "".join(admission))),
                        admission_options=admission)
     out, _ = run_replay(cfg)
@@ -80,3 +83,21 @@ def test_overflow_priced_at_the_peak_holds_more_than_per_turn(tmp_path, growing_
     assert peak["admission"]["wait_s"]["mean"] > 1.3 * per_turn["admission"]["wait_s"]["mean"]
     admits = [e for e in ev if e["event"] == "admission_admit" and e.get("mode") == "cost_overflow"]
     assert admits and not any("overflow_turns" in e for e in admits)
+
+
+def test_the_driver_reports_shared_prefixes_and_unique_sizing_counts_them_once(tmp_path, growing_profile):
+    # Every root starts with the same 800-token system prompt (25 of the pool's 250 blocks): its
+    # first call finds it cached (the driver reports the hit), so with shared = "unique" the
+    # projection counts it once, not once per active root.
+    full, ev_full = _run(tmp_path, "mars", shared_prefix=800, shared="full")
+    unique, ev_unique = _run(tmp_path, "mars", shared_prefix=800, shared="unique")
+    assert full["completed"] == unique["completed"] == 8
+
+    def peaks(ev):
+        return [e["life_peak_tokens"] for e in ev if e["event"] == "admission_admit" and e.get("life_peak_tokens")]
+
+    # the first projection is taken before the first root's first call ended (nothing reported
+    # yet); from the next one on, an active root's 800 shared tokens are left out with "unique"
+    pu, pf = peaks(ev_unique), peaks(ev_full)
+    assert pu[0] == pf[0] and pu[1] < pf[1] - 500, (pu, pf)
+    assert unique["admission"]["wait_s"]["mean"] < full["admission"]["wait_s"]["mean"]

@@ -226,6 +226,19 @@ class ControllerBase:
     def _on_reestimate(self, active: Any, prefill_tokens: int) -> None:
         """Hook: an admitted root's prompt estimate grew (``active`` as stored by :meth:`_admit`)."""
 
+    def observe_cached(self, workflow: str, cached_tokens: int) -> None:
+        """The first call of admitted root ``workflow`` found ``cached_tokens`` of its prompt in the
+        engine's prefix cache: KV it shares with other workflows (it had none of its own yet).
+        Unknown roots and values that are not non-negative integers are ignored (the sidecar
+        reports what servers answer)."""
+        act = self._active.get(workflow)
+        if act is not None and isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) \
+                and cached_tokens >= 0:
+            self._on_cached(act, cached_tokens)
+
+    def _on_cached(self, active: Any, cached_tokens: int) -> None:
+        """Hook: see :meth:`observe_cached`."""
+
     def finish(self, workflow: str, now: float, final_tokens: int | None = None,
                turns: int | None = None) -> None:
         """``workflow`` ended (or was cancelled while queued); see :class:`AdmissionController`."""

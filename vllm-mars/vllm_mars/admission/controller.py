@@ -177,6 +177,11 @@ class MarsAdmissionConfig(WindowConfig):
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
     #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
     queue_wait: str = "pool"
+    #: "life" sizing: what an active root's context counts for in the projection. "unique": its
+    #: context less the prefix its first call found in the engine's prefix cache (KV it shares with
+    #: other workflows, already counted with theirs; the feeder reports it, ``observe_cached``);
+    #: "full": the whole context, as if no two workflows shared a block.
+    shared: str = "full"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -221,6 +226,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("overflow", "'peak' or 'turns'")
         if self.queue_wait not in ("slot", "fit", "fit_within", "pool"):
             raise bad("queue_wait", "'slot', 'fit', 'fit_within' or 'pool'")
+        if self.shared not in ("unique", "full"):
+            raise bad("shared", "'unique' or 'full'")
 
 
 @dataclass
@@ -234,6 +241,8 @@ class _Active:
     turns: int | None = None
     #: Turns observed so far.
     seen: int = 1
+    #: Tokens of its first prompt found in the prefix cache (None: not reported).
+    shared: int | None = None
 
 
 @register_controller
@@ -339,6 +348,19 @@ class MarsAdmissionController(ControllerBase):
             self._life_version += 1
         # growth is measured from the agent's context, not from a short side call it was offered on
         act.prefill_tokens = max(act.prefill_tokens, prefill_tokens)
+
+    def _on_cached(self, act: _Active, cached_tokens: int) -> None:
+        if act.shared is None:  # the first call's hit: the root had no KV of its own yet
+            act.shared = cached_tokens
+            if self.config.shared == "unique":
+                self._life_version += 1
+
+    def _own_tokens(self, act: _Active) -> float:
+        """What ``act``'s context adds to the pool: all of it, or (``shared = "unique"``) less the
+        prefix its first call found cached."""
+        if self.config.shared == "unique" and act.shared:
+            return float(max(0, act.prefill_tokens - act.shared))
+        return float(act.prefill_tokens)
 
     @property
     def turn_growth(self) -> float:
@@ -652,7 +674,7 @@ class MarsAdmissionController(ControllerBase):
         c = self._life_cache
         if c is not None and c[0] == self._life_version:
             return c[1]
-        items = sorted(((max(self._pred_turns(a.turns) - a.seen + 1, 1.0), float(a.prefill_tokens))
+        items = sorted(((max(self._pred_turns(a.turns) - a.seen + 1, 1.0), self._own_tokens(a))
                         for a in self._active.values()), reverse=True)
         self._life_cache = (self._life_version, items)
         return items

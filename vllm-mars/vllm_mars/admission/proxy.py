@@ -29,6 +29,7 @@ from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 logger = logging.getLogger(__name__)
 
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding",
         b"date", b"server"}
 _DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", b"accept-encoding",
@@ -200,6 +201,9 @@ class Forwarder:
             m = _TOTAL_TOKENS.findall(tail)
             if m:
                 r.tokens = max(r.tokens, int(m[-1]))
+            c = _CACHED_TOKENS.findall(tail)  # vLLM's prompt_tokens_details (--enable-prompt-tokens-details)
+            if c:
+                r.cached = int(c[-1])
 
     async def _whole(self, r: RootState, b: Backend, resp: Any, send: Any) -> bool:
         try:

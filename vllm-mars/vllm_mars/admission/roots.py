@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 class RootState:
     """One root workflow known to the sidecar."""
 
-    __slots__ = ("admitted", "backend", "blocks", "failed", "final_seen", "in_flight", "last_activity", "last_end",
-                 "prompt_max", "returning", "root", "tokens", "waiter", "waiters")
+    __slots__ = ("admitted", "backend", "blocks", "cached", "failed", "final_seen", "first_call", "in_flight",
+                 "last_activity", "last_end", "prompt_max", "returning", "root", "tokens", "waiter", "waiters")
 
     def __init__(self, root: str, now: float) -> None:
         self.root = root
@@ -74,6 +74,10 @@ class RootState:
         self.returning = False
         #: its root session's last agent call was a final answer (ends it once nothing is in flight)
         self.final_seen = False
+        #: its root session's first call is in flight (what it finds cached is KV shared with others)
+        self.first_call = False
+        #: prompt tokens the latest response reported cached (None: the server does not say)
+        self.cached: int | None = None
 
 
 class RootTable:
@@ -184,6 +188,8 @@ class RootTable:
             r.final_seen = False
         turn = self.turns.get(ident.workflow, 0)
         self.turns[ident.workflow] = turn + 1
+        if turn == 0 and ident.is_root and not ident.anonymous and not r.returning:
+            r.first_call, r.cached = True, None
         return turn
 
     def call_ended(self, r: RootState, ident: Identity, ok: bool, final_answer: bool = False) -> None:
@@ -194,6 +200,11 @@ class RootTable:
         r.in_flight -= 1
         r.last_activity = r.last_end = self.clock.now()
         r.failed = not ok
+        if r.first_call and ident.is_root:
+            r.first_call = False
+            observe = getattr(self.controller, "observe_cached", None)
+            if ok and r.cached is not None and observe is not None:
+                observe(r.root, r.cached)
         if ident.anonymous:
             self.turns.pop(ident.workflow, None)
         if self.roots.get(ident.root) is r and (ident.anonymous or (ident.last_step and ident.is_root)):

@@ -90,3 +90,11 @@ def update_root_progress(ctrl: AdmissionController, workflow: str, prompt_tokens
     update = getattr(ctrl, "update_estimate", None)
     if update is not None:
         update(workflow, prompt_tokens, now)
+
+
+def report_root_cached(ctrl: AdmissionController, workflow: str, cached_tokens: int | None) -> None:
+    """Root ``workflow``'s first call found ``cached_tokens`` of its prompt cached (KV shared with
+    other workflows), where the controller takes it."""
+    observe = getattr(ctrl, "observe_cached", None)
+    if observe is not None and cached_tokens is not None:
+        observe(workflow, cached_tokens)

@@ -27,7 +27,8 @@ from typing import Any
 from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
-from vllm_mars.driver.control import check_policy, finish_root, make_controller, update_root_progress
+from vllm_mars.driver.control import (check_policy, finish_root, make_controller, report_root_cached,
+                                      update_root_progress)
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
@@ -560,6 +561,8 @@ class Replay:
                                  prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
                                  output_tokens=len(res.output_ids), ttft_s=None if ttft is None else round(ttft, 6),
                                  latency_s=round(res.end_ts - submit, 6), finish_reason=res.finish_reason)
+                if plan.parent_id is None and k == 0:
+                    report_root_cached(self.ctrl, wid, res.cached_tokens)
                 if res.cached_tokens is not None:
                     self.hit = [self.hit[0] * 0.9 + res.cached_tokens, self.hit[1] * 0.9 + res.prompt_tokens]
                 if len(res.output_ids) != turn.output_tokens:
