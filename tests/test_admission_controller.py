@@ -760,11 +760,11 @@ def _shared_prefix_candidate(shared):
 def test_shared_prefix_counts_once_in_the_projection():
     # "full": with b the three lives peak at 9800 + 3 x 9 x 400 = 20600 tokens against 19200: b
     # goes in only as a priced overflow (88 blocks).
-    out, ev, c = _shared_prefix_candidate("full")
+    out, ev, _ = _shared_prefix_candidate("full")
     assert out == ["b"] and ev["mode"] == "cost_overflow" and ev["life_peak_tokens"] == 20600
     # "unique": a1's 2500 cached tokens are a0's, so its own context is 900 tokens; with b the
     # peak is 18100 and b fits the pool.
-    out, ev, c = _shared_prefix_candidate("unique")
+    out, ev, _ = _shared_prefix_candidate("unique")
     assert out == ["b"] and ev["mode"] == "cost_fit" and ev["life_peak_tokens"] == 18100
     with pytest.raises(ValueError, match="shared"):
         mars(shared="twice")

@@ -262,7 +262,7 @@ def test_sidecar_agent_turns_teach_the_controller_growth_and_size_roots_by_their
 
 
 def test_the_sidecar_reports_what_a_roots_first_call_found_cached():
-    t, ctl, clock = _table(window=4)
+    t, ctl, _ = _table(window=4)
     ident = identify(oc("A"), chat("s", "A"))
     r = t.arrive(ident, 100)
     t.call_started(r, ident)

@@ -385,3 +385,26 @@ def test_opencode_sessions_through_mars_serve(mars_serve, tmp_path):
     # the first call of a session is OpenCode's title generation: no tools, a short prompt
     first, agent = a["calls"][0], a["calls"][1]
     assert not first["has_tools"] and agent["has_tools"] and first["prompt_tokens"] < agent["prompt_tokens"]
+
+
+def test_mars_serve_reports_what_a_roots_first_call_found_cached(mars_serve):
+    """`mars serve` starts vLLM with --enable-prompt-tokens-details, so the sidecar reads each root's
+    first-call prefix hit from the usage (KV shared with another workflow) and hands it to the
+    admission controller (an ``admission_shared`` event): the second of two roots with the same
+    long system prompt finds it cached."""
+    system = "shared system prompt " * 40
+    for wf in ("ses_shared_a", "ses_shared_b"):
+        body = {"model": "tiny", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": wf}]}
+        with httpx.stream("POST", mars_serve.url + "/v1/chat/completions", json=body,
+                          headers={"x-mars-workflow": wf}, timeout=60) as r:
+            text = "".join(r.iter_text())
+            assert r.status_code == 200 and '"prompt_tokens_details"' in text
+    deadline = time.monotonic() + 10
+    shared: dict[str, int] = {}
+    while len(shared) < 2 and time.monotonic() < deadline:
+        evs = [json.loads(x) for x in mars_serve.events.read_text().splitlines()]
+        shared = {e["workflow"]: e["cached_tokens"] for e in evs if e["event"] == "admission_shared"
+                  and e["workflow"] in ("ses_shared_a", "ses_shared_b")}
+        time.sleep(0.1)
+    assert shared["ses_shared_a"] == 0 and shared["ses_shared_b"] >= 128, shared

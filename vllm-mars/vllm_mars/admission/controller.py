@@ -177,11 +177,15 @@ class MarsAdmissionConfig(WindowConfig):
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
     #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
     queue_wait: str = "pool"
-    #: "life" sizing: what an active root's context counts for in the projection. "unique": its
-    #: context less the prefix its first call found in the engine's prefix cache (KV it shares with
-    #: other workflows, already counted with theirs; the feeder reports it, ``observe_cached``);
-    #: "full": the whole context, as if no two workflows shared a block.
-    shared: str = "full"
+    #: "life" sizing: what an active root's context counts for in the projection. "unique" (the
+    #: default): its context less the prefix its first call found in the engine's prefix cache (KV
+    #: it shares with other workflows, already counted with theirs; the feeder reports it,
+    #: ``observe_cached``); "full": the whole context, as if no two workflows shared a block. On the
+    #: weka traces at 0.1 sessions/s, whose repeats share their whole first prompt, "full" held the
+    #: big sessions 360-570 s with nothing thrashing (0.887x-0.935x fcfs); "unique" is at fcfs
+    #: (0.995x-1.006x), within 1 % of "full" in 20 of the 21 H200 pressure cells, 5 % slower in one
+    #: (ILR-4 @ 0.08 seed 2), equal on the H100 grid but 3 of 46 cells (experiments/admission_shared.toml).
+    shared: str = "unique"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -354,6 +358,9 @@ class MarsAdmissionController(ControllerBase):
             act.shared = cached_tokens
             if self.config.shared == "unique":
                 self._life_version += 1
+            self._emit(self._tel.ts if self._tel else 0.0, "admission_shared", {
+                "workflow": act.workflow, "cached_tokens": cached_tokens, "prefill_tokens": act.prefill_tokens,
+                "counted": self.config.shared})
 
     def _own_tokens(self, act: _Active) -> float:
         """What ``act``'s context adds to the pool: all of it, or (``shared = "unique"``) less the

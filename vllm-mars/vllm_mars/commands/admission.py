@@ -316,6 +316,10 @@ def _serve(args: argparse.Namespace) -> int:
         # the sidecar polls /metrics every --telemetry-interval: keep those polls (and /health)
         # out of vLLM's access log, which otherwise is mostly them
         extra += ["--disable-access-log-for-endpoints", "/metrics,/health"]
+    if not any(a.startswith("--enable-prompt-tokens-details") for a in extra):
+        # usage.prompt_tokens_details.cached_tokens: the sidecar reads what a root's first call found
+        # cached (KV shared with other workflows; admission option shared = "unique")
+        extra.append("--enable-prompt-tokens-details")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),

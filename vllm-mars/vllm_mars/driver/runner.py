@@ -27,8 +27,13 @@ from typing import Any
 from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES, arrival_times
-from vllm_mars.driver.control import (check_policy, finish_root, make_controller, report_root_cached,
-                                      update_root_progress)
+from vllm_mars.driver.control import (
+    check_policy,
+    finish_root,
+    make_controller,
+    report_root_cached,
+    update_root_progress,
+)
 from vllm_mars.driver.tools import make_tool_plane, parse_cpu_list
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 from vllm_mars.metrics.events import EventLog
