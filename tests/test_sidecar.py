@@ -183,8 +183,19 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
     urls = (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
     cfg = SidecarConfig(backends=urls, controller="none", port=free_port(), telemetry_interval_s=0.1)
     with SidecarThread(cfg) as sc:
-        for wf in ("R1", "R2"):
-            assert chat(sc, {"X-MARS-Workflow": wf}).status_code == 200
+        assert chat(sc, {"X-MARS-Workflow": "R1"}).status_code == 200
+        # Both names must read the idle server alike before R2 is placed: a poll of one taken
+        # while R1's call still held blocks would make the budgets differ (a race, not the rule).
+        bs = sc.app.placement.backends
+        t_end = time.monotonic()
+
+        def same_reading():
+            tels = [b.telemetry.last for b in bs]
+            return (all(t is not None and t.ts > t_end for t in tels)
+                    and tels[0].free_blocks == tels[1].free_blocks)
+
+        assert wait_until(lambda: sc.call(same_reading))
+        assert chat(sc, {"X-MARS-Workflow": "R2"}).status_code == 200
         b1, b2 = sc.app.roots["R1"].backend, sc.app.roots["R2"].backend
         assert {b1.url, b2.url} == set(urls)  # equal budgets: the replica with fewer roots
         assert chat(sc, {"x-session-id": "R1-child", "x-parent-session-id": "R1"}).status_code == 200
