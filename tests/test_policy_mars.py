@@ -597,3 +597,31 @@ def test_prefill_reserve_gate_does_not_sort_the_waiting_queue_while_running_is_f
     assert len(s.running) == 4 and calls["n"] == 0, calls
     policy.waiting_key = real
     _finish(s)
+
+
+def _turn_after_newer_root(options: dict) -> list[str]:
+    """Workflow A's first turn runs alone (one sequence slot) while workflow B's first call arrives;
+    A's second turn arrives as A's first finishes. Both wait at level 0, B's call the older."""
+    clock = VirtualClock()
+    s = _sched(clock=clock, options={"retention": False, **options}, num_blocks=200, max_num_seqs=1)
+    s.add_request(make_request("A0", prompt_len=64, max_tokens=3, workflow="A", turn=0, last_step=False))
+    step(s)
+    clock.advance(0.01)
+    s.add_request(make_request("B0", prompt_len=64, max_tokens=3, workflow="B", turn=0, last_step=True))
+    started = ["A0"]
+    while "A0" in s.requests:
+        step(s)
+    s.add_request(make_request("A1", prompt_len=96, max_tokens=3, workflow="A", turn=1, last_step=True))
+    while s.has_requests():
+        so, _ = step(s)
+        started += [r.req_id for r in so.scheduled_new_reqs]
+    _finish(s, clock)
+    return started
+
+
+def test_workflow_order_puts_an_earlier_workflows_turn_first():
+    assert _turn_after_newer_root({"workflow_order": True}) == ["A0", "A1", "B0"]
+    # Off: the call's own arrival decides, and the newer workflow's first call goes first.
+    assert _turn_after_newer_root({"workflow_order": False}) == ["A0", "B0", "A1"]
+    with pytest.raises(ValueError, match="workflow_order must be bool"):
+        make_policy("mars", {"workflow_order": "yes"})

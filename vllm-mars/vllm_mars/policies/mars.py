@@ -92,6 +92,10 @@ class MarsConfig:
     #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
     #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
     scaled_mlfq: bool = True
+    #: Ties within a level (and the victim order) go by the workflow's first arrival instead of the
+    #: call's, so later turns of earlier workflows go first and the newest workflow is preempted
+    #: first (``mars-no-workflow-order`` turns it off: the call's own arrival).
+    workflow_order: bool = False
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -125,7 +129,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "reserve_prefills"):
+                     "reserve_prefills", "workflow_order"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -161,9 +165,11 @@ class _State:
         "quantum",
         "quantum_level",
         "retention_value",
+        "wseq",
     )
 
-    def __init__(self, known_prefix: int) -> None:
+    def __init__(self, known_prefix: int, wseq: int) -> None:
+        self.wseq = wseq             # order among equals: its workflow's first call (or its own)
         self.feedback = 0            # demotion level from spent quanta
         self.preempted = False       # preempted and not yet scheduled again
         self.known_prefix = known_prefix  # tokens probably in the prefix cache (estimate)
@@ -205,6 +211,8 @@ class MarsPolicy(Policy):
         self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
+        # workflow -> seq of its first call (workflow_order; bounded LRU)
+        self._first_seq: OrderedDict[str, int] = OrderedDict()
 
     # -- calibration hook -------------------------------------------------------------------------
     def calibrate_reload(self, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> CostModel:
@@ -221,7 +229,14 @@ class MarsPolicy(Policy):
         known = 0
         if self.config.estimate_cached_prefix and wf.tagged:
             known = min(self._context.get(wf.workflow, 0), call.num_prompt_tokens)
-        call.state = _State(known)
+        wseq = call.seq
+        if self.config.workflow_order and wf.tagged:
+            first = self._first_seq
+            wseq = first.setdefault(wf.workflow, call.seq)
+            first.move_to_end(wf.workflow)
+            if len(first) > self.config.gap_max_keys:
+                first.popitem(last=False)
+        call.state = _State(known, wseq)
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
 
@@ -253,6 +268,7 @@ class MarsPolicy(Policy):
         key = wf.workflow
         if aborted or wf.last_step:
             self._context.pop(key, None)
+            self._first_seq.pop(key, None)
             self.gaps.forget(key)
             return
         self._context[key] = call.num_tokens
@@ -301,21 +317,21 @@ class MarsPolicy(Policy):
         req = call._req
         st.decoding = decoding = req.num_computed_tokens >= req.num_tokens - 1
         if not self.config.mlfq:
-            return call.seq
+            return (st.wseq, call.seq)
         if decoding and self._promote:
             st.level = 0
-            return (0, 0, call.seq)
+            return (0, 0, st.wseq, call.seq)
         st.level = lvl = self.level(call, self.clock.now())
-        return (lvl, 0 if decoding else 1, call.seq)
+        return (lvl, 0 if decoding else 1, st.wseq, call.seq)
 
     def waiting_key(self, call: CallView) -> Any:
         st: _State = call.state
         first = 0 if (st.preempted and self.config.preempted_first) else 1
         if not self.config.mlfq:
-            return (first, call.seq)
+            return (first, st.wseq, call.seq)
         lvl = self.level(call, self.clock.now())
         st.level = lvl
-        return (lvl, first, call.seq)
+        return (lvl, first, st.wseq, call.seq)
 
     def victim_key(self, call: CallView) -> Any:
         # Largest first. ``state`` was filled by running_key in this step's ordering pass.
@@ -324,9 +340,9 @@ class MarsPolicy(Policy):
             # Cheapest to rebuild first (the computed KV it loses, priced by the cost model), then
             # the lowest level, the latest arrival. vLLM stops preempting as soon as the allocation
             # fits, and with elastic prefill that is almost always one block, which any victim frees.
-            return (-self.cost.rebuild_s(call._req.num_computed_tokens), st.level, call.seq)
+            return (-self.cost.rebuild_s(call._req.num_computed_tokens), st.level, st.wseq, call.seq)
         # SPEC rule: prefills before decodes, lowest level, largest KV, latest arrival.
-        return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, call.seq)
+        return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, st.wseq, call.seq)
 
     def chunk_tokens(self, call: CallView, num_computed: int, num_new: int) -> int:
         n = num_new
