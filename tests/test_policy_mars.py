@@ -625,3 +625,47 @@ def test_workflow_order_puts_an_earlier_workflows_turn_first():
     assert _turn_after_newer_root({"workflow_order": False}) == ["A0", "B0", "A1"]
     with pytest.raises(ValueError, match="workflow_order must be bool"):
         make_policy("mars", {"workflow_order": "yes"})
+
+
+def _order_after_evictions(options: dict, kept: bool = False) -> tuple[bool, list[str]]:
+    """Eight workflows whose second turns find nothing of their first turn's context cached (fresh
+    token ids: as if the pool had evicted it), then: workflow A's first turn, workflow B's first
+    call (short: MLFQ level 0), A's second turn (3000 uncached tokens: level 1). One sequence slot."""
+    clock = VirtualClock()
+    s = _sched(clock=clock, options={"retention": False, **options}, num_blocks=400, max_num_seqs=1)
+    for i in range(8):
+        first = [(i * 577 + j * 31) % 4000 + 3 for j in range(64)]
+        s.add_request(make_request(f"w{i}-0", prompt_token_ids=first, max_tokens=2, workflow=f"w{i}",
+                                   turn=0, last_step=False))
+        run_to_completion(s)
+        # kept: the second turn extends the first (its context is still cached); else fresh ids.
+        second = (first + [42, 42] if kept else [(i * 911 + j * 17) % 4000 + 3 for j in range(66)])
+        s.add_request(make_request(f"w{i}-1", prompt_token_ids=second + [7] * 30, max_tokens=2,
+                                   workflow=f"w{i}", turn=1, last_step=True))
+        run_to_completion(s)
+    evicted = s.mars_policy._evicted
+    s.add_request(make_request("A0", prompt_len=64, max_tokens=3, workflow="A", turn=0, last_step=False))
+    step(s)
+    clock.advance(0.01)
+    s.add_request(make_request("B0", prompt_len=64, max_tokens=3, workflow="B", turn=0, last_step=True))
+    while "A0" in s.requests:
+        step(s)
+    s.add_request(make_request("A1", prompt_len=3000, max_tokens=3, workflow="A", turn=1, last_step=True,
+                               seed=77))
+    started = []
+    while s.has_requests():
+        so, _ = step(s)
+        started += [r.req_id for r in so.scheduled_new_reqs]
+    _finish(s, clock)
+    return evicted, started
+
+
+def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
+    # The returning turns found none of their context: the earlier workflow's long turn goes first.
+    assert _order_after_evictions({"evicted_order": True}) == (True, ["A1", "B0"])
+    # Off: the MLFQ ranks A's turn by its 3000 uncached tokens (level 1) behind B's short call.
+    assert _order_after_evictions({"evicted_order": False}) == (False, ["B0", "A1"])
+    # Contexts kept (the second turns hit their first turn's prefix): the MLFQ order stays.
+    assert _order_after_evictions({"evicted_order": True}, kept=True) == (False, ["B0", "A1"])
+    with pytest.raises(ValueError, match="evicted_share"):
+        make_policy("mars", {"evicted_share": 1.5})

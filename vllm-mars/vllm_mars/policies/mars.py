@@ -96,6 +96,14 @@ class MarsConfig:
     #: call's, so later turns of earlier workflows go first and the newest workflow is preempted
     #: first (``mars-no-workflow-order`` turns it off: the call's own arrival).
     workflow_order: bool = False
+    #: When the pool cannot keep contexts (the returning turns find, on average, less than
+    #: ``evicted_share`` of the prefix their workflow had computed: an EMA over returning turns),
+    #: order by the workflow's first arrival and drop the quanta, as with ``mlfq`` off and
+    #: ``workflow_order`` on: the MLFQ ranks a turn by the part of its prompt it expects uncached,
+    #: which is wrong when the context was evicted, and demotes the rebuild as if it were new work.
+    evicted_order: bool = False
+    #: The EMA's threshold for ``evicted_order`` (share of the expected cached prefix found).
+    evicted_share: float = 0.5
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -129,7 +137,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "reserve_prefills", "workflow_order"):
+                     "reserve_prefills", "workflow_order", "evicted_order"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -144,6 +152,9 @@ class MarsConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == _INF:
                 fail(name, "a finite number >= 0", v)
+        if not (isinstance(self.evicted_share, (int, float)) and not isinstance(self.evicted_share, bool)
+                and 0 <= self.evicted_share <= 1):
+            fail("evicted_share", "in [0, 1]", self.evicted_share)
         if not (isinstance(self.min_free_fraction, (int, float)) and 0 <= self.min_free_fraction < 1):
             fail("min_free_fraction", "in [0, 1)", self.min_free_fraction)
         for name in ("min_gap_samples", "gap_window", "gap_max_keys"):
@@ -159,17 +170,21 @@ class _State:
         "computed",
         "decoding",
         "feedback",
+        "hit_seen",
         "known_prefix",
         "level",
         "preempted",
         "quantum",
         "quantum_level",
         "retention_value",
+        "tie",
         "wseq",
     )
 
-    def __init__(self, known_prefix: int, wseq: int) -> None:
-        self.wseq = wseq             # order among equals: its workflow's first call (or its own)
+    def __init__(self, known_prefix: int, wseq: int, tie: int) -> None:
+        self.wseq = wseq             # its workflow's first call (its own seq when not tracked)
+        self.tie = tie               # order among equals: wseq with workflow_order, else its own seq
+        self.hit_seen = False        # its prefix-cache hit has been counted (evicted_order)
         self.feedback = 0            # demotion level from spent quanta
         self.preempted = False       # preempted and not yet scheduled again
         self.known_prefix = known_prefix  # tokens probably in the prefix cache (estimate)
@@ -213,6 +228,9 @@ class MarsPolicy(Policy):
         self._context: OrderedDict[str, int] = OrderedDict()
         # workflow -> seq of its first call (workflow_order; bounded LRU)
         self._first_seq: OrderedDict[str, int] = OrderedDict()
+        # evicted_order: EMA of the share of a returning turn's expected cached prefix it found
+        self._kept_ema = 1.0
+        self._evicted = False
 
     # -- calibration hook -------------------------------------------------------------------------
     def calibrate_reload(self, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> CostModel:
@@ -230,13 +248,13 @@ class MarsPolicy(Policy):
         if self.config.estimate_cached_prefix and wf.tagged:
             known = min(self._context.get(wf.workflow, 0), call.num_prompt_tokens)
         wseq = call.seq
-        if self.config.workflow_order and wf.tagged:
+        if (self.config.workflow_order or self.config.evicted_order) and wf.tagged:
             first = self._first_seq
             wseq = first.setdefault(wf.workflow, call.seq)
             first.move_to_end(wf.workflow)
             if len(first) > self.config.gap_max_keys:
                 first.popitem(last=False)
-        call.state = _State(known, wseq)
+        call.state = _State(known, wseq, wseq if self.config.workflow_order else call.seq)
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
 
@@ -244,6 +262,12 @@ class MarsPolicy(Policy):
         st: _State = call.state
         st.preempted = False
         st.computed = call._req.num_computed_tokens
+        if not st.hit_seen and self.config.evicted_order:
+            st.hit_seen = True
+            known = st.known_prefix
+            if known > 0 and call.cached_tokens >= 0:
+                self._kept_ema = 0.9 * self._kept_ema + 0.1 * min(call.cached_tokens / known, 1.0)
+                self._evicted = self._kept_ema < self.config.evicted_share
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
             st.feedback = min(st.quantum_level + 1, self._max_level)
         st.quantum = 0
@@ -317,21 +341,27 @@ class MarsPolicy(Policy):
         req = call._req
         st.decoding = decoding = req.num_computed_tokens >= req.num_tokens - 1
         if not self.config.mlfq:
-            return (st.wseq, call.seq)
-        if decoding and self._promote:
+            return (st.tie, call.seq)
+        if self._evicted:
             st.level = 0
             return (0, 0, st.wseq, call.seq)
+        if decoding and self._promote:
+            st.level = 0
+            return (0, 0, st.tie, call.seq)
         st.level = lvl = self.level(call, self.clock.now())
-        return (lvl, 0 if decoding else 1, st.wseq, call.seq)
+        return (lvl, 0 if decoding else 1, st.tie, call.seq)
 
     def waiting_key(self, call: CallView) -> Any:
         st: _State = call.state
         first = 0 if (st.preempted and self.config.preempted_first) else 1
         if not self.config.mlfq:
-            return (first, st.wseq, call.seq)
+            return (first, st.tie, call.seq)
+        if self._evicted:
+            st.level = 0
+            return (0, first, st.wseq, call.seq)
         lvl = self.level(call, self.clock.now())
         st.level = lvl
-        return (lvl, first, st.wseq, call.seq)
+        return (lvl, first, st.tie, call.seq)
 
     def victim_key(self, call: CallView) -> Any:
         # Largest first. ``state`` was filled by running_key in this step's ordering pass.
@@ -340,15 +370,15 @@ class MarsPolicy(Policy):
             # Cheapest to rebuild first (the computed KV it loses, priced by the cost model), then
             # the lowest level, the latest arrival. vLLM stops preempting as soon as the allocation
             # fits, and with elastic prefill that is almost always one block, which any victim frees.
-            return (-self.cost.rebuild_s(call._req.num_computed_tokens), st.level, st.wseq, call.seq)
+            return (-self.cost.rebuild_s(call._req.num_computed_tokens), st.level, st.tie, call.seq)
         # SPEC rule: prefills before decodes, lowest level, largest KV, latest arrival.
-        return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, st.wseq, call.seq)
+        return (0 if st.decoding else 1, st.level, call._req.num_computed_tokens, st.tie, call.seq)
 
     def chunk_tokens(self, call: CallView, num_computed: int, num_new: int) -> int:
         n = num_new
         cfg = self.config
         st: _State = call.state
-        if cfg.mlfq:
+        if cfg.mlfq and not self._evicted:
             # The quantum of the level used in this step's order (waiting calls: computed now,
             # since the order key may predate this step's prefix-cache lookup).
             lvl = st.level if call.is_running else self.level(call, self.clock.now())
