@@ -135,6 +135,8 @@ def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
     (("max_retention_s = 0.5", "max_retention = 0.5"), "variants.mars-short-ret.policy_options",
      "unknown config key"),
     (('policy = "mars"\n', 'policy = "marz"\n'), "variants.mars-short-ret.policy", "not registered"),
+    (("[variants.mars-short-ret]", "[variants.mars-short-ret.5]"), "variants.mars-short-ret.5",
+     'quoted in the table header: [variants."mars-short-ret.5"]'),
     (("num_workflows = 3", "num_workflows = 0"), "num_workflows", ">= 1"),
     (('name = "compact"', 'name = "compact"\nshape = 3'), "workloads[0].shape", "unknown key"),
     (('path = "', 'preset = "ILR-1"\npath = "'), "workloads[0]", "exactly one of preset, path, weka"),

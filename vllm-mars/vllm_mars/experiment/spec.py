@@ -167,6 +167,10 @@ def _variants(path: Path, raw: dict) -> dict[str, dict]:
             raise _err(path, where, "a label is letters, digits, '.', '_' or '-' (it names a run directory)")
         if not isinstance(v, dict):
             raise _err(path, where, "expected a table")
+        nested = [k for k, x in v.items() if k not in VARIANT_KEYS and isinstance(x, dict)]
+        if nested:  # TOML split a dotted label: [variants.a-0.25] is variants -> "a-0" -> "25"
+            raise _err(path, f"{where}.{nested[0]}", "a label with a '.' must be quoted in the "
+                       f'table header: [variants."{label}.{nested[0]}"]')
         _unknown(path, f"{where}.", v, VARIANT_KEYS)
         pol = _str(path, f"{where}.policy", v.get("policy"))
         try:
