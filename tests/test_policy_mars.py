@@ -669,3 +669,5 @@ def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
     assert _order_after_evictions({"evicted_order": True}, kept=True) == (False, ["B0", "A1"])
     with pytest.raises(ValueError, match="evicted_share"):
         make_policy("mars", {"evicted_share": 1.5})
+    with pytest.raises(ValueError, match="evicted_ema_weight"):
+        make_policy("mars", {"evicted_ema_weight": 0})

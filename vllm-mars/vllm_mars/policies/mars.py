@@ -104,6 +104,8 @@ class MarsConfig:
     evicted_order: bool = False
     #: The EMA's threshold for ``evicted_order`` (share of the expected cached prefix found).
     evicted_share: float = 0.5
+    #: Weight of a returning turn in that EMA (smaller: a longer memory, slower to switch).
+    evicted_ema_weight: float = 0.1
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -155,6 +157,9 @@ class MarsConfig:
         if not (isinstance(self.evicted_share, (int, float)) and not isinstance(self.evicted_share, bool)
                 and 0 <= self.evicted_share <= 1):
             fail("evicted_share", "in [0, 1]", self.evicted_share)
+        w = self.evicted_ema_weight
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w <= 1):
+            fail("evicted_ema_weight", "in (0, 1]", w)
         if not (isinstance(self.min_free_fraction, (int, float)) and 0 <= self.min_free_fraction < 1):
             fail("min_free_fraction", "in [0, 1)", self.min_free_fraction)
         for name in ("min_gap_samples", "gap_window", "gap_max_keys"):
@@ -266,7 +271,8 @@ class MarsPolicy(Policy):
             st.hit_seen = True
             known = st.known_prefix
             if known > 0 and call.cached_tokens >= 0:
-                self._kept_ema = 0.9 * self._kept_ema + 0.1 * min(call.cached_tokens / known, 1.0)
+                w = self.config.evicted_ema_weight
+                self._kept_ema = (1 - w) * self._kept_ema + w * min(call.cached_tokens / known, 1.0)
                 self._evicted = self._kept_ema < self.config.evicted_share
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
             st.feedback = min(st.quantum_level + 1, self._max_level)
