@@ -604,14 +604,22 @@ def _turn_after_newer_root(options: dict) -> list[str]:
     A's second turn arrives as A's first finishes. Both wait at level 0, B's call the older."""
     clock = VirtualClock()
     s = _sched(clock=clock, options={"retention": False, **options}, num_blocks=200, max_num_seqs=1)
+    return ["A0"] + _a_turn_behind_b(s, clock, make_request("A1", prompt_len=96, max_tokens=3, workflow="A",
+                                                           turn=1, last_step=True))
+
+
+def _a_turn_behind_b(s, clock: VirtualClock, a1) -> list[str]:
+    """Workflow A's first turn runs (one sequence slot), workflow B's first call arrives, then A's
+    second turn ``a1`` as A's first finishes. The calls started after A's first, in order; ends
+    with the leak check."""
     s.add_request(make_request("A0", prompt_len=64, max_tokens=3, workflow="A", turn=0, last_step=False))
     step(s)
     clock.advance(0.01)
     s.add_request(make_request("B0", prompt_len=64, max_tokens=3, workflow="B", turn=0, last_step=True))
-    started = ["A0"]
     while "A0" in s.requests:
         step(s)
-    s.add_request(make_request("A1", prompt_len=96, max_tokens=3, workflow="A", turn=1, last_step=True))
+    s.add_request(a1)
+    started = []
     while s.has_requests():
         so, _ = step(s)
         started += [r.req_id for r in so.scheduled_new_reqs]
@@ -644,20 +652,8 @@ def _order_after_evictions(options: dict, kept: bool = False) -> tuple[bool, lis
                                    workflow=f"w{i}", turn=1, last_step=True))
         run_to_completion(s)
     evicted = s.mars_policy._evicted
-    s.add_request(make_request("A0", prompt_len=64, max_tokens=3, workflow="A", turn=0, last_step=False))
-    step(s)
-    clock.advance(0.01)
-    s.add_request(make_request("B0", prompt_len=64, max_tokens=3, workflow="B", turn=0, last_step=True))
-    while "A0" in s.requests:
-        step(s)
-    s.add_request(make_request("A1", prompt_len=3000, max_tokens=3, workflow="A", turn=1, last_step=True,
-                               seed=77))
-    started = []
-    while s.has_requests():
-        so, _ = step(s)
-        started += [r.req_id for r in so.scheduled_new_reqs]
-    _finish(s, clock)
-    return evicted, started
+    return evicted, _a_turn_behind_b(s, clock, make_request("A1", prompt_len=3000, max_tokens=3, workflow="A",
+                                                            turn=1, last_step=True, seed=77))
 
 
 def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
@@ -169,6 +170,32 @@ def check_nonneg(cfg: Any, *names: str) -> None:
         v = getattr(cfg, n)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"{n} must be a number >= 0, got {v!r}")
+
+
+class FirstArrivals:
+    """Key (workflow, program) -> the seq of its first call, for orders by first arrival; bounded:
+    past ``limit`` keys the least recently seen is forgotten."""
+
+    __slots__ = ("_seq", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self._seq: OrderedDict[str, int] = OrderedDict()
+        self.limit = limit
+
+    def first(self, key: str, seq: int) -> int:
+        """The seq of ``key``'s first call, ``seq`` when this is it."""
+        d = self._seq
+        first = d.get(key)
+        if first is None:
+            d[key] = seq
+            if len(d) > self.limit:
+                d.popitem(last=False)
+            return seq
+        d.move_to_end(key)
+        return first
+
+    def forget(self, key: str) -> None:
+        self._seq.pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
+from vllm_mars.policies.base import CallView, FirstArrivals, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker, gap_tool
 from vllm_mars.policies.infercept import config_cost_model, prefill_seconds
 
@@ -84,20 +84,13 @@ class _ContinuumBase(Policy):
         super().__init__(config, clock)
         config_cost_model(self)
         self.gaps = GapTracker(window=self.config.gap_window)
-        self._program_seq: OrderedDict[str, int] = OrderedDict()
+        self._program_seq = FirstArrivals(self.config.max_programs)
         self._pinned: dict[str, float] = {}  # workflow -> pin expiry (policy's own record)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
         wf = call.workflow
-        seq = self._program_seq.get(wf.root)
-        if seq is None:
-            seq = self._program_seq[wf.root] = call.seq
-            if len(self._program_seq) > self.config.max_programs:
-                self._program_seq.popitem(last=False)
-        else:
-            self._program_seq.move_to_end(wf.root)
-        call.state = seq
+        call.state = self._program_seq.first(wf.root, call.seq)
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
 

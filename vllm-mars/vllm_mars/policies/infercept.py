@@ -51,12 +51,11 @@ decision by making preservation worth less. On the CPU build it refuses to start
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.costmodel import CostModel, from_polynomial
-from vllm_mars.policies.base import CallView, Policy, check_nonneg, register_policy
+from vllm_mars.policies.base import CallView, FirstArrivals, Policy, check_nonneg, register_policy
 from vllm_mars.policies.gaps import GapTracker, gap_tool
 
 
@@ -139,19 +138,12 @@ class InferceptPolicy(Policy):
         config_cost_model(self)
         self.gaps = GapTracker(window=self.config.gap_window)
         self.last_decision: Interception | None = None
-        self._first_seq: OrderedDict[str, int] = OrderedDict()
+        self._first_seq = FirstArrivals(self.config.max_workflows)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
         wf = call.workflow
-        first = self._first_seq.get(wf.workflow)
-        if first is None:
-            first = self._first_seq[wf.workflow] = call.seq
-            if len(self._first_seq) > self.config.max_workflows:
-                self._first_seq.popitem(last=False)
-        else:
-            self._first_seq.move_to_end(wf.workflow)
-        call.state = first
+        call.state = self._first_seq.first(wf.workflow, call.seq)
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
 
@@ -161,7 +153,7 @@ class InferceptPolicy(Policy):
             return
         if aborted or wf.last_step:
             self.gaps.forget(wf.workflow)
-            self._first_seq.pop(wf.workflow, None)
+            self._first_seq.forget(wf.workflow)
         else:
             self.gaps.call_ended(wf.workflow, self.clock.now(), call.next_tool)
 

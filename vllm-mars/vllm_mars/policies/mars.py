@@ -27,6 +27,11 @@ Mechanisms, each switched by one config field (the ablation policies flip them):
   saving is the rebuild time times the calls it stalls and, under pressure, the cost is the waiting
   calls the blocks would serve; without it, a memory cost and no retention when free blocks are
   scarce (``min_free_fraction``).
+* **Workflow order** (``workflow_order``, off by default): ties within a level and the victim order
+  go by the workflow's first arrival instead of the call's.
+* **Order when contexts are evicted** (``evicted_order``, off by default): while returning turns
+  find less than ``evicted_share`` of their expected cached prefix (an EMA), order by the
+  workflow's first arrival with no quanta.
 
 Every cost comes from ``self.cost`` (:class:`vllm_mars.costmodel.CostModel`), which the scheduler
 sets from ``additional_config["mars"]["cost_model"]``, the driver's calibration, or an online fit.
@@ -44,7 +49,7 @@ from typing import Any
 
 from vllm_mars.clock import Clock
 from vllm_mars.costmodel import CostModel
-from vllm_mars.policies.base import CallView, Policy, register_policy
+from vllm_mars.policies.base import CallView, FirstArrivals, Policy, register_policy
 from vllm_mars.policies.gaps import GapSamples, GapTracker, gap_tool
 
 _INF = float("inf")
@@ -94,7 +99,7 @@ class MarsConfig:
     scaled_mlfq: bool = True
     #: Ties within a level (and the victim order) go by the workflow's first arrival instead of the
     #: call's, so later turns of earlier workflows go first and the newest workflow is preempted
-    #: first (``mars-no-workflow-order`` turns it off: the call's own arrival).
+    #: first. Off (default): the call's own arrival.
     workflow_order: bool = False
     #: When the pool cannot keep contexts (the returning turns find, on average, less than
     #: ``evicted_share`` of the prefix their workflow had computed: an EMA over returning turns),
@@ -232,7 +237,7 @@ class MarsPolicy(Policy):
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
         # workflow -> seq of its first call (workflow_order; bounded LRU)
-        self._first_seq: OrderedDict[str, int] = OrderedDict()
+        self._first_seq = FirstArrivals(cfg.gap_max_keys)
         # evicted_order: EMA of the share of a returning turn's expected cached prefix it found
         self._kept_ema = 1.0
         self._evicted = False
@@ -254,11 +259,7 @@ class MarsPolicy(Policy):
             known = min(self._context.get(wf.workflow, 0), call.num_prompt_tokens)
         wseq = call.seq
         if (self.config.workflow_order or self.config.evicted_order) and wf.tagged:
-            first = self._first_seq
-            wseq = first.setdefault(wf.workflow, call.seq)
-            first.move_to_end(wf.workflow)
-            if len(first) > self.config.gap_max_keys:
-                first.popitem(last=False)
+            wseq = self._first_seq.first(wf.workflow, call.seq)
         call.state = _State(known, wseq, wseq if self.config.workflow_order else call.seq)
         if wf.tagged:
             self.gaps.call_arrived(wf.workflow, self.clock.now(), wf.tool)
@@ -298,7 +299,7 @@ class MarsPolicy(Policy):
         key = wf.workflow
         if aborted or wf.last_step:
             self._context.pop(key, None)
-            self._first_seq.pop(key, None)
+            self._first_seq.forget(key)
             self.gaps.forget(key)
             return
         self._context[key] = call.num_tokens
