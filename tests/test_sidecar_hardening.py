@@ -99,14 +99,30 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _spilled_sizes(d) -> list[bool]:
+    """Per spilled file: whether it holds a whole 6 MiB body yet."""
+    out = []
+    for f in d.iterdir():
+        try:
+            out.append(f.stat().st_size >= 6 << 20)
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def test_queue_flood_is_bounded_in_calls_bytes_and_memory(openai_server, tmp_path):
+    """Bounded in calls, bytes and memory; and a shutdown answers the waiting calls 503 at once
+    (no cancelled-task tracebacks after the server's grace period)."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    log = open(tmp_path / "sidecar.log", "wb")  # noqa: SIM115 (closed below)
     port = free_port()
     mib = 1 << 20
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", openai_server.url, "--port", str(port),
          "--controller-option", "window_min=1", "--controller-option", "window_max=1",
-         "--max-queued-calls", "8", "--max-queued-bytes", str(26 * mib), "--spill-dir", str(tmp_path),
-         "--retry-after", "7"], start_new_session=True)
+         "--max-queued-calls", "8", "--max-queued-bytes", str(26 * mib), "--spill-dir", str(spill),
+         "--retry-after", "7"], start_new_session=True, stderr=log)
     url = f"http://127.0.0.1:{port}"
     calls = []
     try:
@@ -118,10 +134,14 @@ def test_queue_flood_is_bounded_in_calls_bytes_and_memory(openai_server, tmp_pat
         for i in range(4):  # 4 x 6 MiB wait (24 MiB); the 5th does not fit the 26 MiB byte bound
             calls.append(Call(url + "/v1/chat/completions", big, {"X-MARS-Workflow": f"big-{i}"}))
         assert wait_until(lambda: _metric(url, "mars_sidecar_waiting_calls") == 4, 30)
+        # a call counts as waiting when it takes its share of the byte bound, before its body is
+        # spilled and the heap trimmed: wait for the four files, then give the RSS a moment to settle
+        assert wait_until(lambda: _spilled_sizes(spill) == [True] * 4, 30)
+        wait_until(lambda: _rss(proc.pid) - rss0 < 12 * mib, 10)
         rss1 = _rss(proc.pid)
         r = httpx.post(url + "/v1/chat/completions", json=big, headers={"X-MARS-Workflow": "big-x"}, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "7" and "queue full" in r.text
-        assert len(list(tmp_path.iterdir())) == 4  # the waiting bodies are in files
+        assert len(list(spill.iterdir())) == 4  # the waiting bodies are in files
         for i in range(4):  # small calls fill the call bound (8)
             calls.append(Call(url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": f"small-{i}"}))
         assert wait_until(lambda: _metric(url, "mars_sidecar_waiting_calls") == 8, 30)
@@ -133,15 +153,25 @@ def test_queue_flood_is_bounded_in_calls_bytes_and_memory(openai_server, tmp_pat
         print(f"RSS {rss0 / mib:.1f} MiB -> {rss1 / mib:.1f} MiB with 4 x 6 MiB calls waiting (+{grew / mib:.1f} MiB)")
         assert grew < 12 * mib, f"RSS grew by {grew / mib:.1f} MiB with 24 MiB of bodies waiting"
     finally:
+        t0 = time.monotonic()
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
     for c in calls:
         c.join(30)
-    assert list(tmp_path.iterdir()) == []  # the waiting bodies' files are gone
+    took = time.monotonic() - t0
+    assert list(spill.iterdir()) == []  # the waiting bodies' files are gone
+    for c in calls:  # each waiting call was told to come back, not cut
+        assert c.resp is not None, c.error
+        assert c.resp.status_code == 503 and "shutting down" in c.resp.text, c.resp.text
+        assert c.resp.headers["retry-after"] == "7"
+    stderr = (tmp_path / "sidecar.log").read_text()
+    assert "Traceback" not in stderr and "timeout graceful shutdown exceeded" not in stderr, stderr[-3000:]
+    assert took < 4.5, f"shutdown took {took:.1f} s (the grace period is 5 s)"
 
 
 def test_spilled_body_is_forwarded_intact(openai_server, tmp_path):

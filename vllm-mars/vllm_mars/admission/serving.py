@@ -128,29 +128,38 @@ def uvicorn_config(app: Any) -> Any:
                           proxy_headers=False, server_header=False, timeout_graceful_shutdown=5)
 
 
-def run_sidecar(config: Any) -> None:
-    """Serve until interrupted (the ``mars sidecar`` command)."""
+def sidecar_server(app: Any) -> Any:
+    """A uvicorn server for ``app`` that drains the admission queue as soon as shutdown begins
+    (uvicorn sends the lifespan shutdown only after its grace period for open calls)."""
     import uvicorn
 
+    class SidecarServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.drain()
+            await super().shutdown(sockets)
+
+    return SidecarServer(uvicorn_config(app))
+
+
+def run_sidecar(config: Any) -> None:
+    """Serve until interrupted (the ``mars sidecar`` command)."""
     from vllm_mars.admission.sidecar import Sidecar
 
     app = Sidecar(config)
     logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", config.host, config.port,
                    ", ".join(config.backends), config.controller)
-    uvicorn.Server(uvicorn_config(app)).run()
+    sidecar_server(app).run()
 
 
 class SidecarThread:
     """A sidecar on a background thread (tests, notebooks): ``with SidecarThread(cfg) as sc: sc.url``."""
 
     def __init__(self, config: Any, controller: Any = None) -> None:
-        import uvicorn
-
         from vllm_mars.admission.sidecar import Sidecar
 
         self.app = Sidecar(config, controller)
         self.url = f"http://{config.host}:{config.port}"
-        self.server = uvicorn.Server(uvicorn_config(self.app))
+        self.server = sidecar_server(self.app)
         self.thread = threading.Thread(target=self.server.run, name="mars-sidecar", daemon=True)
 
     def start(self, timeout: float = 30.0) -> SidecarThread:

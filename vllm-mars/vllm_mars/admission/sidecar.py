@@ -235,6 +235,8 @@ class Sidecar:
                                    lambda: self._up_event)
         self._tenants = {k.encode(): hashlib.sha256(k.encode()).hexdigest()[:10] for k in config.keys}
         self.in_flight = 0
+        #: shutdown has begun (see :meth:`drain`)
+        self.draining = False
         #: the last admission events, newest last (the full stream goes to ``events_path``)
         self.recent_events: deque[AdmissionEvent] = deque(maxlen=1000)
         self._session: Any = None
@@ -267,15 +269,21 @@ class Sidecar:
         self._tasks += [asyncio.create_task(self._poller(b), name=f"mars-poll-{b.url}") for b in self.backends]
         logger.info("sidecar up: controller=%s backends=%s", self.controller.name, [b.url for b in self.backends])
 
+    def drain(self) -> None:
+        """Shutdown has begun: calls waiting for admission get 503 now (not a cancelled task after
+        the server's grace period), and calls still in flight when that period ends are cut quietly."""
+        self.draining = True
+        for r in self.roots.values():
+            w = r.waiter
+            if w is not None and not w.done():
+                w.set_exception(HTTPError(503, "sidecar shutting down; retry later", self._retry_after()))
+                w.exception()  # mark retrieved
+
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for r in self.roots.values():
-            w = r.waiter
-            if w is not None and not w.done():
-                w.set_exception(HTTPError(503, "sidecar shutting down"))
-                w.exception()  # mark retrieved
+        self.drain()
         if self._session is not None:
             await self._session.close()
         for b in self.backends:
@@ -379,6 +387,10 @@ class Sidecar:
         except HTTPError as e:
             await self._send(send, e.status, err_body(e.status, e.message),
                              [(b"content-type", b"application/json"), *e.headers])
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            logger.info("call to %s cut at shutdown (still running after the grace period)", path)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
