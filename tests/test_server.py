@@ -20,6 +20,13 @@ def _sched_events(server, request_marker: str, timeout: float = 10.0) -> list[di
     raise AssertionError(f"no scheduler events for {request_marker}")
 
 
+def _arrived(server, request_marker: str) -> bool:
+    if not server.sched_log.exists():
+        return False
+    return any(request_marker in json.loads(line)["request_id"]
+               for line in server.sched_log.read_text().splitlines() if line.strip())
+
+
 def test_completions_with_workflow_xargs_reach_mars_scheduler(openai_server):
     body = {"model": "tiny", "prompt": "def foo(x):", "max_tokens": 7, "ignore_eos": True, "temperature": 0,
             "vllm_xargs": {"mars_workflow": "wf-42", "mars_root": "root-1", "mars_turn": 3,
@@ -88,7 +95,11 @@ def test_http_backend_abort_stops_the_call_in_the_server(openai_server):
         await b.start()
         try:
             task = asyncio.create_task(b.generate("abort-http-1", list(range(10, 60)), 1900, {}))
-            await asyncio.sleep(0.5)
+            # abort once the server is decoding it (a fixed sleep raced a loaded machine)
+            deadline = time.monotonic() + 30
+            while not _arrived(openai_server, "abort-http-1") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
             await b.abort("abort-http-1")
             try:
                 await task
