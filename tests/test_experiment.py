@@ -98,6 +98,7 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
 
     def one(cfg, cost=None):
         ran.append((cfg.policy, cfg.rps))
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
         Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
         return Path(cfg.out), cost
 
@@ -112,6 +113,17 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
     assert ran == [("fcfs", 8.0)] and rec["missing_runs"] == []
     fresh = {c["key"]: c for c in rec["cells"]}["compact/rps8/seed0"]
     assert fresh["baseline"] == "fcfs" and fresh["policies"]["fcfs"]["mean_e2e_s"] == 1.0
+    # --rerun: a finished run is deleted and run again (the others in the cell are read)
+    ran.clear()
+    (out / "runs" / "compact" / "rps2" / "seed0" / "mars-short-ret" / "stale.txt").write_text("x")
+    rec = run_experiment(exp, out, only=["compact/rps2/*"], progress=False, rerun=["mars-short-ret"],
+                         policies=["fcfs"])
+    assert ran == [("mars", 2.0)]  # the variant's policy
+    d2 = out / "runs" / "compact" / "rps2" / "seed0" / "mars-short-ret"
+    assert not (d2 / "stale.txt").exists()
+    assert {c["key"]: c for c in rec["cells"]}["compact/rps2/seed0"]["policies"]["mars-short-ret"]["mean_e2e_s"] == 1.0
+    with pytest.raises(ValueError, match="--rerun: 'nope' is not a policy"):
+        run_experiment(exp, out, progress=False, rerun=["nope"])
 
 
 def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):

@@ -667,3 +667,15 @@ def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
         make_policy("mars", {"evicted_share": 1.5})
     with pytest.raises(ValueError, match="evicted_ema_weight"):
         make_policy("mars", {"evicted_ema_weight": 0})
+
+
+def test_evicted_warmup_sees_a_pool_that_cannot_keep_contexts_after_a_few_returns():
+    slow = {"evicted_order": True, "evicted_ema_weight": 0.03}
+    # Eight returns that found nothing: the slow EMA alone is still at 0.97^8 = 0.78 ...
+    assert _order_after_evictions(slow) == (False, ["B0", "A1"])
+    # ... started as a running mean it is at 1/9, and the earlier workflow's turn goes first.
+    assert _order_after_evictions({**slow, "evicted_warmup": True}) == (True, ["A1", "B0"])
+    # Contexts kept: it stays off.
+    assert _order_after_evictions({**slow, "evicted_warmup": True}, kept=True) == (False, ["B0", "A1"])
+    with pytest.raises(ValueError, match="evicted_warmup must be bool"):
+        make_policy("mars", {"evicted_warmup": 1})

@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated globs over cell keys WORKLOAD/rpsR/seedS, e.g. 'ILR-3/*' or '*/seed0'")
     r.add_argument("--policies", default=None,
                    help="comma-separated: run only these of the file's policies now (the others stay to do)")
+    r.add_argument("--rerun", default=None, metavar="POLICIES",
+                   help="comma-separated: delete these policies' finished runs in the selected cells and run "
+                        "them again (after a change to the code or defaults they run on)")
     r.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
     r.add_argument("--report", action="store_true",
                    help="run nothing: rewrite table.md, results.json and plots from the finished runs")
@@ -74,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     pols = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
     record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty(),
-                            policies=pols, execute=not args.report)
+                            policies=pols, execute=not args.report,
+                            rerun=[s.strip() for s in (args.rerun or "").split(",") if s.strip()])
     for c in record["cells"]:
         sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
         print(f"{c['key']:32s} mars speedup {sp}")

@@ -145,19 +145,33 @@ def _load_cost(out: Path) -> CostModel | None:
 
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
                    progress: bool = True, policies: Sequence[str] | None = None,
-                   execute: bool = True) -> dict[str, Any]:
+                   execute: bool = True, rerun: Sequence[str] = ()) -> dict[str, Any]:
     """Run the selected cells' unfinished runs (of ``policies`` only, when given); then write the
     results of every cell with a finished run (``execute=False``: run nothing, only rewrite the cell
-    records and results). Returns the results record (``results.json``)."""
+    records and results). ``rerun``: policies whose finished runs in the selected cells are deleted
+    first and run again (after a change to the code or the defaults they run on). Returns the
+    results record (``results.json``)."""
+    import shutil
+
     from vllm_mars.experiment.results import write_results
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = select_cells(exp, only)
-    unknown = [p for p in policies or () if p not in exp.policies]
-    if unknown:
-        raise ValueError(f"--policies: {unknown[0]!r} is not a policy of {exp.path}; its policies: "
-                         f"{', '.join(exp.policies)}")
+    for flag, names in (("--policies", policies or ()), ("--rerun", rerun)):
+        unknown = [p for p in names if p not in exp.policies]
+        if unknown:
+            raise ValueError(f"{flag}: {unknown[0]!r} is not a policy of {exp.path}; its policies: "
+                             f"{', '.join(exp.policies)}")
+    if policies is not None:
+        policies = [*policies, *(p for p in rerun if p not in policies)]
+    if rerun and not execute:
+        raise ValueError("--rerun runs the policies again; it cannot go with --report")
+    for cell in cells:
+        for p in rerun:
+            d = cell_dir(out, cell) / p
+            if p in exp.policies_for(cell.workload) and d.is_dir():
+                shutil.rmtree(d)
     bar = _bar(len(cells), exp.name, progress)
     cost = _load_cost(out)
     mats: dict[tuple[str, int], Materialized] = {}

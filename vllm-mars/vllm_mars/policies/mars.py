@@ -111,6 +111,10 @@ class MarsConfig:
     evicted_share: float = 0.5
     #: Weight of a returning turn in that EMA (smaller: a longer memory, slower to switch).
     evicted_ema_weight: float = 0.1
+    #: Start that EMA as a running mean (the n-th returning turn weighs ``max(weight, 1/(n+1))``
+    #: after one pseudo-turn that found everything): a pool that cannot keep contexts from the start
+    #: is seen after a few returns, a later spell of evictions still moves it at ``evicted_ema_weight``.
+    evicted_warmup: bool = False
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -144,7 +148,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "reserve_prefills", "workflow_order", "evicted_order"):
+                     "reserve_prefills", "workflow_order", "evicted_order", "evicted_warmup"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -240,6 +244,7 @@ class MarsPolicy(Policy):
         self._first_seq = FirstArrivals(cfg.gap_max_keys)
         # evicted_order: EMA of the share of a returning turn's expected cached prefix it found
         self._kept_ema = 1.0
+        self._kept_n = 0  # returning turns in it
         self._evicted = False
 
     # -- calibration hook -------------------------------------------------------------------------
@@ -273,6 +278,9 @@ class MarsPolicy(Policy):
             known = st.known_prefix
             if known > 0 and call.cached_tokens >= 0:
                 w = self.config.evicted_ema_weight
+                self._kept_n += 1
+                if self.config.evicted_warmup:
+                    w = max(w, 1.0 / (self._kept_n + 1))
                 self._kept_ema = (1 - w) * self._kept_ema + w * min(call.cached_tokens / known, 1.0)
                 self._evicted = self._kept_ema < self.config.evicted_share
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
