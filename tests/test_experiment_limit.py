@@ -146,3 +146,34 @@ def test_the_experiment_report_carries_the_limit_section(tmp_path):
     assert "## Gap to the no-thrash limit" in table and "`results/paper_grid_nothrash/results.json`" in table
     assert "No `mars` run in this experiment" in table and not (tmp_path / "speedup_heatmap.png").exists()
     assert json.loads((tmp_path / "results.json").read_text())["limit"]["cells"][0]["limit_policy"] == "fcfs"
+
+
+def test_summary_pools_cells_of_several_files_against_the_fastest_baseline_and_mars(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.summary import policy_summary
+
+    def run(mean: float, goodput: float) -> dict:
+        return {"mean_e2e_s": mean, "goodput_wps_alpha3.0": goodput}
+
+    a = _record("a", [("W", 0.02, {"mars": run(100.0, 0.5), "mars-x": run(100.0, 0.5), "fcfs": run(200.0, 0.2),
+                                   "infercept": run(110.0, 0.6)}, "infercept")])
+    b = _record("b", [("W", 0.04, {"mars": run(120.0, 0.3), "mars-x": run(100.0, 0.3), "fcfs": run(108.0, 0.3)},
+                       "fcfs")])
+    rows = {r["policy"]: r for r in policy_summary([a, b])}
+    m, x = rows["mars"], rows["mars-x"]
+    assert m["cells"] == 2 and m["geomean"] == pytest.approx((1.1 * 0.9) ** 0.5)
+    assert m["lowest"] == pytest.approx(0.9) and m["lowest_cell"] == "b:W/rps0.04/seed0" and m["below"] == 1
+    assert m["goodput_below"] == 1 and "ref" not in m  # 0.5 < 0.99 x 0.6 in cell a
+    assert x["ref_geomean"] == pytest.approx(1.2 ** 0.5) and x["identical"] == 1 and x["ref_max"] == pytest.approx(1.2)
+    # only fcfs as the baseline, one cell
+    only = policy_summary([a, b], baselines=["fcfs"], only=["a:*"])
+    assert [r["policy"] for r in only] == ["mars", "mars-x"] and only[0]["geomean"] == pytest.approx(2.0)
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    assert main(["experiment", "summary", str(fa), str(fb)]) == 0
+    out = capsys.readouterr().out
+    assert "| mars | 2 | 0.9950x | 0.9000x (b:W/rps0.04/seed0) | 1 | 1 | - | - |" in out, out
+    assert "| 1 of 2 |" in out
+    assert main(["experiment", "summary", str(fa), "--only", "nope/*"]) == 2
+    assert "no mars policy" in capsys.readouterr().err

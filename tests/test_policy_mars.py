@@ -57,8 +57,9 @@ def _record_preemptions(s) -> list[tuple[int, str, int]]:
 def test_mars_and_ablations_are_registered_with_their_switches():
     names = available_policies()
     for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention", "mars-no-cost-reclaim",
-              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve"):
+              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve", "mars-no-evicted-order"):
         assert n in names
+    assert make_policy("mars-no-evicted-order").config.evicted_order is False
     assert make_policy("mars-no-mlfq").config.mlfq is False
     assert make_policy("mars-no-elastic").config.elastic is False
     p = make_policy("mars-no-retention")
@@ -672,7 +673,9 @@ def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
 def test_evicted_warmup_sees_a_pool_that_cannot_keep_contexts_after_a_few_returns():
     slow = {"evicted_order": True, "evicted_ema_weight": 0.03}
     # Eight returns that found nothing: the slow EMA alone is still at 0.97^8 = 0.78 ...
-    assert _order_after_evictions(slow) == (False, ["B0", "A1"])
+    assert _order_after_evictions({**slow, "evicted_warmup": False}) == (False, ["B0", "A1"])
+    # ... the default (this, started as a running mean) is at 1/9:
+    assert _order_after_evictions({}) == (True, ["A1", "B0"])
     # ... started as a running mean it is at 1/9, and the earlier workflow's turn goes first.
     assert _order_after_evictions({**slow, "evicted_warmup": True}) == (True, ["A1", "B0"])
     # Contexts kept: it stays off.

@@ -40,6 +40,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("results", help="an experiment's results.json (e.g. experiments/results/paper_grid/results.json)")
     g.add_argument("limit", help="the limit's results.json (e.g. experiments/results/paper_grid_nothrash/results.json)")
     g.set_defaults(func=_gap)
+    s = esub.add_parser("summary", help="mars and its variants over many cells: ratios to the fastest baseline "
+                                        "and to a reference policy",
+                        description="Per mars policy (mars and every mars-* label) over the cells of the given "
+                                    "results.json files: the geometric mean and lowest of its speedup over each "
+                                    "cell's fastest baseline, the cells below 1 - tolerance, the cells where its "
+                                    "goodput is more than the tolerance below the best baseline's, and its speedup "
+                                    "over the reference policy. Reads only the files (no run dirs).")
+    s.add_argument("results", nargs="+", help="results.json files (their cells are pooled)")
+    s.add_argument("--ref", default="mars", help="the reference policy (default mars)")
+    s.add_argument("--baselines", default=None,
+                   help="comma-separated: only these count as baselines (default: every policy that is not mars)")
+    s.add_argument("--only", default=None,
+                   help="comma-separated globs over cell keys WORKLOAD/rpsR/seedS (or EXPERIMENT:KEY)")
+    s.add_argument("--tolerance", type=float, default=0.01, help="the margin of 'below' (default 0.01)")
+    s.set_defaults(func=_summary)
 
 
 def _gap(args: argparse.Namespace) -> int:
@@ -47,6 +62,21 @@ def _gap(args: argparse.Namespace) -> int:
 
     rows, notes = limit_rows(load_limit(args.results), load_limit(args.limit))
     print("\n".join(format_limit(rows, notes, f"`{args.limit}`")))
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from vllm_mars.experiment.limit import load_limit
+    from vllm_mars.experiment.summary import format_policy_summary, policy_summary
+
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
+    split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None
+    rows = policy_summary([load_limit(f) for f in args.results], ref=args.ref, baselines=split(args.baselines),
+                          only=split(args.only), tolerance=args.tolerance)
+    if not rows:
+        raise ValueError("no mars policy with a mean E2E in the selected cells")
+    print("\n".join(format_policy_summary(rows, args.tolerance)))
     return 0
 
 

@@ -29,9 +29,11 @@ Mechanisms, each switched by one config field (the ablation policies flip them):
   scarce (``min_free_fraction``).
 * **Workflow order** (``workflow_order``, off by default): ties within a level and the victim order
   go by the workflow's first arrival instead of the call's.
-* **Order when contexts are evicted** (``evicted_order``, off by default): while returning turns
-  find less than ``evicted_share`` of their expected cached prefix (an EMA), order by the
-  workflow's first arrival with no quanta.
+* **Order when contexts are evicted** (``evicted_order``, on by default): while returning turns
+  find less than ``evicted_share`` of their expected cached prefix (a slow EMA started as a running
+  mean), order by the workflow's first arrival with no quanta. A pool that keeps contexts never
+  switches; one that holds two or three contexts (H100 + a dense 32B model) switches after a few
+  returning turns (``docs/mars.md``).
 
 Every cost comes from ``self.cost`` (:class:`vllm_mars.costmodel.CostModel`), which the scheduler
 sets from ``additional_config["mars"]["cost_model"]``, the driver's calibration, or an online fit.
@@ -106,15 +108,16 @@ class MarsConfig:
     #: order by the workflow's first arrival and drop the quanta, as with ``mlfq`` off and
     #: ``workflow_order`` on: the MLFQ ranks a turn by the part of its prompt it expects uncached,
     #: which is wrong when the context was evicted, and demotes the rebuild as if it were new work.
-    evicted_order: bool = False
+    evicted_order: bool = True
     #: The EMA's threshold for ``evicted_order`` (share of the expected cached prefix found).
     evicted_share: float = 0.5
-    #: Weight of a returning turn in that EMA (smaller: a longer memory, slower to switch).
-    evicted_ema_weight: float = 0.1
+    #: Weight of a returning turn in that EMA (smaller: a longer memory, slower to switch). 0.1
+    #: switched wrongly in a pool that thrashes only for a spell (H200, ILR-4); 0.03 did not.
+    evicted_ema_weight: float = 0.03
     #: Start that EMA as a running mean (the n-th returning turn weighs ``max(weight, 1/(n+1))``
     #: after one pseudo-turn that found everything): a pool that cannot keep contexts from the start
     #: is seen after a few returns, a later spell of evictions still moves it at ``evicted_ema_weight``.
-    evicted_warmup: bool = False
+    evicted_warmup: bool = True
 
     # -- MLFQ ---------------------------------------------------------------------------------------
     #: Uncached remaining-prefill tokens bounding levels 0, 1, 2 (above the last: level 3).
@@ -564,3 +567,6 @@ MarsNoPrefillReservePolicy = _ablation("mars-no-prefill-reserve",
                                        reserve_prefills=False)
 MarsNoScaledMlfqPolicy = _ablation("mars-no-scaled-mlfq", "``mars`` with fixed quanta and fixed aging_s.",
                                    scaled_mlfq=False)
+MarsNoEvictedOrderPolicy = _ablation("mars-no-evicted-order",
+                                     "``mars`` that keeps the MLFQ order when the pool cannot keep contexts.",
+                                     evicted_order=False)
