@@ -171,7 +171,9 @@ def test_queue_flood_is_bounded_in_calls_bytes_and_memory(openai_server, tmp_pat
         assert c.resp.headers["retry-after"] == "7"
     stderr = (tmp_path / "sidecar.log").read_text()
     assert "Traceback" not in stderr and "timeout graceful shutdown exceeded" not in stderr, stderr[-3000:]
-    assert took < 4.5, f"shutdown took {took:.1f} s (the grace period is 5 s)"
+    # the 503s above are what show the drain (without it uvicorn cancels them after its 5 s grace
+    # period: HTTP 500); this bound only catches a shutdown that hangs
+    assert took < 20, f"shutdown took {took:.1f} s"
 
 
 def test_spilled_body_is_forwarded_intact(openai_server, tmp_path):
