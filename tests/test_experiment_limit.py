@@ -168,6 +168,12 @@ def test_summary_pools_cells_of_several_files_against_the_fastest_baseline_and_m
     # only fcfs as the baseline, one cell
     only = policy_summary([a, b], baselines=["fcfs"], only=["a:*"])
     assert [r["policy"] for r in only] == ["mars", "mars-x"] and only[0]["geomean"] == pytest.approx(2.0)
+    # a variant of mars under another name is mars, not a baseline, as in the experiment's table
+    v = copy.deepcopy(a)
+    v["cells"][0]["policies"]["fast"] = run(50.0, 0.9)
+    v["config"]["variants"] = {"fast": {"policy": "mars"}}
+    rows = {r["policy"]: r for r in policy_summary([v])}
+    assert rows["fast"]["geomean"] == pytest.approx(2.2) and rows["mars"]["geomean"] == pytest.approx(1.1)
     fa, fb = tmp_path / "a.json", tmp_path / "b.json"
     fa.write_text(json.dumps(a))
     fb.write_text(json.dumps(b))

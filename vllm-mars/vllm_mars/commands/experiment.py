@@ -57,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_summary)
 
 
+def _csv(value: str | None) -> list[str] | None:
+    """A comma-separated option's items (None when the option was not given)."""
+    return [x.strip() for x in value.split(",") if x.strip()] if value else None
+
+
 def _gap(args: argparse.Namespace) -> int:
     from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
 
@@ -71,9 +76,8 @@ def _summary(args: argparse.Namespace) -> int:
 
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
-    split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None
-    rows = policy_summary([load_limit(f) for f in args.results], ref=args.ref, baselines=split(args.baselines),
-                          only=split(args.only), tolerance=args.tolerance)
+    rows = policy_summary([load_limit(f) for f in args.results], ref=args.ref, baselines=_csv(args.baselines),
+                          only=_csv(args.only), tolerance=args.tolerance)
     if not rows:
         raise ValueError("no mars policy with a mean E2E in the selected cells")
     print("\n".join(format_policy_summary(rows, args.tolerance)))
@@ -97,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: expected >= 1")
     out = Path(args.out) if args.out else Path("runs") / "experiments" / exp.name
-    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    only = _csv(args.only)
     if args.list:
         cells = select_cells(exp, only)
         for c in cells:
@@ -105,10 +109,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{state}  {c.key}  ({len(exp.policies_for(c.workload))} policies)  {cell_dir(out, c)}")
         print(f"{len(cells)} cells, {sum(len(exp.policies_for(c.workload)) for c in cells)} runs")
         return 0
-    pols = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
+    pols = _csv(args.policies)
     record = run_experiment(exp, out, only, jobs=args.jobs, progress=not args.no_progress and sys.stderr.isatty(),
                             policies=pols, execute=not args.report,
-                            rerun=[s.strip() for s in (args.rerun or "").split(",") if s.strip()])
+                            rerun=_csv(args.rerun) or ())
     for c in record["cells"]:
         sp = "-" if c.get("speedup") is None else f"{c['speedup']:.2f}x vs {c['baseline']}"
         print(f"{c['key']:32s} mars speedup {sp}")

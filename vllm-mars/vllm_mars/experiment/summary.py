@@ -8,8 +8,9 @@ Per mars policy (``mars`` and every ``mars-*`` label) over the cells of one or m
 * how many cells its goodput is more than ``tolerance`` below the best baseline's;
 * its speedup over a reference policy (``mars`` by default): geometric mean, range, identical cells.
 
-A baseline is a policy that is not mars (:func:`vllm_mars.metrics.compare.is_mars`), or only those
-named with ``baselines``. Reads only the files (no run dirs), so it works on committed results.
+A baseline is what the experiment's table counts as one (:func:`vllm_mars.metrics.compare.is_baseline`,
+a labelled variant's driver policy read from the file's ``config.variants``), or only those named
+with ``baselines``. Reads only the files (no run dirs), so it works on committed results.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_mars.metrics.compare import is_mars
+from vllm_mars.metrics.compare import is_baseline
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -29,27 +30,30 @@ def _geomean(xs: Sequence[float]) -> float:
 def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
                    baselines: Sequence[str] | None = None, only: Sequence[str] | None = None,
                    alpha: float = 3.0, tolerance: float = 0.01) -> list[dict[str, Any]]:
-    """One row per mars policy present in the selected cells (in first-seen order)."""
+    """One row per mars policy (every label that is not a baseline) present in the selected cells,
+    in first-seen order."""
     gkey = f"goodput_wps_alpha{float(alpha)}"  # as results.json writes it (goodput_wps_alpha3.0)
-    cells = []
+    cells = []  # (EXPERIMENT:KEY, the cell's policies, label -> is a baseline)
     for rec in records:
         name = rec.get("experiment", "?")
+        variants = (rec.get("config") or {}).get("variants") or {}
         for c in rec["cells"]:
             key = f"{name}:{c['key']}"
             if only and not any(fnmatch.fnmatchcase(c["key"], g) or fnmatch.fnmatchcase(key, g) for g in only):
                 continue
-            cells.append((key, c["policies"]))
+            is_base = {p: is_baseline(p, (variants.get(p) or {}).get("policy")) for p in c["policies"]}
+            cells.append((key, c["policies"], is_base))
     order: list[str] = []
-    for _, pol in cells:
-        order += [p for p in pol if is_mars(p) and p not in order]
+    for _, pol, is_base in cells:
+        order += [p for p in pol if not is_base[p] and p not in order]
     rows = []
     for p in order:
         vs_base, vs_ref, low_goodput, identical = [], [], 0, 0
-        for key, pol in cells:
+        for key, pol, is_base in cells:
             mine = (pol.get(p) or {}).get("mean_e2e_s")
             if not mine:
                 continue
-            base = {b: v for b, v in pol.items() if not is_mars(b) and (baselines is None or b in baselines)
+            base = {b: v for b, v in pol.items() if is_base[b] and (baselines is None or b in baselines)
                     and v.get("mean_e2e_s")}
             if base:
                 fastest = min(v["mean_e2e_s"] for v in base.values())

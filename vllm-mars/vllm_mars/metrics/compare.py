@@ -16,12 +16,18 @@ def is_mars(policy: str) -> bool:
     return policy == "mars" or policy.startswith("mars-")
 
 
+def is_baseline(label: str, policy: str | None = None) -> bool:
+    """A run is a baseline when neither its label nor its driver policy (a labelled variant's
+    ``policy``) is mars."""
+    return not is_mars(label) and not is_mars(policy or label)
+
+
 def cell_speedup(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Speedup of mars's mean E2E over the fastest baseline in one cell. A baseline is a run whose
-    label and driver policy (``summary["policy"]``; a labelled variant of mars is mars) are not mars."""
+    """Speedup of mars's mean E2E over the fastest baseline in one cell (:func:`is_baseline`, the
+    driver policy from ``summary["policy"]``)."""
     mars = summaries.get("mars")
     base = {p: s for p, s in summaries.items()
-            if not is_mars(p) and not is_mars(str(s.get("policy") or p)) and (s.get("e2e_s") or {}).get("mean")}
+            if is_baseline(p, s.get("policy")) and (s.get("e2e_s") or {}).get("mean")}
     if not mars or not (mars.get("e2e_s") or {}).get("mean") or not base:
         return {"speedup": None, "baseline": None}
     best = min(base, key=lambda p: base[p]["e2e_s"]["mean"])

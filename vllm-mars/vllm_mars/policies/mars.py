@@ -243,7 +243,7 @@ class MarsPolicy(Policy):
         self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
-        # workflow -> seq of its first call (workflow_order; bounded LRU)
+        # workflow -> seq of its first call (workflow_order, evicted_order; bounded LRU)
         self._first_seq = FirstArrivals(cfg.gap_max_keys)
         # evicted_order: EMA of the share of a returning turn's expected cached prefix it found
         self._kept_ema = 1.0
