@@ -126,6 +126,46 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
         run_experiment(exp, out, progress=False, rerun=["nope"])
 
 
+def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_run(grid, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A fresh clone has results.json but no run dirs: a --policies or --report run there would rewrite
+    the table from the few run dirs it has and drop every other run; it refuses instead."""
+    import shutil
+
+    from vllm_mars.cli import main
+    from vllm_mars.driver import compare
+    from vllm_mars.experiment.grid import run_experiment
+
+    exp, out, _ = grid
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "runs" / "compact" / "rps2" / "seed0" / "mars")
+    before = (copy / "results.json").read_text()
+    ran = []
+
+    def one(cfg, cost=None):
+        ran.append((cfg.policy, cfg.rps))
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
+        return Path(cfg.out), cost
+
+    monkeypatch.setattr(compare, "run_replay", one)
+    with pytest.raises(ValueError, match=r"records 1 run\(s\) whose run dirs are not under .*compact/rps2/seed0/mars"):
+        run_experiment(exp, copy, progress=False, policies=["fcfs"])
+    with pytest.raises(ValueError, match="compact/rps2/seed0/mars"):
+        run_experiment(exp, copy, progress=False, execute=False)
+    with pytest.raises(ValueError, match="compact/rps2/seed0/mars"):  # the other cell only: the run stays lost
+        run_experiment(exp, copy, only=["compact/rps8/*"], progress=False)
+    assert main(["experiment", "run", str(exp.path), "--out", str(copy), "--report"]) == 2
+    err = capsys.readouterr().err
+    assert "would drop them" in err and "Traceback" not in err
+    assert ran == [] and (copy / "results.json").read_text() == before
+    # running the cell in full brings the run back; nothing is dropped
+    rec = run_experiment(exp, copy, only=["compact/rps2/*"], progress=False)
+    assert ran == [("mars", 2.0)] and rec["missing_runs"] == [] and rec["missing"] == []
+    assert {c["key"] for c in rec["cells"]} == {"compact/rps2/seed0", "compact/rps8/seed0"}
+
+
 def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
     from vllm_mars.cli import main
 

@@ -143,6 +143,30 @@ def _load_cost(out: Path) -> CostModel | None:
     return CostModel.from_dict(json.loads(p.read_text()), where=str(p)) if p.is_file() else None
 
 
+def _refuse_to_drop_runs(exp: Experiment, out: Path, cells: Sequence[Cell], policies: Sequence[str] | None) -> None:
+    """Raise when ``out/results.json`` records runs whose run dirs are not under ``out/runs`` and this
+    invocation (``cells``, ``policies``) would not run them again: the results written at the end are
+    rebuilt from the run dirs, so those runs would silently leave the committed table (a fresh clone
+    has results.json but no run dirs)."""
+    p = out / "results.json"
+    if not p.is_file():
+        return
+    try:
+        recorded = json.loads(p.read_text()).get("cells") or []
+    except (OSError, ValueError):
+        return  # not ours to read back; it is rewritten from the run dirs
+    again = {(c.key, q) for c in cells for q in exp.policies_for(c.workload) if policies is None or q in policies}
+    by_key = {c.key: c for c in exp.cells()}
+    lost = [f"{rec.get('key')}/{q}" for rec in recorded if isinstance(rec, dict) and rec.get("key") in by_key
+            for q in (rec.get("policies") or {})
+            if not (cell_dir(out, by_key[rec["key"]]) / q).is_dir() and (rec["key"], q) not in again]
+    if lost:
+        raise ValueError(f"{p} records {len(lost)} run(s) whose run dirs are not under {out / 'runs'} "
+                         f"(first: {lost[0]}) and this invocation would not run them again, so the results "
+                         "written now would drop them; restore the run dirs, run those cells in full, "
+                         "or write to another --out")
+
+
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
                    progress: bool = True, policies: Sequence[str] | None = None,
                    execute: bool = True, rerun: Sequence[str] = ()) -> dict[str, Any]:
@@ -167,6 +191,7 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         policies = [*policies, *(p for p in rerun if p not in policies)]
     if rerun and not execute:
         raise ValueError("--rerun runs the policies again; it cannot go with --report")
+    _refuse_to_drop_runs(exp, out, cells if execute else [], policies)
     for cell in cells:
         for p in rerun:
             d = cell_dir(out, cell) / p
