@@ -242,16 +242,24 @@ class MarsSchedulerMixin:
         policy = self.mars_policy
         self._cost_fit: OnlineCostFit | None = None
         self._step_work: tuple[float, list[tuple[int, int]], int] | None = None
+        self._cost_warning_due = False
         if not policy.uses_cost:
             return
         if cfg.cost_model is not None:
             policy.set_cost_model(cfg.cost_model)
         elif cfg.online_cost and not isinstance(self, AsyncScheduler):
             self._cost_fit = OnlineCostFit()
+        # Said at the first step that schedules work, not here: the driver pins its calibration
+        # right after the engine starts, and a warning now would be false for every run it drives.
+        self._cost_warning_due = not policy.cost.calibrated
+
+    def _warn_if_uncalibrated(self) -> None:
+        self._cost_warning_due = False
+        policy = self.mars_policy
         if not policy.cost.calibrated:
             logger.warning("MarsScheduler: policy %s prices rebuilds with the UNCALIBRATED default cost model "
                            "(%s)%s; pass additional_config['mars']['cost_model'] (mars serve --cost-model)",
-                           cfg.policy, policy.cost.source,
+                           self.mars_config.policy, policy.cost.source,
                            " until the online fit of step times has enough steps" if self._cost_fit else "")
 
     def set_cost_model(self, model: Any) -> None:
@@ -410,6 +418,8 @@ class MarsSchedulerMixin:
             self._release_returned(out.num_scheduled_tokens, now)
         if self._cost_fit is not None:
             self._record_step_work(out)
+        if self._cost_warning_due and out.total_num_scheduled_tokens:
+            self._warn_if_uncalibrated()
         return out
 
     def _order_running(self) -> None:
