@@ -37,6 +37,18 @@ def write(tmp_path: Path, text: str, name: str = "exp.toml") -> Path:
     return p
 
 
+def _recording_replay(ran: list):
+    """A stand-in for ``run_replay`` that records (policy, rps) and writes a summary with mean E2E 1 s."""
+
+    def one(cfg, cost=None):
+        ran.append((cfg.policy, cfg.rps))
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
+        return Path(cfg.out), cost
+
+    return one
+
+
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
     from vllm_mars.experiment.grid import run_experiment
@@ -95,14 +107,7 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
     (cell / "fcfs" / "summary.json").unlink()
     (cell / "cell.json").unlink()
     ran = []
-
-    def one(cfg, cost=None):
-        ran.append((cfg.policy, cfg.rps))
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
-        return Path(cfg.out), cost
-
-    monkeypatch.setattr(compare, "run_replay", one)
+    monkeypatch.setattr(compare, "run_replay", _recording_replay(ran))
     # --policies: run only some now; the cell reports every finished run and lists what is left
     part = run_experiment(exp, out, only=["compact/rps8/*"], progress=False, policies=["mars-short-ret"])
     assert ran == [] and part["missing_runs"] == ["compact/rps8/seed0/fcfs"]
@@ -142,14 +147,7 @@ def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_
     shutil.rmtree(copy / "runs" / "compact" / "rps2" / "seed0" / "mars")
     before = (copy / "results.json").read_text()
     ran = []
-
-    def one(cfg, cost=None):
-        ran.append((cfg.policy, cfg.rps))
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
-        return Path(cfg.out), cost
-
-    monkeypatch.setattr(compare, "run_replay", one)
+    monkeypatch.setattr(compare, "run_replay", _recording_replay(ran))
     with pytest.raises(ValueError, match=r"records 1 run\(s\) whose run dirs are not under .*compact/rps2/seed0/mars"):
         run_experiment(exp, copy, progress=False, policies=["fcfs"])
     with pytest.raises(ValueError, match="compact/rps2/seed0/mars"):
