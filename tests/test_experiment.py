@@ -162,6 +162,9 @@ def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_
     rec = run_experiment(exp, copy, only=["compact/rps2/*"], progress=False)
     assert ran == [("mars", 2.0)] and rec["missing_runs"] == [] and rec["missing"] == []
     assert {c["key"] for c in rec["cells"]} == {"compact/rps2/seed0", "compact/rps8/seed0"}
+    # a results.json that is not a record of cells is not read back: it is rewritten
+    (copy / "results.json").write_text("[1, 2]")
+    assert len(run_experiment(exp, copy, progress=False, execute=False)["cells"]) == 2
 
 
 def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):

@@ -152,9 +152,12 @@ def _refuse_to_drop_runs(exp: Experiment, out: Path, cells: Sequence[Cell], poli
     if not p.is_file():
         return
     try:
-        recorded = json.loads(p.read_text()).get("cells") or []
+        data = json.loads(p.read_text())
     except (OSError, ValueError):
         return  # not ours to read back; it is rewritten from the run dirs
+    recorded = data.get("cells") if isinstance(data, dict) else None
+    if not isinstance(recorded, list):
+        return
     again = {(c.key, q) for c in cells for q in exp.policies_for(c.workload) if policies is None or q in policies}
     by_key = {c.key: c for c in exp.cells()}
     lost = [f"{rec.get('key')}/{q}" for rec in recorded if isinstance(rec, dict) and rec.get("key") in by_key
