@@ -87,27 +87,39 @@ def test_scheduler_fits_the_policy_cost_model_from_its_step_times():
     assert_no_leaks(s)
 
 
-@pytest.mark.parametrize("pin", [False, True])
+@pytest.mark.parametrize("pin", [False, True, "after calibration calls"])
 def test_uncalibrated_warning_comes_at_the_first_step_and_not_when_the_driver_pins_a_model_first(caplog, pin):
-    """The driver pins its calibration right after the engine starts: no warning then; without one the
-    first step that schedules work says so, once."""
+    """The driver pins its calibration right after the engine starts (the in-process engine after
+    calibration calls on itself, with the warning deferred for them): no warning then; without one
+    the first step that schedules work says so, once."""
     import logging
 
     clock = VirtualClock()
-    with caplog.at_level(logging.WARNING, logger="vllm_mars.engine.scheduler"):
-        s = make_scheduler("mars", clock=clock, num_blocks=400, max_num_batched_tokens=128)
-        s.schedule()  # nothing to schedule yet: not a step that prices anything
-        assert not [r for r in caplog.records if "UNCALIBRATED" in r.getMessage()]
-        if pin:
-            s.set_cost_model(CostModel(prefill_s_per_token=5e-5, source="test calibration", calibrated=True))
+
+    def serve(prefix):
         for i in range(6):
-            s.add_request(make_request(f"r{i}", prompt_len=100, max_tokens=2))
+            s.add_request(make_request(f"{prefix}{i}", prompt_len=100, max_tokens=2))
         while s.has_requests():
             so = s.schedule()
             clock.advance(0.005)
             s.update_from_output(so, fake_model_output(s, so))
-    warned = [r for r in caplog.records if "UNCALIBRATED" in r.getMessage()]
-    assert len(warned) == (0 if pin else 1), [r.getMessage() for r in warned]
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if "UNCALIBRATED" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="vllm_mars.engine.scheduler"):
+        s = make_scheduler("mars", clock=clock, num_blocks=400, max_num_batched_tokens=128)
+        s.schedule()  # nothing to schedule yet: not a step that prices anything
+        assert not warned()
+        if pin == "after calibration calls":
+            s.defer_cost_warning(True)
+            serve("cal")  # steps with work, but the driver's, before it pins
+            s.defer_cost_warning(False)
+            assert not warned()
+        if pin:
+            s.set_cost_model(CostModel(prefill_s_per_token=5e-5, source="test calibration", calibrated=True))
+        serve("r")
+    assert len(warned()) == (0 if pin else 1), warned()
     assert s.mars_stats()["cost_model"]["source"] == ("test calibration" if pin else s.mars_policy.cost.source)
     s.release_retention()
     assert_no_leaks(s)

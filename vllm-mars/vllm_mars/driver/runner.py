@@ -735,7 +735,16 @@ async def _calibrate_apart(cfg: ReplayConfig, backend: Any, clock: Any, schedule
             return await calibrate(cal, 4096, cfg.effective_max_model_len(), long_prompt=SIM_CALIBRATE_PROMPT)
         finally:
             await cal.close()
-    cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=512)
+    # Its calls are not the run: the scheduler's uncalibrated warning waits for the run's first step
+    # (by then the driver has pinned what they measured; with a model of its own, it warns then).
+    defer = getattr(getattr(backend, "scheduler", None), "defer_cost_warning", None)
+    if defer is not None:
+        defer(True)
+    try:
+        cost = await calibrate(backend, 4096, cfg.effective_max_model_len(), long_prompt=512)
+    finally:
+        if defer is not None:
+            defer(False)
     reset = getattr(backend, "reset_prefix_cache", None)
     if reset is not None and not await reset():
         logger.warning("the engine's prefix cache could not be emptied after calibration: the run starts "

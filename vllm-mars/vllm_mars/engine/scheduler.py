@@ -243,6 +243,7 @@ class MarsSchedulerMixin:
         self._cost_fit: OnlineCostFit | None = None
         self._step_work: tuple[float, list[tuple[int, int]], int] | None = None
         self._cost_warning_due = False
+        self._cost_warning_deferred = False
         if not policy.uses_cost:
             return
         if cfg.cost_model is not None:
@@ -252,6 +253,11 @@ class MarsSchedulerMixin:
         # Said at the first step that schedules work, not here: the driver pins its calibration
         # right after the engine starts, and a warning now would be false for every run it drives.
         self._cost_warning_due = not policy.cost.calibrated
+
+    def defer_cost_warning(self, deferred: bool) -> None:
+        """While ``deferred``, steps do not count as the run's first work for the uncalibrated
+        warning: the driver's calibration calls, after which it pins the model they measured."""
+        self._cost_warning_deferred = deferred
 
     def _warn_if_uncalibrated(self) -> None:
         self._cost_warning_due = False
@@ -418,7 +424,7 @@ class MarsSchedulerMixin:
             self._release_returned(out.num_scheduled_tokens, now)
         if self._cost_fit is not None:
             self._record_step_work(out)
-        if self._cost_warning_due and out.total_num_scheduled_tokens:
+        if self._cost_warning_due and out.total_num_scheduled_tokens and not self._cost_warning_deferred:
             self._warn_if_uncalibrated()
         return out
 
