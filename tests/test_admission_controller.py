@@ -7,7 +7,7 @@ import math
 import pytest
 from vllm_mars.admission.base import NoneController, PendingRoot, Telemetry, make_controller
 from vllm_mars.admission.concur import ConcurConfig, ConcurController
-from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
+from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController, _Active
 
 
 def tel(ts, free=1000, total=1000, bs=16, usage=None, inflight=None, workers=None, wait=None, hit=None):
@@ -701,6 +701,74 @@ def test_queue_wait_pool_reads_keepable_from_the_contexts_the_roots_will_have():
     assert ev[0].data["wait_slots"] >= 1
     # Calls queued in the engine: holding b relieves the batch, so "pool" holds like "slot".
     assert _third_root(300, 0, 4e-4, waiting=3, queue_wait="pool")[0] == []
+
+
+def _held_behind_two_roots(slot_wait, turns_seen):
+    """Two 10-turn 3000-token roots admitted at t=0 into a full 100-block pool show a turn every
+    50 s (400 tokens of growth each) until ``turns_seen``; root b (3000 tokens, 10 turns) arrives
+    10 s after their latest turn with nothing free. Returns (b's first tick, its admit events)."""
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, slot_wait=slot_wait)
+    c.set_cost_model(CostModel(prefill_s_per_token=4e-4, source="test"))
+    c.observe(tel(0, free=100, total=100))
+    for i in range(2):
+        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
+    assert c.tick(0.0) == ["a0", "a1"]
+    for j in range(1, turns_seen):
+        for i in range(2):
+            c.update_estimate(f"a{i}", 3000 + 400 * j, 50.0 * j)
+    t = 50.0 * (turns_seen - 1) + 10
+    c.observe(Telemetry(ts=t, free_blocks=0, total_blocks=100, block_size=16, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("b", t, 3000, {"turns": 10}))
+    admitted = c.tick(t)
+    return admitted, [e.data for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+
+
+def test_slot_wait_ends_reads_the_wait_from_when_the_active_roots_end():
+    # Early in the active roots' lives (turn 2 of 10, 60 s in): "mean" expects a slot in 60 s / 2
+    # (no root finished, the longest active over the active) and holds b, whose overflow costs
+    # 101 s of rebuilds; "ends" expects one after 8.5 more turns of 50 s (425 s) and lets it in.
+    assert _held_behind_two_roots("mean", 2) == ([], [])
+    admitted, ev = _held_behind_two_roots("ends", 2)
+    assert admitted == ["b"] and ev[0]["mode"] == "cost_overflow"
+    assert ev[0]["expected_queue_s"] == pytest.approx(8.5 * 50.0)
+    assert ev[0]["expected_rebuild_s"] == pytest.approx(101.4, rel=0.01)
+    # Near their end (turn 9 of 10, 410 s in): "mean" expects 410 s / 2 and lets b in (88 s of
+    # rebuilds); "ends" expects both to end 1.5 turns (75 s) from now and holds it.
+    admitted, ev = _held_behind_two_roots("mean", 9)
+    assert admitted == ["b"] and ev[0]["expected_queue_s"] == pytest.approx(205.0)
+    assert ev[0]["expected_rebuild_s"] == pytest.approx(87.9, rel=0.01)
+    assert _held_behind_two_roots("ends", 9) == ([], [])
+    # "fit_ends" keeps "mean" outside the projection's wait ("pool" reads it from the projection
+    # only with the engine's queue known to be empty: not here)
+    assert _held_behind_two_roots("fit_ends", 2) == ([], [])
+    assert _held_behind_two_roots("fit_ends", 9)[0] == ["b"]
+
+
+def test_slot_wait_fit_ends_reads_the_projections_wait_from_the_ends():
+    # The no-fit scenario with "fit": both active roots end after 8.5 more turns of 50 s (425 s, not
+    # 2 x the 50 s "mean" slot), then b's overflow still costs 36,000 tokens x 0.4 ms x 3 calls.
+    admitted, c = _third_root(100, 0, 4e-4, queue_wait="fit", slot_wait="fit_ends")
+    assert admitted == ["b"]
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
+    assert ev[0].data["wait_slots"] == 2
+    assert ev[0].data["expected_queue_s"] == pytest.approx(425.0 + 3 * 4e-4 * 36_000, rel=0.01)
+
+
+def test_slot_wait_ends_weighs_the_kth_soonest_end_for_k_slots():
+    # "fit" waits for k slots: with "ends" the k-th soonest end (remaining turns less half the
+    # current one, times the learned turn time) instead of k times the next slot's wait.
+    c = mars(slot_wait="ends")
+    c._turn_s = 10.0
+    for name, turns in (("x", 3), ("y", 8), ("z", 5)):
+        c._active[name] = _Active(name, 0.0, 1, False, 100, turns)
+    c._life_version += 1
+    assert [c._slot_wait_s(k) for k in (1, 2, 3, 4)] == pytest.approx([25.0, 45.0, 75.0, 75.0])
+    assert mars()._slot_wait_s(1) is None  # "mean" (the default)
+    with pytest.raises(ValueError, match="slot_wait"):
+        mars(slot_wait="median")
 
 
 def _no_fit_scenario_waiting(queue_wait, waiting):

@@ -215,7 +215,7 @@ class ControllerBase:
             return fp(q) if fp is not None else None
         if workflow not in self._active or fp is None:
             return None
-        self._on_reestimate(self._active[workflow], prefill_tokens)
+        self._on_reestimate(self._active[workflow], prefill_tokens, now)
         blocks = fp(PendingRoot(workflow, now, prefill_tokens))
         promise = self._pending.get(workflow)
         if promise is not None and blocks > promise[1]:
@@ -223,7 +223,7 @@ class ControllerBase:
             self._pending_sum += blocks - promise[1]
         return blocks
 
-    def _on_reestimate(self, active: Any, prefill_tokens: int) -> None:
+    def _on_reestimate(self, active: Any, prefill_tokens: int, now: float) -> None:
         """Hook: an admitted root's prompt estimate grew (``active`` as stored by :meth:`_admit`)."""
 
     def observe_cached(self, workflow: str, cached_tokens: int) -> None:

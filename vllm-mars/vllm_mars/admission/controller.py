@@ -46,7 +46,9 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   fewer than ``window_min`` of the contexts the roots will have (each grown by its remaining turns,
   the projection's horizon), so that no active set the controller keeps saves them across tool gaps,
   and fewer than half a call waits in the engine on average, so that holding does not relieve the
-  batch either; else the wait for the next slot). The AIMD window starts at ``window_max`` and shrinks on
+  batch either; else the wait for the next slot; ``slot_wait`` says how a slot's wait is estimated:
+  the mean active time over the roots active, or when the active roots' own remaining turns end).
+  The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
   priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
   when rebuilds are cheap.
@@ -186,6 +188,19 @@ class MarsAdmissionConfig(WindowConfig):
     #: (0.995x-1.006x), within 1 % of "full" in 20 of the 21 H200 pressure cells, 5 % slower in one
     #: (ILR-4 @ 0.08 seed 2), equal on the H100 grid but 3 of 46 cells (experiments/admission_shared.toml).
     shared: str = "unique"
+    #: Cost rule: how the wait for a slot is estimated. "mean" (the default): a root's mean active
+    #: time (admission to finish, an EMA over finished roots; before any finished, the longest
+    #: active so far) over the roots active, as if their ends were spread evenly. "ends": when the
+    #: active roots' own ends come: each root's remaining turns (its reported ``turns`` less those
+    #: seen, as in the projection; the current one half done) times the learned time between a
+    #: root's turns, the next slot at the soonest end and the k-th slot ("fit") at the k-th soonest;
+    #: "mean" until a turn time is learned. "fit_ends": "ends" only where ``queue_wait`` reads the
+    #: wait from the projection ("fit"; with "pool", where holding can neither keep contexts nor
+    #: relieve the engine), "mean" elsewhere. The closer estimate admits more and loses where the
+    #: pool thrashes: "ends" up to 1.81x slower on the H200 grid's ILR-4; "fit_ends" is "mean" there
+    #: and within noise of it on the H100 grid and the embedded default in virtual time
+    #: (experiments/slot_wait.toml, slot_wait_h100.toml, docs/admission.md).
+    slot_wait: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -232,6 +247,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("queue_wait", "'slot', 'fit', 'fit_within' or 'pool'")
         if self.shared not in ("unique", "full"):
             raise bad("shared", "'unique' or 'full'")
+        if self.slot_wait not in ("mean", "ends", "fit_ends"):
+            raise bad("slot_wait", "'mean', 'ends' or 'fit_ends'")
 
 
 @dataclass
@@ -247,6 +264,8 @@ class _Active:
     seen: int = 1
     #: Tokens of its first prompt found in the prefix cache (None: not reported).
     shared: int | None = None
+    #: When its latest turn was seen (admission until then).
+    turn_at: float = 0.0
 
 
 @register_controller
@@ -263,6 +282,7 @@ class MarsAdmissionController(ControllerBase):
         cfg = self.config
         self.cost: CostModel | None = None
         self._service_s = 0.0  # EMA of a root's active time (admission to finish)
+        self._turn_s: float | None = None  # EMA of the time between a root's successive turns
         self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
         self._rebuild_share: float | None = None  # measured share of engine time spent rebuilding
         self._waiting_ema: float | None = None  # EMA of calls waiting in the engine, per reading
@@ -340,7 +360,7 @@ class MarsAdmissionController(ControllerBase):
         self._rebuild_share = share if old is None else 0.7 * old + 0.3 * share
         self._prev_rebuild = (t.ts, tokens)
 
-    def _on_reestimate(self, act: _Active, prefill_tokens: int) -> None:
+    def _on_reestimate(self, act: _Active, prefill_tokens: int, now: float) -> None:
         # A later turn's prompt: the context grew by one turn (tool output, the previous answer).
         # Learned online from every active root, so early roots are sized before any finishes.
         if act.prefill_tokens and prefill_tokens > act.prefill_tokens:
@@ -348,6 +368,9 @@ class MarsAdmissionController(ControllerBase):
             step = min(self.config.turn_growth_max_tokens, prefill_tokens - act.prefill_tokens)
             self._turn_growth = step if self._grown == 0 else (1 - a) * self._turn_growth + a * step
             self._grown += 1
+            took = max(now - act.turn_at, 0.0)
+            self._turn_s = took if self._turn_s is None else (1 - a) * self._turn_s + a * took
+            act.turn_at = now
             act.seen += 1
             self._life_version += 1
         # growth is measured from the agent's context, not from a short side call it was offered on
@@ -574,7 +597,7 @@ class MarsAdmissionController(ControllerBase):
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
             self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                           turns if isinstance(turns, int) else None),
+                                           turns if isinstance(turns, int) else None, turn_at=now),
                         blocks, self.config.promise_s)
             self._life_version += 1
             out.append(root.workflow)
@@ -770,7 +793,9 @@ class MarsAdmissionController(ControllerBase):
             # ``items`` order (most turns left first), as _projection needs
             later = [(x - rem, ctx + g * rem) for x, ctx in items if x > rem]
             grown = sorted([*later, cand], reverse=True)
-            cost = k * slot_s + self._rebuild_cost_s(root, 0, self._marginal_overflow(later, grown, cap))
+            wait = self._slot_wait_s(k)
+            cost = (k * slot_s if wait is None else wait) + self._rebuild_cost_s(
+                root, 0, self._marginal_overflow(later, grown, cap))
             if cost < best:
                 best, best_k = cost, k
             if not later:
@@ -792,12 +817,26 @@ class MarsAdmissionController(ControllerBase):
         return idle and cap < self.config.window_min * mean_ctx
 
     def _queue_cost_s(self, now: float) -> float:
-        """Expected wait for the next slot: a root's mean active time over the roots active (before
-        any root finished, the longest one active so far)."""
+        """Expected wait for the next slot. ``slot_wait = "mean"``: a root's mean active time over the
+        roots active (before any root finished, the longest one active so far); "ends": the
+        soonest expected end of an active root (:meth:`_slot_wait_s`)."""
         if not self._active:
             return math.inf
+        ends = self._slot_wait_s(1, fit=False)
+        if ends is not None:
+            return ends
         service = self._service_s or max(now - a.admitted_at for a in self._active.values())
         return service / len(self._active)
+
+    def _slot_wait_s(self, k: int, fit: bool = True) -> float | None:
+        """``slot_wait = "ends"``: the expected wait until ``k`` active roots have ended: the k-th
+        fewest remaining turns (the current one half done on average) times the learned time
+        between turns. None: "mean", or no turn time learned yet."""
+        sw = self.config.slot_wait
+        if not (sw == "ends" or (sw == "fit_ends" and fit)) or self._turn_s is None or not self._active:
+            return None
+        ends = sorted(rem for rem, _ in self._life_items())
+        return (ends[min(k, len(ends)) - 1] - 0.5) * self._turn_s
 
     def _drain(self, queue: list[PendingRoot], slots: int, budget: int,
                foot: dict[str, int]) -> list[tuple[PendingRoot, str, int, dict]]:
