@@ -162,6 +162,13 @@ def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_
     rec = run_experiment(exp, copy, only=["compact/rps2/*"], progress=False)
     assert ran == [("mars", 2.0)] and rec["missing_runs"] == [] and rec["missing"] == []
     assert {c["key"] for c in rec["cells"]} == {"compact/rps2/seed0", "compact/rps8/seed0"}
+    # a run of a policy the file no longer runs (a variant removed or renamed) is not held for:
+    # the file changed, and the rewritten table leaves it out
+    data = json.loads((copy / "results.json").read_text())
+    data["cells"][0]["policies"]["mars-renamed"] = dict(data["cells"][0]["policies"]["mars"])
+    (copy / "results.json").write_text(json.dumps(data))
+    rec = run_experiment(exp, copy, progress=False, execute=False)
+    assert all("mars-renamed" not in c["policies"] for c in rec["cells"])
     # a results.json that is not a record of cells is not read back: it is rewritten
     (copy / "results.json").write_text("[1, 2]")
     assert len(run_experiment(exp, copy, progress=False, execute=False)["cells"]) == 2

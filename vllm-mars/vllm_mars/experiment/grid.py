@@ -160,9 +160,12 @@ def _refuse_to_drop_runs(exp: Experiment, out: Path, cells: Sequence[Cell], poli
         return
     again = {(c.key, q) for c in cells for q in exp.policies_for(c.workload) if policies is None or q in policies}
     by_key = {c.key: c for c in exp.cells()}
+    # A policy the file no longer runs in that cell (a variant removed or renamed) is the file's
+    # change, not a loss: its runs leave the table.
     lost = [f"{rec.get('key')}/{q}" for rec in recorded if isinstance(rec, dict) and rec.get("key") in by_key
             for q in (rec.get("policies") or {})
-            if not (cell_dir(out, by_key[rec["key"]]) / q).is_dir() and (rec["key"], q) not in again]
+            if q in exp.policies_for(by_key[rec["key"]].workload)
+            and not (cell_dir(out, by_key[rec["key"]]) / q).is_dir() and (rec["key"], q) not in again]
     if lost:
         raise ValueError(f"{p} records {len(lost)} run(s) whose run dirs are not under {out / 'runs'} "
                          f"(first: {lost[0]}) and this invocation would not run them again, so the results "
