@@ -425,6 +425,31 @@ def test_cost_rule_window_shrinks_on_measured_rebuilds_only():
         c.tick(k * 0.2)
     assert c.window < 10 and c.limit() < 10
 
+@pytest.mark.parametrize("rebuild_net", ["always", "keepable"])
+@pytest.mark.parametrize("tokens", [3000, 200])
+def test_rebuild_net_keepable_shrinks_only_where_the_pool_keeps_window_min_contexts(rebuild_net, tokens):
+    # One active root in a 1600-token pool, then 2 engine-seconds of rebuilds per second. A
+    # 3000-token root (10 turns) does not fit the pool twice (window_min 2): every context is evicted
+    # in its tool gaps however few roots are active, so "keepable" leaves the window open; a
+    # 200-token one (one turn) fits it 8 times, and the window shrinks under either rule.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=10, interval_s=0.2, rebuild_net=rebuild_net)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-4, source="test"))
+    c.observe(Telemetry(ts=0.0, free_blocks=100, total_blocks=100, block_size=16,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("a", 0.0, tokens, {"turns": 10 if tokens > 1000 else 1}))
+    assert c.tick(0.0) == ["a"]
+    for k in range(1, 10):
+        c.observe(Telemetry(ts=k * 0.2, free_blocks=0, total_blocks=100, block_size=16,
+                            recomputed_tokens=4000 * k, kv_blocks_removed=0))
+        c.tick(k * 0.2)
+    shrunk = rebuild_net == "always" or tokens == 200
+    assert (c.window < 10) == shrunk and c.snapshot()["kv_overloaded"] == shrunk
+    with pytest.raises(ValueError, match="rebuild_net"):
+        mars(rebuild_net="never")
+
+
 def test_registry_a_controller_is_only_its_rules_and_bool_options_work():
     """A controller registered with the decorator gets the queue, active set, events, promises and
     option validation from the base; bool options can be set (before: 'must be bool' for True)."""

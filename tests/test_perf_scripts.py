@@ -4,6 +4,7 @@ speed-adjusted estimate and its checks of --concurrent, without running an engin
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -46,3 +47,27 @@ def test_concurrent_needs_a_core_per_variant(rounds_script, monkeypatch, capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--concurrent: 2 variants (fcfs, mars) but 1 usable cores" in err and "one variant per core" in err
+
+
+def test_stretch_slows_the_workloads_clock_and_keeps_its_tokens(rounds_script, tmp_path):
+    src = tmp_path / "wl.jsonl"
+    child = {"workflow_id": "r0.c", "prompt_tokens": 10, "turns": [{"output_tokens": 2, "tool_s": 0.5, "tool": "t"},
+                                                                  {"append_tokens": 3, "output_tokens": 2}]}
+    src.write_text(
+        '{"schema":"mars_workload_v1","workflow_id":"r0","arrival_s":1.5,"prompt_tokens":40,'
+        '"turns":[{"output_tokens":4,"tool_s":2.0,"tool":"bash"},{"append_tokens":5,"output_tokens":4}],'
+        f'"children":[{{"after_turn":0,"workflow":{json.dumps(child)}}}]}}\n')
+    from vllm_mars.workload.schema import load_workload
+
+    (root,) = load_workload(rounds_script.stretch_workload(str(src), tmp_path / "out.jsonl", 4.0))
+    assert root.arrival_s == 6.0 and [t.tool_s for t in root.turns] == [8.0, 0.0]
+    kid = root.children[0].workflow
+    assert [t.tool_s for t in kid.turns] == [2.0, 0.0]
+    assert [t.output_tokens for t in root.turns] == [4, 4] and root.turns[1].append_tokens == 5
+    assert kid.initial_tokens == 10 and kid.turns[1].append_tokens == 3
+
+
+def test_stretch_out_of_range_is_a_usage_error(rounds_script, capsys):
+    with pytest.raises(SystemExit) as e:
+        rounds_script.main(["--stretch", "0", "--rounds", "1", "--out", "/dev/null"])
+    assert e.value.code == 2 and "--stretch: must be in [0.1, 100], got 0" in capsys.readouterr().err

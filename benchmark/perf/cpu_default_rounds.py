@@ -22,6 +22,12 @@ batches) shows how alike the pair's engines ran.
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --rounds 5
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --rounds 9 --out /tmp/r.json
     .venv/bin/python benchmark/perf/cpu_default_rounds.py --variants fcfs,mars --concurrent --rounds 12
+
+``--stretch K`` slows the workload's clock K times (every tool time and arrival gap x K, tokens
+unchanged): against its tools the engine then runs as if K times faster, so a box whose steps take
+2.2x the fitted profile's measures the regime of step speed 2.2 / K (the sim rig's step scale,
+``cpu_default_speed_sim.py``). Not exact: the driver's and the controller's own periods (telemetry
+sampling, control interval, retention's fixed bounds) stay in wall seconds.
 """
 
 from __future__ import annotations
@@ -139,6 +145,31 @@ def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str
     return labels, variants
 
 
+def stretch_workload(src: str, dest: Path, k: float) -> Path:
+    """``src`` with its clock slowed ``k`` times: every turn's ``tool_s`` and every ``arrival_s`` x k
+    (children included), the tokens unchanged; written to ``dest`` and loaded back (validated)."""
+    from vllm_mars.workload.schema import load_workload
+
+    def scale(wf: dict) -> None:
+        for turn in wf.get("turns", []):
+            if turn.get("tool_s"):
+                turn["tool_s"] = round(turn["tool_s"] * k, 6)
+        if wf.get("arrival_s") is not None:
+            wf["arrival_s"] = round(wf["arrival_s"] * k, 6)
+        for child in wf.get("children", []):
+            scale(child["workflow"])
+
+    lines = []
+    for line in Path(src).read_text().splitlines():
+        if line.strip():
+            wf = json.loads(line)
+            scale(wf)
+            lines.append(json.dumps(wf, separators=(",", ":")))
+    dest.write_text("\n".join(lines) + "\n")
+    load_workload(dest)
+    return dest
+
+
 def _row(run_dir: Path) -> dict:
     """A run's figures for the record (the caller adds its steal share)."""
     s = json.loads((run_dir / "summary.json").read_text())
@@ -199,6 +230,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_rounds.json"))
     ap.add_argument("--concurrent", action="store_true",
                     help="run a round's variants at the same time, one process pinned to one core each")
+    ap.add_argument("--stretch", type=float, default=1.0,
+                    help="slow the workload's clock by this factor: every tool time and arrival gap x K (the "
+                         "engine as if K times faster against its tools; a slow box's fast regime)")
     ap.add_argument("--summarize", metavar="FILE",
                     help="run nothing: print the paired speedups of an earlier --out file (its rounds)")
     args = ap.parse_args(argv)
@@ -208,7 +242,11 @@ def main(argv: list[str]) -> int:
         ap.error("--rounds: must be >= 1")
     if not 0 <= args.max_steal <= 1:
         ap.error("--max-steal: must be in [0, 1]")
+    if not 0.1 <= args.stretch <= 100:
+        ap.error(f"--stretch: must be in [0.1, 100], got {args.stretch:g}")
     cores = sorted(os.sched_getaffinity(0))
+
+    from dataclasses import replace
 
     from vllm_mars.cli import build_parser
     from vllm_mars.commands.driver import _quiet_engine, compare_config
@@ -224,10 +262,13 @@ def main(argv: list[str]) -> int:
     _quiet_engine(cargs)
     base, _ = compare_config(cargs)
     base = base.with_profile()
-    rps = DEFAULT_RPS[0]
+    rps = DEFAULT_RPS[0] / args.stretch
     cost = None
     rounds = []
     with tempfile.TemporaryDirectory(prefix="mars-rounds-") as tmp:
+        if args.stretch != 1:
+            base = replace(base, workload=str(stretch_workload(base.workload, Path(tmp) / "stretched.jsonl",
+                                                               args.stretch)))
         pool = ProcessPoolExecutor(max_workers=len(labels), mp_context=get_context("spawn")) if args.concurrent else None
         try:
             for r in range(args.rounds):
@@ -254,7 +295,8 @@ def main(argv: list[str]) -> int:
                 for label in order:
                     speed = row[label].get("step_speed")
                     print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "
-                          f"steal {row[label]['steal_share']:.1%}" + (f"  step speed {speed:.3f}" if speed else ""),
+                          f"steal {row[label]['steal_share']:.1%}" + (f"  step speed {speed:.3f}" if speed else "")
+                          + (f" (/ stretch {speed / args.stretch:.3f})" if speed and args.stretch != 1 else ""),
                           flush=True)
                 rounds.append({"order": order, "runs": row})
         finally:
@@ -282,6 +324,7 @@ def main(argv: list[str]) -> int:
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU",
         "command": "python benchmark/perf/cpu_default_rounds.py " + " ".join(argv),
         "mode": "concurrent (one core per run)" if args.concurrent else "sequential",
+        "stretch": args.stretch,
         "variants": {k: variants.get(k, {"policy": k}) for k in labels}, "rps": rps, "max_steal": args.max_steal,
         "cost_model": cost.as_dict() if cost else None, "rounds": rounds,
         "median_speedup_vs_fcfs": medians(rounds), "quiet_rounds": len(quiet),

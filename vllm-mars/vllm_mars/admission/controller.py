@@ -50,8 +50,9 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   the mean active time over the roots active, or when the active roots' own remaining turns end).
   The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
-  priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count. Work-conserving
-  when rebuilds are cheap.
+  priced by the cost model) at ``rebuild_share_high`` shrinks it from the active count, while the
+  pool keeps ``window_min`` of the roots' grown contexts (``rebuild_net``; where it keeps fewer, a
+  smaller window does not save contexts). Work-conserving when rebuilds are cheap.
   Without a cost model the controller says so in an ``admission_cost_model`` event and applies
   the footprint rules (``admit = "footprint"``).
 * **Charging** (``charge``): ``all`` roots count against the budget (ours), or only ``long`` ones
@@ -201,6 +202,16 @@ class MarsAdmissionConfig(WindowConfig):
     #: and within noise of it on the H100 grid and the embedded default in virtual time
     #: (experiments/slot_wait.toml, slot_wait_h100.toml, docs/admission.md).
     slot_wait: str = "mean"
+    #: Cost rule: where the measured rebuild share shrinks the window (``rebuild_share_high``).
+    #: "keepable" (the default): only while the pool keeps ``window_min`` of the contexts the roots
+    #: will have (the "pool" keep test): where it keeps fewer, every context is evicted in its tool
+    #: gaps however few roots are active, and a smaller window only queues roots. "always": wherever
+    #: the share is high. On the real CPU engine's embedded default "always" fired on rebuilds the
+    #: 48-block pool cannot avoid and held roots 2.1 s on average: 0.802x fcfs against 0.978x in the
+    #: fast regime (``cpu_default_rounds.py --stretch 4.4``); identical in virtual time on the H200
+    #: grid (the pool keeps contexts) and the CPU rig (the share never reaches 0.25 there); on the
+    #: H100 grid "keepable" is the net off (experiments/aimd_net.toml, aimd_net_h100.toml).
+    rebuild_net: str = "keepable"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -249,6 +260,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("shared", "'unique' or 'full'")
         if self.slot_wait not in ("mean", "ends", "fit_ends"):
             raise bad("slot_wait", "'mean', 'ends' or 'fit_ends'")
+        if self.rebuild_net not in ("always", "keepable"):
+            raise bad("rebuild_net", "'always' or 'keepable'")
 
 
 @dataclass
@@ -510,9 +523,10 @@ class MarsAdmissionController(ControllerBase):
         if self._cost_mode():
             # Full KV is fine while rebuilds are cheap: pressure is measured rebuild time.
             share = self._rebuild_share
-            if share >= cfg.rebuild_share_high:
+            applies = self._net_applies()
+            if share >= cfg.rebuild_share_high and applies:
                 kv = True
-            elif share <= cfg.rebuild_share_low:
+            elif share <= cfg.rebuild_share_low or not applies:
                 kv = False
         elif usage is not None and not stale:
             if usage >= cfg.kv_target:
@@ -810,11 +824,25 @@ class MarsAdmissionController(ControllerBase):
         they are still evicted in every tool gap, and no call waits in the engine. (Current
         contexts instead held a root 36.7 s on the H100 grid, ILR-1 @ 0.036 seed 0, where 4 of
         them fit the pool and their lives did not; measured while its cycled roots shared ids.)"""
-        g = self._turn_growth
-        ctx = [c + g * rem for rem, c in items] + [cand[1] + g * cand[0]]
-        mean_ctx = sum(ctx) / len(ctx)
         idle = self._waiting_ema is not None and self._waiting_ema < 0.5
-        return idle and cap < self.config.window_min * mean_ctx
+        return idle and not self._pool_keeps(cap, items, cand)
+
+    def _pool_keeps(self, cap: float, items: list[tuple[float, float]],
+                    cand: tuple[float, float] | None = None) -> bool:
+        """The pool (``cap`` tokens) holds ``window_min`` of the contexts the roots will have: the
+        mean of the active roots' (and the candidate's) contexts, each grown by its remaining turns.
+        True when there are none."""
+        g = self._turn_growth
+        ctx = [c + g * rem for rem, c in items] + ([cand[1] + g * cand[0]] if cand is not None else [])
+        return not ctx or cap >= self.config.window_min * (sum(ctx) / len(ctx))
+
+    def _net_applies(self) -> bool:
+        """``rebuild_net = "keepable"``: measured rebuilds shrink the window only while the pool
+        keeps ``window_min`` of the grown contexts (else fewer active roots are evicted all the same)."""
+        if self.config.rebuild_net == "always":
+            return True
+        cap = self.life_capacity_tokens()
+        return cap is None or self._pool_keeps(cap, self._life_items())
 
     def _queue_cost_s(self, now: float) -> float:
         """Expected wait for the next slot. ``slot_wait = "mean"``: a root's mean active time over the
