@@ -857,9 +857,10 @@ class MarsAdmissionController(ControllerBase):
         return service / len(self._active)
 
     def _slot_wait_s(self, k: int, fit: bool = True) -> float | None:
-        """``slot_wait = "ends"``: the expected wait until ``k`` active roots have ended: the k-th
-        fewest remaining turns (the current one half done on average) times the learned time
-        between turns. None: "mean", or no turn time learned yet."""
+        """``slot_wait = "ends"`` (``"fit_ends"``: only for the projection's wait, ``fit``): the
+        expected wait until ``k`` active roots have ended: the k-th fewest remaining turns (the
+        current one half done on average) times the learned time between turns. None: "mean" (or
+        "fit_ends" outside the projection's wait), or no turn time learned yet."""
         sw = self.config.slot_wait
         if not (sw == "ends" or (sw == "fit_ends" and fit)) or self._turn_s is None or not self._active:
             return None
