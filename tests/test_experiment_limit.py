@@ -183,3 +183,111 @@ def test_summary_pools_cells_of_several_files_against_the_fastest_baseline_and_m
     assert "| 1 of 2 |" in out
     assert main(["experiment", "summary", str(fa), "--only", "nope/*"]) == 2
     assert "no mars policy" in capsys.readouterr().err
+
+
+def _gp(mean: float, goodput: float) -> dict:
+    return {"mean_e2e_s": mean, "goodput_wps_alpha3.0": goodput}
+
+
+def _merge_pair() -> tuple[dict, dict]:
+    """A baselines file (grid: mars, fcfs, infercept) and a variant-only file (var: mars and ``fast``,
+    a labelled variant of mars) of the same cell and setup."""
+    grid = _record("grid", [("W", 0.02, {"mars": _gp(100.0, 0.5), "fcfs": _gp(200.0, 0.2),
+                                         "infercept": _gp(150.0, 0.6)}, "infercept")])
+    var = _record("var", [("W", 0.02, {"mars": _gp(100.0, 0.5), "fast": _gp(75.0, 0.9)}, None)])
+    var["config"]["variants"] = {"fast": {"policy": "mars"}}
+    for rec in (grid, var):
+        rec["cells"][0]["roots"] = 10
+    return grid, var
+
+
+def test_summary_merge_compares_a_variant_in_one_file_with_the_baselines_of_another():
+    from vllm_mars.experiment.summary import merge_records, policy_summary
+
+    grid, var = _merge_pair()
+    apart = {r["policy"]: r for r in policy_summary([grid, var])}
+    assert "geomean" not in apart["fast"] and apart["fast"]["cells"] == 0  # no baseline in var's cell
+    merged, notes = merge_records([grid, var])
+    assert notes == [] and [r["experiment"] for r in merged] == ["grid+var"]
+    assert list(merged[0]["cells"][0]["policies"]) == ["mars", "fcfs", "infercept", "fast"]
+    rows = {r["policy"]: r for r in policy_summary(merged)}
+    f, m = rows["fast"], rows["mars"]
+    assert f["cells"] == 1 and f["geomean"] == pytest.approx(2.0) and f["lowest_cell"] == "grid+var:W/rps0.02/seed0"
+    assert f["goodput_below"] == 0 and f["ref_geomean"] == pytest.approx(100.0 / 75.0)
+    # fast keeps var's driver policy (mars): not a baseline, so mars is still 1.5x over infercept
+    assert m["cells"] == 1 and m["geomean"] == pytest.approx(1.5)
+    # --only matches KEY, the merged name and each file's EXPERIMENT:KEY
+    for glob in ("W/*", "grid+var:*", "var:*", "grid:W/rps0.02/*"):
+        sel = {r["policy"]: r for r in policy_summary(merged, only=[glob])}
+        assert sel["fast"]["geomean"] == pytest.approx(2.0), glob
+    assert policy_summary(merged, only=["other:*"]) == []
+    # a cell only one file has stays that file's EXPERIMENT:KEY
+    alone = copy.deepcopy(var)
+    alone["cells"][0]["key"] = "W/rps0.04/seed0"
+    merged, _ = merge_records([grid, var, alone])
+    assert [r["experiment"] + ":" + r["cells"][0]["key"] for r in merged] == [
+        "grid+var:W/rps0.02/seed0", "var:W/rps0.04/seed0"]
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda r: r["config"]["replay"].update(profile="h100-qwen3-32b"),
+     "profile differs ('h200-qwen3-coder-30b-a3b' vs 'h100-qwen3-32b')"),
+    (lambda r: r["config"]["replay"].update(kv_scale=10.0), "kv_scale differs (None vs 10.0)"),
+    (lambda r: r["config"]["workloads"][0].update(num_workflows=20), "num_workflows differs (10 vs 20)"),
+    (lambda r: r["cells"][0].update(roots=9), "roots differs (10 vs 9)"),
+    (lambda r: r["config"].update(workloads=[]), "workload not described in config.workloads"),
+])
+def test_summary_merge_keeps_cells_of_another_setup_apart_with_a_note(change, why):
+    from vllm_mars.experiment.summary import merge_records, policy_summary
+
+    grid, var = _merge_pair()
+    change(var)
+    merged, notes = merge_records([grid, var])
+    assert notes == [f"W/rps0.02/seed0 in grid and var not merged: {why}"]
+    assert [r["experiment"] for r in merged] == ["grid", "var"]
+    assert "geomean" not in {r["policy"]: r for r in policy_summary(merged)}["fast"]
+    assert merge_records([grid, var], only=["X/*"])[1] == []  # notes only on the selected cells
+    assert merge_records([grid, var], only=["var:*"])[1] == notes
+
+
+def test_summary_merge_takes_a_label_in_two_files_from_the_first_and_notes_other_numbers():
+    from vllm_mars.experiment.summary import merge_records, policy_summary
+
+    grid, var = _merge_pair()
+    var["cells"][0]["policies"]["mars"] = _gp(110.0, 0.5)
+    merged, notes = merge_records([grid, var])
+    assert notes == ["W/rps0.02/seed0: mars has mean E2E 100.0 s in grid and 110.0 s in var: grid's taken"]
+    assert merged[0]["cells"][0]["policies"]["mars"]["mean_e2e_s"] == 100.0
+    assert {r["policy"]: r for r in policy_summary(merged)}["fast"]["ref_geomean"] == pytest.approx(100.0 / 75.0)
+    merged, notes = merge_records([var, grid])
+    assert notes == ["W/rps0.02/seed0: mars has mean E2E 110.0 s in var and 100.0 s in grid: var's taken"]
+    assert merged[0]["experiment"] == "var+grid"
+    assert {r["policy"]: r for r in policy_summary(merged)}["mars"]["geomean"] == pytest.approx(150.0 / 110.0)
+    # the same numbers (to 1e-9) are no note; a baseline only in the second file is still compared
+    var["cells"][0]["policies"]["mars"] = _gp(100.0 * (1 + 1e-12), 0.5)
+    var["cells"][0]["policies"]["autellix"] = _gp(60.0, 0.7)
+    merged, notes = merge_records([grid, var])
+    assert notes == []
+    assert {r["policy"]: r for r in policy_summary(merged)}["fast"]["geomean"] == pytest.approx(0.8)
+
+
+def test_summary_merge_on_the_command_line(tmp_path, capsys):
+    from vllm_mars.cli import main
+
+    grid, var = _merge_pair()
+    other = copy.deepcopy(var)
+    other["experiment"] = "h100"
+    other["config"]["replay"]["profile"] = "h100-qwen3-32b"
+    files = []
+    for rec in (grid, var, other):
+        files.append(tmp_path / f"{rec['experiment']}.json")
+        files[-1].write_text(json.dumps(rec))
+    assert main(["experiment", "summary", str(files[0]), str(files[1])]) == 0
+    out = capsys.readouterr().out
+    assert "| fast | 0 | - | - | - | - | 1.3333x (1.3333 - 1.3333) vs mars | 0 of 1 |" in out and "note:" not in out
+    assert main(["experiment", "summary", "--merge", str(files[0]), str(files[1]), str(files[2])]) == 0
+    out = capsys.readouterr().out
+    assert ("| fast | 1 | 2.0000x | 2.0000x (grid+var:W/rps0.02/seed0) | 0 | 0 | 1.3333x (1.3333 - 1.3333) vs mars "
+            "| 0 of 2 |") in out, out
+    assert out.rstrip().endswith("note: W/rps0.02/seed0 in grid and h100 not merged: profile differs "
+                                 "('h200-qwen3-coder-30b-a3b' vs 'h100-qwen3-32b')"), out

@@ -54,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--only", default=None,
                    help="comma-separated globs over cell keys WORKLOAD/rpsR/seedS (or EXPERIMENT:KEY)")
     s.add_argument("--tolerance", type=float, default=0.01, help="the margin of 'below' (default 0.01)")
+    s.add_argument("--merge", action="store_true",
+                   help="join the cells of different files that are the same run setup (same key, roots, "
+                        "workload definition and replay settings) into one, named EXP1+EXP2:KEY, so that a "
+                        "variant in one file is compared with the baselines of another; a label in several "
+                        "files takes the first file's numbers. Notes under the table name the cells not "
+                        "merged and the labels whose numbers differ")
     s.set_defaults(func=_summary)
 
 
@@ -72,15 +78,18 @@ def _gap(args: argparse.Namespace) -> int:
 
 def _summary(args: argparse.Namespace) -> int:
     from vllm_mars.experiment.limit import load_limit
-    from vllm_mars.experiment.summary import format_policy_summary, policy_summary
+    from vllm_mars.experiment.summary import format_policy_summary, merge_records, policy_summary
 
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
-    rows = policy_summary([load_limit(f) for f in args.results], ref=args.ref, baselines=_csv(args.baselines),
-                          only=_csv(args.only), tolerance=args.tolerance)
+    records, notes = [load_limit(f) for f in args.results], []
+    if args.merge:
+        records, notes = merge_records(records, _csv(args.only))
+    rows = policy_summary(records, ref=args.ref, baselines=_csv(args.baselines), only=_csv(args.only),
+                          tolerance=args.tolerance)
     if not rows:
         raise ValueError("no mars policy with a mean E2E in the selected cells")
-    print("\n".join(format_policy_summary(rows, args.tolerance)))
+    print("\n".join(format_policy_summary(rows, args.tolerance) + [f"note: {n}" for n in notes]))
     return 0
 
 

@@ -61,7 +61,7 @@ def gap_closed(baseline_e2e: float | None, mars_e2e: float | None, limit_e2e: fl
     return (baseline_e2e - mars_e2e) / (baseline_e2e - limit_e2e)
 
 
-def _workload_identity(record: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+def workload_identity(record: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     cfg = record.get("config") or {}
     replay = cfg.get("replay") or {}
     w = next((w for w in cfg.get("workloads") or [] if w.get("name") == name), None)
@@ -78,7 +78,7 @@ def _workload_identity(record: Mapping[str, Any], name: str) -> dict[str, Any] |
 
 
 def _differs(record: Mapping[str, Any], limit: Mapping[str, Any], name: str) -> str | None:
-    a, b = _workload_identity(record, name), _workload_identity(limit, name)
+    a, b = workload_identity(record, name), workload_identity(limit, name)
     if a is None or b is None:
         return "workload not described in config.workloads"
     bad = [f"{k} {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b.get(k)]

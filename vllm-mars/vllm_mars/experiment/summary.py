@@ -11,6 +11,11 @@ Per mars policy (``mars`` and every ``mars-*`` label) over the cells of one or m
 A baseline is what the experiment's table counts as one (:func:`vllm_mars.metrics.compare.is_baseline`,
 a labelled variant's driver policy read from the file's ``config.variants``), or only those named
 with ``baselines``. Reads only the files (no run dirs), so it works on committed results.
+
+Each cell stays inside its file (``EXPERIMENT:KEY``) unless the records first go through
+:func:`merge_records` (``--merge``), which joins the cells of different files that are the same run
+setup into one, so that a variant recorded in one file is compared with the baselines of the same
+cell recorded in another.
 """
 
 from __future__ import annotations
@@ -20,7 +25,19 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm_mars.experiment.limit import workload_identity
 from vllm_mars.metrics.compare import is_baseline
+
+#: ReplayConfig fields (results.json ``config.replay``) that change a run's numbers and must agree for
+#: :func:`merge_records` to join two files' cells, besides the workload identity of
+#: :mod:`vllm_mars.experiment.limit` (preset, path / weka file name, scale, max_context, max_tool_s, the
+#: effective num_workflows and arrival, backend, profile, max_model_len, max_num_seqs,
+#: max_num_batched_tokens). Not compared: what only the machine or the output depend on (url,
+#: cpu_tool, cpu_gpu, sandbox, tool_net_allow, sample_interval_s, record_steps, plots, calibrate) and
+#: what the grid sets per cell or per label (rps and seed are in the key; policy, policy_options,
+#: admission_options belong to the label).
+MERGE_REPLAY = ("model", "num_blocks", "kv_scale", "block_size", "engine_args", "tools", "tool_timeout_s",
+                "call_timeout_s")
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -31,7 +48,8 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
                    baselines: Sequence[str] | None = None, only: Sequence[str] | None = None,
                    alpha: float = 3.0, tolerance: float = 0.01) -> list[dict[str, Any]]:
     """One row per mars policy (every label that is not a baseline) present in the selected cells,
-    in first-seen order."""
+    in first-seen order. ``only``: globs over a cell's KEY and EXPERIMENT:KEY (a cell of
+    :func:`merge_records`: also each of its files' EXPERIMENT:KEY)."""
     gkey = f"goodput_wps_alpha{float(alpha)}"  # as results.json writes it (goodput_wps_alpha3.0)
     cells = []  # (EXPERIMENT:KEY, the cell's policies, label -> is a baseline)
     for rec in records:
@@ -39,7 +57,7 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
         variants = (rec.get("config") or {}).get("variants") or {}
         for c in rec["cells"]:
             key = f"{name}:{c['key']}"
-            if only and not any(fnmatch.fnmatchcase(c["key"], g) or fnmatch.fnmatchcase(key, g) for g in only):
+            if not _selected(name, c, only):
                 continue
             is_base = {p: is_baseline(p, (variants.get(p) or {}).get("policy")) for p in c["policies"]}
             cells.append((key, c["policies"], is_base))
@@ -77,6 +95,102 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
                        ref_max=max(vs_ref), identical=identical)
         rows.append(row)
     return rows
+
+
+def _selected(name: str, cell: Mapping[str, Any], only: Sequence[str] | None) -> bool:
+    """Whether a glob of ``only`` matches the cell's KEY or EXPERIMENT:KEY (a merged cell's: or one of
+    its files' EXPERIMENT:KEY)."""
+    key = cell["key"]
+    names = (key, f"{name}:{key}", *(f"{src}:{key}" for src in cell.get("merged_from", ())))
+    return not only or any(fnmatch.fnmatchcase(n, g) for n in names for g in only)
+
+
+def _setup(record: Mapping[str, Any], cell: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What must agree for two cells of the same key to be one run setup (None: the cell's workload
+    is not described in the file's ``config.workloads``)."""
+    ident = workload_identity(record, cell.get("workload"))
+    if ident is None:
+        return None
+    replay = (record.get("config") or {}).get("replay") or {}
+    ident.update({k: replay.get(k) for k in MERGE_REPLAY})
+    ident["roots"] = cell.get("roots")
+    return ident
+
+
+def _setup_differs(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> str | None:
+    if a is None or b is None:
+        return "workload not described in config.workloads"
+    return ", ".join(f"{k} differs ({a[k]!r} vs {b.get(k)!r})" for k in a if a[k] != b.get(k)) or None
+
+
+def _same_number(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def merge_records(records: Sequence[Mapping[str, Any]],
+                  only: Sequence[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(records, notes): the cells of ``records`` with the cells of different files that are the same
+    run setup joined into one, for :func:`policy_summary`.
+
+    The same setup: the same ``KEY`` (workload, rps, seed), the same ``roots`` in the cell, the same
+    workload definition of that name and the same replay settings (:data:`MERGE_REPLAY` and the
+    workload identity listed there). Cells with the same key and another setup stay apart, each under
+    its own ``EXPERIMENT:KEY``, and a note says what differs. A merged cell holds every label of its
+    files; a label in more than one file takes the numbers (and the driver policy of its
+    ``config.variants`` entry, which decides whether it is a baseline) of the first file given that has
+    it, and a note names the cell, the label and both files where the other's mean E2E differs (by
+    more than 1e-9 relative). Each returned record holds one cell, named ``EXP1+EXP2:KEY`` after the
+    files that gave it labels (``EXP:KEY`` when one file did, as without merging), in first-seen
+    order; the cell's ``merged_from`` lists those experiments, so that ``only`` matches each
+    ``EXP:KEY`` too. ``only`` (the globs given to :func:`policy_summary`) keeps the notes to the
+    selected cells; every cell is returned."""
+    groups: list[dict[str, Any]] = []
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    notes: list[tuple[list[dict[str, Any]], str]] = []  # (the cells it is about, the note)
+    for i, rec in enumerate(records):
+        name = rec.get("experiment", "?")
+        variants = (rec.get("config") or {}).get("variants") or {}
+        for c in rec["cells"]:
+            setup = _setup(rec, c)
+            group, why = None, None
+            for g in by_key.get(c["key"], []):
+                if i in g["files"]:  # one file's cells are never joined with each other
+                    continue
+                diff = _setup_differs(g["setup"], setup)
+                if diff is None:
+                    group = g
+                    break
+                why = why or (g, f"{c['key']} in {g['first']} and {name} not merged: {diff}")
+            if group is None:
+                group = {"setup": setup, "first": name, "files": set(), "sources": [], "variants": {}, "origin": {},
+                         "cell": {"key": c["key"], "workload": c.get("workload"), "seed": c.get("seed"),
+                                  "rps": c.get("rps"), "roots": c.get("roots"), "policies": {}}}
+                groups.append(group)
+                by_key.setdefault(c["key"], []).append(group)
+                if why:
+                    notes.append(([why[0], group], why[1]))
+            group["files"].add(i)
+            pols = group["cell"]["policies"]
+            for p, d in c["policies"].items():
+                if p not in pols:
+                    pols[p], group["origin"][p] = d, name
+                    if p in variants:
+                        group["variants"][p] = variants[p]
+                    if name not in group["sources"]:
+                        group["sources"].append(name)
+                    continue
+                mine, theirs = (pols[p] or {}).get("mean_e2e_s"), (d or {}).get("mean_e2e_s")
+                if not _same_number(mine, theirs):
+                    first = group["origin"][p]
+                    note = f"{c['key']}: {p} has mean E2E {mine} s in {first} and {theirs} s in {name}: {first}'s taken"
+                    notes.append(([group], note))
+    for g in groups:
+        g["cell"]["merged_from"] = g["sources"] or [g["first"]]
+        g["name"] = "+".join(g["cell"]["merged_from"])
+    out = [{"experiment": g["name"], "config": {"variants": g["variants"]}, "cells": [g["cell"]]} for g in groups]
+    return out, [n for about, n in notes if any(_selected(g["name"], g["cell"], only) for g in about)]
 
 
 def format_policy_summary(rows: Sequence[Mapping[str, Any]], tolerance: float = 0.01) -> list[str]:
