@@ -268,7 +268,7 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
-    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit', 'fit_within' or 'pool'"):
+    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit', 'fit_within', 'pool' or 'unkept'"):
         make_controller("mars", {"queue_wait": "fast"})
     with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
@@ -711,6 +711,15 @@ def test_queue_wait_pool_holds_only_where_holding_can_keep_contexts_or_relieve_t
     for queue_wait, want in (("slot", []), ("pool", []), ("fit", ["b"])):
         admitted, _ = _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0, queue_wait=queue_wait)
         assert admitted == want, (queue_wait, admitted)
+
+
+def test_queue_wait_unkept_reads_the_projection_wherever_the_pool_cannot_keep_contexts():
+    # "unkept" is "pool" without the idle-engine condition: the no-fit pool keeps no context, so b
+    # goes in whatever waits in the engine ...
+    for waiting in (0, 3, None):
+        assert _no_fit_scenario_waiting("unkept", waiting=waiting)[0] == ["b"], waiting
+    # ... and a pool that keeps the contexts holds like "slot".
+    assert _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0, queue_wait="unkept")[0] == []
 
 
 def test_queue_wait_pool_reads_keepable_from_the_contexts_the_roots_will_have():

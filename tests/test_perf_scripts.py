@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,37 @@ def test_stretch_out_of_range_is_a_usage_error(rounds_script, capsys):
     with pytest.raises(SystemExit) as e:
         rounds_script.main(["--stretch", "0", "--rounds", "1", "--out", "/dev/null"])
     assert e.value.code == 2 and "--stretch: must be in [0.1, 100], got 0" in capsys.readouterr().err
+
+
+def test_keep_steps_needs_concurrent(rounds_script, capsys):
+    with pytest.raises(SystemExit) as e:
+        rounds_script.main(["--keep-steps", "/tmp/x", "--rounds", "1", "--out", "/dev/null"])
+    assert e.value.code == 2 and "--keep-steps: only with --concurrent" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def speed_script():
+    path = SCRIPT.parent / "cpu_default_speed_sim.py"
+    spec = importlib.util.spec_from_file_location("cpu_default_speed_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_default_speed_sim"] = mod  # its worker function is pickled by module name
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("cpu_default_speed_sim", None)
+
+
+def test_speed_rig_stretch_slows_the_workload_like_the_real_rounds(speed_script, tmp_path, capsys):
+    # The rig's --stretch replays the stretched workload at rps / K: fcfs's mean E2E grows with the
+    # tool times (the engine's steps are unchanged), and the record says what ran.
+    out = {}
+    for k in (1.0, 4.0):
+        dest = tmp_path / f"s{k:g}.json"
+        assert speed_script.main(["--scales", "1", "--seeds", "1", "--variants", "fcfs", "--jobs", "1",
+                                  "--stretch", str(k), "--out", str(dest)]) == 0
+        out[k] = json.loads(dest.read_text())
+    assert out[4.0]["rps"] == pytest.approx(1.0) and out[4.0]["stretch"] == 4.0 and out[1.0]["rps"] == 4.0
+    e2e = {k: r["runs"]["1"]["fcfs"]["0"]["mean_e2e_s"] for k, r in out.items()}
+    assert e2e[4.0] > 2 * e2e[1.0], e2e
+    with pytest.raises(SystemExit) as e:
+        speed_script.main(["--stretch", "200", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "--stretch: must be in [0.1, 100], got 200" in capsys.readouterr().err

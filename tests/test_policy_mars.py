@@ -327,10 +327,14 @@ def test_cost_reclaim_never_recomputes_more_than_fcfs():
     assert recomputed["no-cost"] > recomputed["mars"], recomputed
 
 
-def _late_short_calls(policy: str, options: dict | None = None) -> list[tuple[str, int]]:
+def _late_short_calls(policy: str, options: dict | None = None, evicted: bool = False) -> list[tuple[str, int]]:
     """A long prefill (demoted to the bottom level) while short calls keep arriving: does anyone
-    get preempted when the long prefill needs its remaining blocks?"""
+    get preempted when the long prefill needs its remaining blocks? ``evicted``: first, workflows
+    whose returning turns find none of their context (``_evict_contexts``)."""
     s = _sched(policy, options=options, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
+    if evicted:
+        _evict_contexts(s)
+        assert s.mars_policy._evicted, "the prelude must leave the pool seen as not keeping contexts"
     events = _record_preemptions(s)
     s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
     k = 0
@@ -352,6 +356,41 @@ def test_admission_reserves_the_running_prefills_kv():
     assert _late_short_calls("fcfs") == []
     assert _late_short_calls("mars", options) == []
     assert _late_short_calls("mars-no-prefill-reserve", options), "the scenario must preempt without it"
+
+
+def _reserve_gate(options: dict, evicted: bool) -> bool:
+    """Whether a short waiting call may start while a long prefill is one chunk in, the free blocks
+    holding the long one's remaining KV but not both (``evicted``: after ``_evict_contexts``)."""
+    s = _sched("mars", options={"level_thresholds": [512, 1024, 2048], "retention": False, **options},
+               num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
+    if evicted:
+        _evict_contexts(s)
+    assert s.mars_policy._evicted is evicted
+    s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
+    for _ in range(20):
+        if s.call("long").remaining_prefill < 2400 - 200:
+            break
+        step(s)
+    s.add_request(make_request("short", prompt_len=1000, max_tokens=2))
+    bs = s.block_size
+    need = -(-s.call("long").remaining_prefill // bs) + -(-1000 // bs)
+    assert s.call("long").remaining_prefill > 0 and need > s.free_blocks(), (need, s.free_blocks())
+    may = s.mars_policy.may_start(s.call("short"))
+    _finish(s)
+    return may
+
+
+def test_prefill_reserve_off_only_where_the_pool_cannot_keep_contexts():
+    # reserve_when_evicted = false drops the reserve only while the evicted-order EMA says returning
+    # turns find their contexts gone (every context is rebuilt anyway); elsewhere it holds as before.
+    on, off = {"reserve_when_evicted": True}, {"reserve_when_evicted": False}
+    assert _reserve_gate(on, evicted=False) is False
+    assert _reserve_gate(on, evicted=True) is False
+    assert _reserve_gate(off, evicted=False) is False
+    assert _reserve_gate(off, evicted=True) is True
+    assert make_policy("mars").config.reserve_when_evicted is True  # the default
+    with pytest.raises(ValueError, match="reserve_when_evicted must be bool"):
+        make_policy("mars", {"reserve_when_evicted": 1})
 
 
 # -- retention -----------------------------------------------------------------------------------
@@ -642,6 +681,15 @@ def _order_after_evictions(options: dict, kept: bool = False) -> tuple[bool, lis
     call (short: MLFQ level 0), A's second turn (3000 uncached tokens: level 1). One sequence slot."""
     clock = VirtualClock()
     s = _sched(clock=clock, options={"retention": False, **options}, num_blocks=400, max_num_seqs=1)
+    _evict_contexts(s, kept)
+    evicted = s.mars_policy._evicted
+    return evicted, _a_turn_behind_b(s, clock, make_request("A1", prompt_len=3000, max_tokens=3, workflow="A",
+                                                            turn=1, last_step=True, seed=77))
+
+
+def _evict_contexts(s, kept: bool = False) -> None:
+    """Eight workflows whose second turns find nothing of their first turn's context cached (fresh
+    token ids: as if the pool had evicted it; ``kept``: the second turn extends the first)."""
     for i in range(8):
         first = [(i * 577 + j * 31) % 4000 + 3 for j in range(64)]
         s.add_request(make_request(f"w{i}-0", prompt_token_ids=first, max_tokens=2, workflow=f"w{i}",
@@ -652,9 +700,6 @@ def _order_after_evictions(options: dict, kept: bool = False) -> tuple[bool, lis
         s.add_request(make_request(f"w{i}-1", prompt_token_ids=second + [7] * 30, max_tokens=2,
                                    workflow=f"w{i}", turn=1, last_step=True))
         run_to_completion(s)
-    evicted = s.mars_policy._evicted
-    return evicted, _a_turn_behind_b(s, clock, make_request("A1", prompt_len=3000, max_tokens=3, workflow="A",
-                                                            turn=1, last_step=True, seed=77))
 
 
 def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():

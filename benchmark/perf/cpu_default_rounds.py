@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -193,14 +194,17 @@ def _step_speed(steps_file: Path) -> float | None:
 def _concurrent_run(job: tuple) -> tuple[str, dict, object]:
     """One run of a concurrent round, in its own process pinned to core ``core``: (label, its
     figures, the cost model it used)."""
-    label, cfg, core, cost = job
+    label, cfg, core, cost, keep = job
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from dataclasses import replace
 
     from vllm_mars.driver.runner import run_replay
 
     run_dir, cost = run_replay(replace(cfg, cpu_gpu=str(core), record_steps=True), cost)
-    return label, {**_row(Path(run_dir)), "step_speed": _step_speed(Path(run_dir) / "steps.jsonl")}, cost
+    steps = Path(run_dir) / "steps.jsonl"
+    if keep and steps.is_file():
+        shutil.copyfile(steps, keep)
+    return label, {**_row(Path(run_dir)), "step_speed": _step_speed(steps)}, cost
 
 
 def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
@@ -233,6 +237,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--stretch", type=float, default=1.0,
                     help="slow the workload's clock by this factor: every tool time and arrival gap x K (the "
                          "engine as if K times faster against its tools; a slow box's fast regime)")
+    ap.add_argument("--keep-steps", metavar="DIR",
+                    help="with --concurrent: copy every run's recorded steps to DIR/r<round>_<label>.jsonl (the "
+                         "input of `mars profile --from-steps`, to fit this box's own profile)")
     ap.add_argument("--summarize", metavar="FILE",
                     help="run nothing: print the paired speedups of an earlier --out file (its rounds)")
     args = ap.parse_args(argv)
@@ -244,6 +251,14 @@ def main(argv: list[str]) -> int:
         ap.error("--max-steal: must be in [0, 1]")
     if not 0.1 <= args.stretch <= 100:
         ap.error(f"--stretch: must be in [0.1, 100], got {args.stretch:g}")
+    if args.keep_steps and not args.concurrent:
+        ap.error("--keep-steps: only with --concurrent (the sequential runs record no steps)")
+    keep_dir = Path(args.keep_steps) if args.keep_steps else None
+    if keep_dir is not None:
+        try:
+            keep_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--keep-steps {keep_dir}: {e}")
     cores = sorted(os.sched_getaffinity(0))
 
     from dataclasses import replace
@@ -279,8 +294,10 @@ def main(argv: list[str]) -> int:
                 if pool is not None:
                     # all at once; the core a variant gets rotates with the order
                     all0, st0 = _cpu_jiffies()
-                    done = list(pool.map(_concurrent_run, [(label, cfgs[label], cores[i], cost)
-                                                           for i, label in enumerate(order)]))
+                    done = list(pool.map(_concurrent_run, [
+                        (label, cfgs[label], cores[i], cost,
+                         str(keep_dir / f"r{r}_{label}.jsonl") if keep_dir is not None else None)
+                        for i, label in enumerate(order)]))
                     all1, st1 = _cpu_jiffies()
                     steal = round((st1 - st0) / max(1, all1 - all0), 4)
                     for label, fig, run_cost in done:

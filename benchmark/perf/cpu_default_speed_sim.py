@@ -34,20 +34,25 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from cpu_default_rounds import paired_summary, resolve_variants  # this directory's other script
+# this directory's other script
+from cpu_default_rounds import paired_summary, resolve_variants, stretch_workload
 
 DEFAULT_PROFILE = HERE / "results" / "life" / "cpu_tiny_steps_20261202.toml"
 
 
-def _run(job: tuple[str, str, dict, int, str, float]) -> tuple[str, str, int, dict]:
+def _run(job: tuple[str, str, dict, int, str, float, str | None]) -> tuple[str, str, int, dict]:
     """One sim replay (in a worker process): (scale, label, seed, its summary's figures)."""
-    scale, label, variant, seed, profile, rps = job
+    scale, label, variant, seed, profile, rps, workload = job
+    from dataclasses import replace
+
     from vllm_mars.driver.compare import policy_config
     from vllm_mars.driver.runner import ReplayConfig, run_replay
 
     with tempfile.TemporaryDirectory(prefix="mars-speed-") as tmp:
         base = ReplayConfig(backend="sim", profile=profile, num_blocks=48, arrival="poisson", seed=seed,
                             progress=False, plots=False).with_profile()
+        if workload:
+            base = replace(base, workload=workload)
         cfg = policy_config(base, label, variant, rps=rps, out=str(Path(tmp) / "run"))
         run_dir, _ = run_replay(cfg)
         s = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -68,6 +73,10 @@ def main(argv: list[str]) -> int:
                     help="comma-separated driver policies or variant labels (fcfs is the baseline and always runs)")
     ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_queue_wait.toml"))
     ap.add_argument("--rps", type=float, default=4.0)
+    ap.add_argument("--stretch", type=float, default=1.0,
+                    help="slow the workload's clock by this factor (every tool time and arrival gap x K, rps / K), "
+                         "as `cpu_default_rounds.py --stretch` does on the real engine: with the profile of that "
+                         "engine and scale 1, the same regime, the controller's and driver's periods included")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_default_speed_sim.json"))
     args = ap.parse_args(argv)
@@ -86,6 +95,8 @@ def main(argv: list[str]) -> int:
         ap.error("--jobs: must be >= 1")
     if not args.rps > 0:
         ap.error("--rps: must be > 0")
+    if not 0.1 <= args.stretch <= 100:
+        ap.error(f"--stretch: must be in [0.1, 100], got {args.stretch:g}")
     try:
         prof = load_profile(args.profile)
     except (ValueError, OSError) as e:
@@ -96,7 +107,13 @@ def main(argv: list[str]) -> int:
         paths = {}
         for f in scales:
             paths[f"{f:g}"] = str(prof.with_step_scale(f).write(Path(tmp) / f"x{f:g}.toml"))
-        jobs = [(sc, label, variants.get(label), seed, path, args.rps)
+        workload = None
+        if args.stretch != 1:
+            from vllm_mars.driver.runner import ReplayConfig
+
+            workload = str(stretch_workload(ReplayConfig().workload, Path(tmp) / "stretched.jsonl", args.stretch))
+        rps = args.rps / args.stretch
+        jobs = [(sc, label, variants.get(label), seed, path, rps, workload)
                 for sc, path in paths.items() for seed in range(args.seeds) for label in labels]
         runs: dict[str, dict[str, dict[int, dict]]] = {}
         t0 = time.monotonic()
@@ -122,7 +139,7 @@ def main(argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU (virtual time: the box does not matter)",
         "command": "python benchmark/perf/cpu_default_speed_sim.py " + " ".join(argv),
-        "profile": args.profile, "rps": args.rps, "seeds": args.seeds,
+        "profile": args.profile, "rps": rps, "stretch": args.stretch, "seeds": args.seeds,
         "variants": {k: variants.get(k, {"policy": k}) for k in labels},
         "wall_s": round(time.monotonic() - t0, 1), "speedup_vs_fcfs": table, "runs": runs,
     }

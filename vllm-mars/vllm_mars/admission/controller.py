@@ -178,7 +178,10 @@ class MarsAdmissionConfig(WindowConfig):
     #: grown ones it held roots longer at the H100 ILR-1 top cell (measured while the grid's cycled
     #: roots still shared their token ids; experiments/queue_wait_h100.toml).
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
-    #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml).
+    #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml). "unkept": "fit"
+    #: wherever the pool cannot keep the grown contexts, without "pool"'s idle-engine condition:
+    #: identical on the H200 pressure cells, 0.9993x "pool" on the 40 H100 top cells, ahead on the
+    #: CPU rig (experiments/queue_wait_unkept*.toml); not the default.
     queue_wait: str = "pool"
     #: "life" sizing: what an active root's context counts for in the projection. "unique" (the
     #: default): its context less the prefix its first call found in the engine's prefix cache (KV
@@ -254,8 +257,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("life_target", "in [0.1, 2.0]")
         if self.overflow not in ("peak", "turns"):
             raise bad("overflow", "'peak' or 'turns'")
-        if self.queue_wait not in ("slot", "fit", "fit_within", "pool"):
-            raise bad("queue_wait", "'slot', 'fit', 'fit_within' or 'pool'")
+        if self.queue_wait not in ("slot", "fit", "fit_within", "pool", "unkept"):
+            raise bad("queue_wait", "'slot', 'fit', 'fit_within', 'pool' or 'unkept'")
         if self.shared not in ("unique", "full"):
             raise bad("shared", "'unique' or 'full'")
         if self.slot_wait not in ("mean", "ends", "fit_ends"):
@@ -685,7 +688,8 @@ class MarsAdmissionController(ControllerBase):
                 wait_s = queue_s
                 if rebuild_s >= wait_s and cap is not None and (
                         cfg.queue_wait == "fit" or (cfg.queue_wait == "fit_within" and peak <= cap)
-                        or (cfg.queue_wait == "pool" and self._unkeepable(cap, items, cand))):
+                        or (cfg.queue_wait == "pool" and self._unkeepable(cap, items, cand))
+                        or (cfg.queue_wait == "unkept" and not self._pool_keeps(cap, items, cand))):
                     wait_s, k = self._fit_wait_s(r, items, cand, cap, queue_s)
                     why = {**why, "wait_slots": k}
                 # Ski rental: a root that has already waited as long as its admission would cost

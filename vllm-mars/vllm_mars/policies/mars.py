@@ -95,6 +95,14 @@ class MarsConfig:
     #: remaining prefill of the running calls (vLLM's own gate reserves only the new call's prompt; a demoted long prefill
     #: then finds its blocks taken and someone is preempted) (``mars-no-prefill-reserve``).
     reserve_prefills: bool = True
+    #: Keep that reserve while the pool cannot keep contexts (``evicted_order``'s EMA below
+    #: ``evicted_share``). Off: there a call may start as vLLM's own gate allows; the contexts are
+    #: rebuilt anyway and the cost-aware reclaim preempts the cheapest running call. Off is identical
+    #: with admission on the 21 H200 pressure cells, 1.0002x on the 40 H100 top cells, ahead on the
+    #: CPU rig (0.992x / 1.268x fcfs against 0.980x / 1.259x) but not on the real CPU engine's fast
+    #: regime (0.974x against 0.976x), and 0.991x without admission on the H200 cells (down to
+    #: 0.894x at ILR-4): not the default (experiments/reserve_evicted*.toml, benchmark/perf/RESULTS.md).
+    reserve_when_evicted: bool = True
     #: Work-conserving quanta (a quantum binds only while other work competes for the step) and
     #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
     #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
@@ -151,7 +159,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "reserve_prefills", "workflow_order", "evicted_order", "evicted_warmup"):
+                     "reserve_prefills", "reserve_when_evicted", "workflow_order", "evicted_order", "evicted_warmup"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -434,7 +442,7 @@ class MarsPolicy(Policy):
         """Reserve the running prefills' remaining KV before a new call takes blocks."""
         engine = self.engine
         running = engine.running_calls()
-        if not running:
+        if not running or (self._evicted and not self.config.reserve_when_evicted):
             return True
         bs = engine.block_size
         # Its uncached part (the workflow's previous context is probably still cached or retained).
