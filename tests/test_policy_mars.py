@@ -7,6 +7,8 @@ lost, so every test fails when its mechanism is removed. Every run ends with ass
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from vllm.v1.request import RequestStatus
 from vllm_mars.clock import VirtualClock
@@ -700,6 +702,17 @@ def _evict_contexts(s, kept: bool = False) -> None:
         s.add_request(make_request(f"w{i}-1", prompt_token_ids=second + [7] * 30, max_tokens=2,
                                    workflow=f"w{i}", turn=1, last_step=True))
         run_to_completion(s)
+
+
+def test_evicted_order_logs_when_it_switches(caplog):
+    with caplog.at_level(logging.INFO, logger="vllm_mars.policies.mars"):
+        assert _order_after_evictions({"evicted_order": True})[0] is True
+    msgs = [r.getMessage() for r in caplog.records if r.name == "vllm_mars.policies.mars"]
+    assert any("the pool cannot keep contexts" in m for m in msgs), msgs
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm_mars.policies.mars"):
+        _order_after_evictions({"evicted_order": True}, kept=True)
+    assert not [r for r in caplog.records if r.name == "vllm_mars.policies.mars"]
 
 
 def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():

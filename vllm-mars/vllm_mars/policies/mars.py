@@ -44,6 +44,7 @@ Pure decision logic: no vllm or torch import.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from vllm_mars.clock import Clock
 from vllm_mars.costmodel import CostModel
 from vllm_mars.policies.base import CallView, FirstArrivals, Policy, register_policy
 from vllm_mars.policies.gaps import GapSamples, GapTracker, gap_tool
+
+logger = logging.getLogger(__name__)
 
 _INF = float("inf")
 
@@ -293,7 +296,13 @@ class MarsPolicy(Policy):
                 if self.config.evicted_warmup:
                     w = max(w, 1.0 / (self._kept_n + 1))
                 self._kept_ema = (1 - w) * self._kept_ema + w * min(call.cached_tokens / known, 1.0)
-                self._evicted = self._kept_ema < self.config.evicted_share
+                evicted = self._kept_ema < self.config.evicted_share
+                if evicted != self._evicted:
+                    logger.info("mars: returning turns find %.0f%% of their expected cached prefix (EMA after %d "
+                                "turns): %s", 100 * self._kept_ema, self._kept_n,
+                                "the pool cannot keep contexts, workflow order without quanta" if evicted
+                                else "contexts kept again, MLFQ order")
+                self._evicted = evicted
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
             st.feedback = min(st.quantum_level + 1, self._max_level)
         st.quantum = 0
