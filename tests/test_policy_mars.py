@@ -709,6 +709,16 @@ def test_evicted_order_logs_when_it_switches(caplog):
         assert _order_after_evictions({"evicted_order": True})[0] is True
     msgs = [r.getMessage() for r in caplog.records if r.name == "vllm_mars.policies.mars"]
     assert any("the pool cannot keep contexts" in m for m in msgs), msgs
+    # the same reading is in the scheduler's stats
+    s = _sched(options={"retention": False}, num_blocks=400, max_num_seqs=1)
+    assert s.mars_stats()["policy_state"] == {"kept_share_ema": 1.0, "returning_turns": 0, "evicted": False}
+    _evict_contexts(s)
+    st = s.mars_stats()["policy_state"]
+    assert st["evicted"] is True and st["kept_share_ema"] < 0.5 and st["returning_turns"] == 8, st
+    _finish(s)
+    f = _sched("fcfs")
+    assert f.mars_stats()["policy_state"] == {}
+    _finish(f)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm_mars.policies.mars"):
         _order_after_evictions({"evicted_order": True}, kept=True)

@@ -630,6 +630,7 @@ class MarsSchedulerMixin:
             "prefix_hit_tokens": self.mars_prefix_hit_tokens,
             "retention": {k: v for k, v in vars(st).items() if not k.startswith("_")},
             "cost_model": self.mars_policy.cost.as_dict() if self.mars_policy.uses_cost else None,
+            "policy_state": self.mars_policy.state(),
             # None unless vLLM's KV cache events are enabled (engine_kwargs(kv_events=True)).
             "kv_blocks_removed": self._kv_events.blocks_removed if self._kv_events else None,
             "kv_blocks_stored": self._kv_events.blocks_stored if self._kv_events else None,

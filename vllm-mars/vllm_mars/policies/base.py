@@ -250,6 +250,10 @@ class Policy:
     def check_platform(self, platform: str) -> None:
         """Raise ValueError when the policy cannot run on ``platform`` ("cpu", "cuda", ...)."""
 
+    def state(self) -> dict[str, Any]:
+        """The policy's own adaptive state for ``mars_stats()["policy_state"]`` (JSON-able; none here)."""
+        return {}
+
     # bookkeeping -----------------------------------------------------------------------------
     def begin_step(self) -> None:
         """At the start of each ``schedule()`` (when ``orders`` or ``caps_chunks``)."""

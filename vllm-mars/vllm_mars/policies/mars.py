@@ -270,6 +270,12 @@ class MarsPolicy(Policy):
     def begin_step(self) -> None:
         self._step_demand = None
 
+    def state(self) -> dict[str, Any]:
+        """The evicted order's reading: the EMA of the share of their expected cached prefix the
+        returning turns found, over how many, and whether the pool is seen as not keeping contexts."""
+        return {"kept_share_ema": round(self._kept_ema, 4), "returning_turns": self._kept_n,
+                "evicted": self._evicted}
+
     # -- bookkeeping --------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
         wf = call.workflow
