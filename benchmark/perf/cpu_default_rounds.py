@@ -146,6 +146,12 @@ def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str
     return labels, variants
 
 
+def check_stretch(ap: argparse.ArgumentParser, k: float) -> None:
+    """``--stretch``'s range, for this script and the sim rig's."""
+    if not 0.1 <= k <= 100:
+        ap.error(f"--stretch: must be in [0.1, 100], got {k:g}")
+
+
 def stretch_workload(src: str, dest: Path, k: float) -> Path:
     """``src`` with its clock slowed ``k`` times: every turn's ``tool_s`` and every ``arrival_s`` x k
     (children included), the tokens unchanged; written to ``dest`` and loaded back (validated)."""
@@ -249,8 +255,7 @@ def main(argv: list[str]) -> int:
         ap.error("--rounds: must be >= 1")
     if not 0 <= args.max_steal <= 1:
         ap.error("--max-steal: must be in [0, 1]")
-    if not 0.1 <= args.stretch <= 100:
-        ap.error(f"--stretch: must be in [0.1, 100], got {args.stretch:g}")
+    check_stretch(ap, args.stretch)
     if args.keep_steps and not args.concurrent:
         ap.error("--keep-steps: only with --concurrent (the sequential runs record no steps)")
     keep_dir = Path(args.keep_steps) if args.keep_steps else None

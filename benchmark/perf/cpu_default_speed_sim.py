@@ -35,7 +35,7 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 # this directory's other script
-from cpu_default_rounds import paired_summary, resolve_variants, stretch_workload
+from cpu_default_rounds import check_stretch, paired_summary, resolve_variants, stretch_workload
 
 DEFAULT_PROFILE = HERE / "results" / "life" / "cpu_tiny_steps_20261202.toml"
 
@@ -95,8 +95,7 @@ def main(argv: list[str]) -> int:
         ap.error("--jobs: must be >= 1")
     if not args.rps > 0:
         ap.error("--rps: must be > 0")
-    if not 0.1 <= args.stretch <= 100:
-        ap.error(f"--stretch: must be in [0.1, 100], got {args.stretch:g}")
+    check_stretch(ap, args.stretch)
     try:
         prof = load_profile(args.profile)
     except (ValueError, OSError) as e:
