@@ -737,13 +737,13 @@ def test_queue_wait_pool_reads_keepable_from_the_contexts_the_roots_will_have():
     assert _third_root(300, 0, 4e-4, waiting=3, queue_wait="pool")[0] == []
 
 
-def _held_behind_two_roots(slot_wait, turns_seen):
+def _held_behind_two_roots(slot_wait, turns_seen, queue_wait="pool"):
     """Two 10-turn 3000-token roots admitted at t=0 into a full 100-block pool show a turn every
     50 s (400 tokens of growth each) until ``turns_seen``; root b (3000 tokens, 10 turns) arrives
     10 s after their latest turn with nothing free. Returns (b's first tick, its admit events)."""
     from vllm_mars.costmodel import CostModel
 
-    c = mars(window_min=1, window_max=16, slot_wait=slot_wait)
+    c = mars(window_min=1, window_max=16, slot_wait=slot_wait, queue_wait=queue_wait)
     c.set_cost_model(CostModel(prefill_s_per_token=4e-4, source="test"))
     c.observe(tel(0, free=100, total=100))
     for i in range(2):
@@ -779,6 +779,14 @@ def test_slot_wait_ends_reads_the_wait_from_when_the_active_roots_end():
     # only with the engine's queue known to be empty: not here)
     assert _held_behind_two_roots("fit_ends", 2) == ([], [])
     assert _held_behind_two_roots("fit_ends", 9)[0] == ["b"]
+    # "unkept" (the default) reads the wait from the projection wherever the pool cannot keep the
+    # grown contexts, as here (100 blocks of 16 against 3000-token roots): waiting for slots keeps
+    # nothing, so b goes in under every slot estimate.
+    for slot_wait in ("mean", "ends", "fit_ends"):
+        for turns in (2, 9):
+            admitted, ev = _held_behind_two_roots(slot_wait, turns, queue_wait="unkept")
+            assert admitted == ["b"] and ev[0]["mode"] == "cost_overflow", (slot_wait, turns)
+    assert mars().config.queue_wait == "unkept"
 
 
 def test_slot_wait_fit_ends_reads_the_projections_wait_from_the_ends():

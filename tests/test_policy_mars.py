@@ -59,8 +59,9 @@ def _record_preemptions(s) -> list[tuple[int, str, int]]:
 def test_mars_and_ablations_are_registered_with_their_switches():
     names = available_policies()
     for n in ("mars", "mars-no-mlfq", "mars-no-elastic", "mars-no-retention", "mars-no-cost-reclaim",
-              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve", "mars-no-evicted-order"):
+              "mars-no-value-retention", "mars-no-scaled-mlfq", "mars-no-prefill-reserve", "mars-no-evicted-order", "mars-no-priced-reserve"):
         assert n in names
+    assert make_policy("mars-no-priced-reserve").config.reserve_priced is False
     assert make_policy("mars-no-evicted-order").config.evicted_order is False
     assert make_policy("mars-no-mlfq").config.mlfq is False
     assert make_policy("mars-no-elastic").config.elastic is False
@@ -395,6 +396,73 @@ def test_prefill_reserve_off_only_where_the_pool_cannot_keep_contexts():
         make_policy("mars", {"reserve_when_evicted": 1})
 
 
+def _held_shorts(options: dict) -> tuple[dict, int]:
+    """Three long prefills in turn, four short calls arriving during each while the clock moves 1 s
+    per step: the reserve holds the shorts for seconds. (The policy's state, preemptions.)"""
+    clock = VirtualClock()
+    s = _sched("mars", clock=clock, options={"level_thresholds": [512, 1024, 2048], "retention": False, **options},
+               num_blocks=200, max_num_batched_tokens=512, max_num_seqs=16)
+    events = _record_preemptions(s)
+    k = 0
+    for j in range(3):
+        s.add_request(make_request(f"long{j}", prompt_len=2400, max_tokens=2))
+        k0 = k
+        while s.has_requests():
+            if k - k0 in (2, 3, 4, 5):
+                s.add_request(make_request(f"s{k}", prompt_len=300, max_tokens=60))
+            step(s)
+            assert_block_invariants(s)
+            clock.advance(1.0)
+            k += 1
+    state = s.mars_policy.state()
+    assert not s.mars_policy._priced_running
+    _finish(s, clock)
+    return state, len(events)
+
+
+def test_priced_reserve_starts_held_calls_when_holding_costs_more():
+    # Holds last seconds here while a preemption's rebuild costs milliseconds (the default cost
+    # model): once two holds are seen, the priced reserve starts the calls it would hold, and counts
+    # the preemptions that follows. Off (the default), it holds every one and preempts nobody.
+    state, preemptions = _held_shorts({"reserve_priced": False})
+    assert preemptions == 0 and "reserve_priced_starts" not in state
+    state, preemptions = _held_shorts({"reserve_priced": True, "reserve_min_holds": 2})
+    assert state["reserve_hold_median_s"] >= 1.0, state
+    assert state["reserve_priced_starts"] > 0, state
+    assert state["reserve_priced_preemptions"] == preemptions > 0, (state, preemptions)
+    assert make_policy("mars").config.reserve_priced is True  # the default
+    with pytest.raises(ValueError, match="'reserve_min_holds' must be an integer >= 1"):
+        make_policy("mars", {"reserve_min_holds": 0})
+
+
+def test_priced_reserve_holds_when_starts_have_preempted():
+    # The same gate as _reserve_gate's, with the learned figures set: long holds and a cheap
+    # rebuild start the call; once every priced start has preempted someone and a preemption took
+    # far longer to recover from than a hold lasts, it holds again.
+    def gate(preempted: int, recovery_s: float | None) -> bool:
+        s = _sched("mars", options={"level_thresholds": [512, 1024, 2048], "retention": False,
+                                    "reserve_priced": True}, num_blocks=200, max_num_batched_tokens=512)
+        p = s.mars_policy
+        p._holds.extend([5.0] * 8)
+        p._priced_starts = p._priced_preemptions = preempted
+        if recovery_s is not None:
+            p._recoveries.extend([recovery_s] * 3)
+        s.add_request(make_request("long", prompt_len=2400, max_tokens=2))
+        for _ in range(3):
+            step(s)
+        s.add_request(make_request("short", prompt_len=1000, max_tokens=2))
+        need = -(-s.call("long").remaining_prefill // s.block_size) + -(-1000 // s.block_size)
+        assert need > s.free_blocks(), (need, s.free_blocks())
+        may = p.may_start(s.call("short"))
+        _finish(s)
+        return may
+
+    assert gate(0, None) is True
+    assert gate(0, 2.0) is True
+    assert gate(20, 60.0) is False
+    assert gate(20, 2.0) is True   # preempting is certain but costs less than a hold
+
+
 # -- retention -----------------------------------------------------------------------------------
 def _retention_scenario(policy: str, clock: VirtualClock):
     """W's turn 0 ends in a tool call; other traffic then needs most of the pool; W returns at 1 s."""
@@ -711,7 +779,9 @@ def test_evicted_order_logs_when_it_switches(caplog):
     assert any("the pool cannot keep contexts" in m for m in msgs), msgs
     # the same reading is in the scheduler's stats
     s = _sched(options={"retention": False}, num_blocks=400, max_num_seqs=1)
-    assert s.mars_stats()["policy_state"] == {"kept_share_ema": 1.0, "returning_turns": 0, "evicted": False}
+    assert s.mars_stats()["policy_state"] == {"kept_share_ema": 1.0, "returning_turns": 0, "evicted": False,
+                                             "reserve_hold_median_s": None, "reserve_recovery_median_s": None,
+                                             "reserve_priced_starts": 0, "reserve_priced_preemptions": 0}
     _evict_contexts(s)
     st = s.mars_stats()["policy_state"]
     assert st["evicted"] is True and st["kept_share_ema"] < 0.5 and st["returning_turns"] == 8, st

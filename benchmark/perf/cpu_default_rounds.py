@@ -181,8 +181,13 @@ def _row(run_dir: Path) -> dict:
     """A run's figures for the record (the caller adds its steal share)."""
     s = json.loads((run_dir / "summary.json").read_text())
     adm = s.get("admission") or {}
-    return {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
-            "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean")}
+    row = {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
+           "makespan_s": s["makespan_s"], "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean"),
+           "preemptions": s.get("preemptions")}
+    state = (s.get("engine") or {}).get("policy_state")
+    if state:
+        row["policy_state"] = state  # the policy's adaptive state at the end (mars_stats)
+    return row
 
 
 def _step_speed(steps_file: Path) -> float | None:

@@ -42,11 +42,12 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   below the expected cost of its queueing (the learned mean active time of a root over the number
   active: the wait for the next slot; ``queue_wait = "fit"``: the cheapest of waiting for the k
   soonest-ending roots plus the rebuilds still left then; ``"fit_within"``: that only while the
-  active roots' own projection fits the pool; ``"pool"``, the default: that only while the pool holds
+  active roots' own projection fits the pool; ``"pool"``: that only while the pool holds
   fewer than ``window_min`` of the contexts the roots will have (each grown by its remaining turns,
   the projection's horizon), so that no active set the controller keeps saves them across tool gaps,
   and fewer than half a call waits in the engine on average, so that holding does not relieve the
-  batch either; else the wait for the next slot; ``slot_wait`` says how a slot's wait is estimated:
+  batch either; ``"unkept"``, the default: that wherever the pool holds fewer than ``window_min`` of
+  those contexts, whatever waits in the engine; else the wait for the next slot; ``slot_wait`` says how a slot's wait is estimated:
   the mean active time over the roots active, or when the active roots' own remaining turns end).
   The AIMD window starts at ``window_max`` and shrinks on
   *measured* thrashing: the share of engine time spent recomputing (preempted and evicted tokens,
@@ -167,7 +168,7 @@ class MarsAdmissionConfig(WindowConfig):
     #: fit. "fit": the cheapest of waiting for the k soonest-ending roots (k slots) and then paying
     #: the rebuilds still left, ``min_k (k * slot wait + rebuild cost then)``: a root whose overflow a
     #: slot would not remove is not held for it. "fit_within": "fit" only while the active roots' own
-    #: projection fits the pool, else "slot". "pool" (the default): "fit" only where holding can
+    #: projection fits the pool, else "slot". "pool" (the default until the fifteenth stop): "fit" only where holding can
     #: neither keep contexts nor relieve the engine: the pool holds fewer than ``window_min`` of the
     #: contexts the roots will have (the active roots' and the candidate's mean, each grown by its
     #: remaining turns) and the EMA of calls waiting in the engine is below 0.5; else "slot". Against
@@ -178,11 +179,13 @@ class MarsAdmissionConfig(WindowConfig):
     #: grown ones it held roots longer at the H100 ILR-1 top cell (measured while the grid's cycled
     #: roots still shared their token ids; experiments/queue_wait_h100.toml).
     #: "fit" loses up to 1.87x in ILR-4's deep overload, where the roots it lets in cost more than
-    #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml). "unkept": "fit"
-    #: wherever the pool cannot keep the grown contexts, without "pool"'s idle-engine condition:
-    #: identical on the H200 pressure cells, 0.9993x "pool" on the 40 H100 top cells, ahead on the
-    #: CPU rig (experiments/queue_wait_unkept*.toml); not the default.
-    queue_wait: str = "pool"
+    #: their priced rebuilds (experiments/queue_wait.toml, queue_wait_h100.toml). "unkept" (the default): "fit"
+    #: wherever the pool cannot keep the grown contexts, without "pool"'s idle-engine condition.
+    #: With the priced prefill reserve: identical on the H200 pressure cells, 0.9999x on the 40 H100
+    #: top cells, and the first setting at fcfs or above on the real CPU engine's embedded default
+    #: in its fast regime (1.005x; 0.979x with "pool"), 1.24x in its slow one
+    #: (experiments/queue_wait_unkept*.toml, benchmark/perf/RESULTS.md, fifteenth stop).
+    queue_wait: str = "unkept"
     #: "life" sizing: what an active root's context counts for in the projection. "unique" (the
     #: default): its context less the prefix its first call found in the engine's prefix cache (KV
     #: it shares with other workflows, already counted with theirs; the feeder reports it,

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ from vllm_mars.policies.gaps import GapSamples, GapTracker, gap_tool
 logger = logging.getLogger(__name__)
 
 _INF = float("inf")
+#: Realized preemption recoveries needed before reserve_priced uses their median.
+_MIN_RECOVERIES = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,16 @@ class MarsConfig:
     #: regime (0.974x against 0.976x), and 0.991x without admission on the H200 cells (down to
     #: 0.894x at ILR-4): not the default (experiments/reserve_evicted*.toml, benchmark/perf/RESULTS.md).
     reserve_when_evicted: bool = True
+    #: Price the reserve: a call the reserve would hold starts anyway when holding costs more than
+    #: starting risks, both learned on this engine: holding costs the held calls' typical wait (the
+    #: median of the last ``reserve_window`` holds); starting risks a preemption, with the probability
+    #: that a call so started saw one (of anyone) before it finished (from 1 of 2 before any) times what a
+    #: preemption costs its victim (the median time from preemption to its KV recomputed; before
+    #: three of them, the cost model's rebuild of the shortfall plus a hold). No
+    #: pricing before ``reserve_min_holds`` holds. Off: the reserve always holds (``mars-no-priced-reserve``).
+    reserve_priced: bool = True
+    reserve_window: int = 16
+    reserve_min_holds: int = 3
     #: Work-conserving quanta (a quantum binds only while other work competes for the step) and
     #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
     #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
@@ -162,7 +175,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "reserve_prefills", "reserve_when_evicted", "workflow_order", "evicted_order", "evicted_warmup"):
+                     "reserve_prefills", "reserve_when_evicted", "reserve_priced", "workflow_order", "evicted_order", "evicted_warmup"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -185,7 +198,7 @@ class MarsConfig:
             fail("evicted_ema_weight", "in (0, 1]", w)
         if not (isinstance(self.min_free_fraction, (int, float)) and 0 <= self.min_free_fraction < 1):
             fail("min_free_fraction", "in [0, 1)", self.min_free_fraction)
-        for name in ("min_gap_samples", "gap_window", "gap_max_keys"):
+        for name in ("min_gap_samples", "gap_window", "gap_max_keys", "reserve_window", "reserve_min_holds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 fail(name, "an integer >= 1", v)
@@ -198,12 +211,16 @@ class _State:
         "computed",
         "decoding",
         "feedback",
+        "held_since",
         "hit_seen",
         "known_prefix",
         "level",
         "preempted",
+        "preempted_at",
+        "priced_start",
         "quantum",
         "quantum_level",
+        "recover_to",
         "retention_value",
         "tie",
         "wseq",
@@ -222,6 +239,10 @@ class _State:
         self.quantum = 0             # cap applied at the last chunk (0: none)
         self.quantum_level = 0
         self.retention_value = 0.0
+        self.held_since = -1.0       # when the reserve first held it (-1: not held)
+        self.priced_start = 0        # reserve_priced: 1 let in against the reserve, 2 so started
+        self.preempted_at = -1.0     # when it was last preempted (-1: recovered or never)
+        self.recover_to = 0          # computed tokens it had then
 
 
 @register_policy
@@ -260,6 +281,13 @@ class MarsPolicy(Policy):
         self._kept_ema = 1.0
         self._kept_n = 0  # returning turns in it
         self._evicted = False
+        # reserve_priced: the last held calls' waits (seconds), and how often pricing started one
+        self._holds: deque[float] = deque(maxlen=cfg.reserve_window)
+        # the last preemptions' recovery times (preempted until its KV is recomputed)
+        self._recoveries: deque[float] = deque(maxlen=cfg.reserve_window)
+        self._priced_starts = 0
+        self._priced_preemptions = 0  # preemptions while a priced start was running
+        self._priced_running: set[CallView] = set()
 
     # -- calibration hook -------------------------------------------------------------------------
     def calibrate_reload(self, samples: Iterable[tuple[int, float]], quadratic: bool = False) -> CostModel:
@@ -273,8 +301,15 @@ class MarsPolicy(Policy):
     def state(self) -> dict[str, Any]:
         """The evicted order's reading: the EMA of the share of their expected cached prefix the
         returning turns found, over how many, and whether the pool is seen as not keeping contexts."""
-        return {"kept_share_ema": round(self._kept_ema, 4), "returning_turns": self._kept_n,
-                "evicted": self._evicted}
+        out = {"kept_share_ema": round(self._kept_ema, 4), "returning_turns": self._kept_n,
+               "evicted": self._evicted}
+        if self.config.reserve_priced:
+            out["reserve_hold_median_s"] = round(statistics.median(self._holds), 4) if self._holds else None
+            out["reserve_recovery_median_s"] = (round(statistics.median(self._recoveries), 4)
+                                                if self._recoveries else None)
+            out["reserve_priced_starts"] = self._priced_starts
+            out["reserve_priced_preemptions"] = self._priced_preemptions
+        return out
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def on_arrival(self, call: CallView) -> None:
@@ -293,6 +328,16 @@ class MarsPolicy(Policy):
         st: _State = call.state
         st.preempted = False
         st.computed = call._req.num_computed_tokens
+        if st.held_since >= 0:
+            self._holds.append(self.clock.now() - st.held_since)
+            st.held_since = -1.0
+        if st.preempted_at >= 0 and st.computed + num_tokens >= st.recover_to:
+            self._recoveries.append(self.clock.now() - st.preempted_at)
+            st.preempted_at = -1.0
+        if st.priced_start == 1:
+            st.priced_start = 2
+            self._priced_starts += 1
+            self._priced_running.add(call)
         if not st.hit_seen and self.config.evicted_order:
             st.hit_seen = True
             known = st.known_prefix
@@ -316,11 +361,18 @@ class MarsPolicy(Policy):
     def on_preempted(self, call: CallView) -> None:
         st: _State = call.state
         st.preempted = True
+        if self.config.reserve_priced:
+            if self._priced_running:
+                self._priced_preemptions += 1
+                self._priced_running.discard(call)
+            if st.preempted_at < 0:
+                st.preempted_at, st.recover_to = self.clock.now(), st.computed
         # Its computed prefix was just freed to the prefix cache; it probably comes back as a hit.
         # (vLLM has already reset num_computed_tokens here: use what the last step recorded.)
         st.known_prefix = max(st.known_prefix, min(st.computed, call.num_tokens - 1))
 
     def on_finished(self, call: CallView, aborted: bool) -> None:
+        self._priced_running.discard(call)
         wf = call.workflow
         if not aborted and self._scaled:
             turn = self.clock.now() - call.arrival
@@ -457,6 +509,9 @@ class MarsPolicy(Policy):
         """Reserve the running prefills' remaining KV before a new call takes blocks."""
         engine = self.engine
         running = engine.running_calls()
+        st: _State = call.state
+        if st.priced_start == 1:
+            st.priced_start = 0  # decided again below (asked again before it was scheduled)
         if not running or (self._evicted and not self.config.reserve_when_evicted):
             return True
         bs = engine.block_size
@@ -469,7 +524,43 @@ class MarsPolicy(Policy):
         # Retained KV does not count as free: under pressure the value rule chose to keep it, and
         # counting it let calls start that then preempted others (ILR-3 at 0.16 rps in the sim:
         # 52 preemptions and 855 s mean E2E against 19 and 763 s).
-        return need <= engine.free_blocks()
+        if need <= engine.free_blocks():
+            return True
+        if (self.config.reserve_priced and len(self._holds) >= self.config.reserve_min_holds
+                and st.priced_start < 2):
+            hold = statistics.median(self._holds)
+            if len(self._recoveries) >= _MIN_RECOVERIES:
+                recovery = statistics.median(self._recoveries)
+            else:
+                # The running calls preempted to free the shortfall, cheapest per block first (the
+                # cost-aware reclaim's order), rebuilt after waiting like a held call.
+                recovery = self._rebuild_to_free(running, need - engine.free_blocks()) + hold
+            risk = (self._priced_preemptions + 1) / (self._priced_starts + 2)
+            if risk * recovery < hold:
+                st.priced_start = 1  # once: preempted, it waits for the reserve like any other
+                return True
+        if st.held_since < 0:
+            st.held_since = self.clock.now()
+        return False
+
+    def _rebuild_to_free(self, running: list[CallView], blocks: int) -> float:
+        """Seconds to rebuild the running calls, cheapest per block first, whose KV frees ``blocks``
+        (infinite when all of them do not)."""
+        bs = self.engine.block_size
+        options = []
+        for c in running:
+            n = c.num_computed_tokens
+            if n > 0:
+                s = self.cost.rebuild_s(n)
+                options.append((s / -(-n // bs), s, -(-n // bs)))
+        options.sort()
+        cost = 0.0
+        for _, s, b in options:
+            cost += s
+            blocks -= b
+            if blocks <= 0:
+                return cost
+        return _INF
 
     def _other_demand(self, call: CallView, limit: int) -> int:
         """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
@@ -588,6 +679,9 @@ MarsNoValueRetentionPolicy = _ablation("mars-no-value-retention",
 MarsNoPrefillReservePolicy = _ablation("mars-no-prefill-reserve",
                                        "``mars`` without reserving running prefills' KV at admission.",
                                        reserve_prefills=False)
+MarsNoPricedReservePolicy = _ablation("mars-no-priced-reserve",
+                                      "``mars`` whose prefill reserve holds every call it would hold (not priced).",
+                                      reserve_priced=False)
 MarsNoScaledMlfqPolicy = _ablation("mars-no-scaled-mlfq", "``mars`` with fixed quanta and fixed aging_s.",
                                    scaled_mlfq=False)
 MarsNoEvictedOrderPolicy = _ablation("mars-no-evicted-order",
