@@ -103,6 +103,29 @@ def test_speed_rig_stretch_slows_the_workload_like_the_real_rounds(speed_script,
     assert out[4.0]["rps"] == pytest.approx(1.0) and out[4.0]["stretch"] == 4.0 and out[1.0]["rps"] == 4.0
     e2e = {k: r["runs"]["1"]["fcfs"]["0"]["mean_e2e_s"] for k, r in out.items()}
     assert e2e[4.0] > 2 * e2e[1.0], e2e
+    # mars's record carries the policy's reading at the end (the priced reserve's, the evicted order's)
+    dest = tmp_path / "mars.json"
+    assert speed_script.main(["--scales", "1", "--seeds", "1", "--variants", "fcfs,mars", "--jobs", "1",
+                              "--stretch", "4", "--out", str(dest)]) == 0
+    runs = json.loads(dest.read_text())["runs"]["1"]
+    assert "policy_state" not in runs["fcfs"]["0"]
+    state = runs["mars"]["0"]["policy_state"]
+    assert {"kept_share_ema", "reserve_priced_starts", "reserve_hold_median_s"} <= set(state), state
     with pytest.raises(SystemExit) as e:
         speed_script.main(["--stretch", "200", "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "--stretch: must be in [0.1, 100], got 200" in capsys.readouterr().err
+
+
+def test_rounds_record_keeps_preemptions_and_the_policys_state(rounds_script, tmp_path):
+    # A run's record (the summary.json the driver writes) keeps its preemptions and, for a policy
+    # that has one, its adaptive state at the end; a policy without one adds nothing.
+    summary = {"e2e_s": {"mean": 20.0}, "goodput_wps": {"3.0": 0.5}, "makespan_s": 60.0, "preemptions": 7,
+               "admission": {"wait_s": {"mean": 0.02}},
+               "engine": {"policy_state": {"evicted": True, "reserve_priced_starts": 12}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    row = rounds_script._row(tmp_path)
+    assert row["preemptions"] == 7 and row["mean_admission_wait_s"] == 0.02
+    assert row["policy_state"] == {"evicted": True, "reserve_priced_starts": 12}
+    summary["engine"]["policy_state"] = {}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert "policy_state" not in rounds_script._row(tmp_path)

@@ -57,10 +57,14 @@ def _run(job: tuple[str, str, dict, int, str, float, str | None]) -> tuple[str, 
         run_dir, _ = run_replay(cfg)
         s = json.loads((Path(run_dir) / "summary.json").read_text())
     adm = s.get("admission") or {}
-    return scale, label, seed, {
+    row = {
         "mean_e2e_s": s["e2e_s"]["mean"], "p95_e2e_s": s["e2e_s"]["p95"], "makespan_s": s["makespan_s"],
         "goodput_alpha3": s["goodput_wps"].get("3.0"), "preemptions": s.get("preemptions"),
         "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean")}
+    state = (s.get("engine") or {}).get("policy_state")
+    if state:
+        row["policy_state"] = state  # the policy's adaptive state at the end (mars_stats)
+    return scale, label, seed, row
 
 
 def main(argv: list[str]) -> int:
