@@ -123,9 +123,9 @@ def test_rounds_record_keeps_preemptions_and_the_policys_state(rounds_script, tm
                "admission": {"wait_s": {"mean": 0.02}},
                "engine": {"policy_state": {"evicted": True, "reserve_priced_starts": 12}}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    row = rounds_script._row(tmp_path)
+    row = rounds_script.run_record(tmp_path)
     assert row["preemptions"] == 7 and row["mean_admission_wait_s"] == 0.02
     assert row["policy_state"] == {"evicted": True, "reserve_priced_starts": 12}
     summary["engine"]["policy_state"] = {}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    assert "policy_state" not in rounds_script._row(tmp_path)
+    assert "policy_state" not in rounds_script.run_record(tmp_path)

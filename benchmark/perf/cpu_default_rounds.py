@@ -177,8 +177,9 @@ def stretch_workload(src: str, dest: Path, k: float) -> Path:
     return dest
 
 
-def _row(run_dir: Path) -> dict:
-    """A run's figures for the record (the caller adds its steal share)."""
+def run_record(run_dir: Path) -> dict:
+    """A run's figures for the record, from its summary.json (callers add their own: steal share,
+    step speed, the sim rig's p95 and prefix hit rate)."""
     s = json.loads((run_dir / "summary.json").read_text())
     adm = s.get("admission") or {}
     row = {"mean_e2e_s": s["e2e_s"]["mean"], "goodput_alpha3": s["goodput_wps"].get("3.0"),
@@ -215,7 +216,7 @@ def _concurrent_run(job: tuple) -> tuple[str, dict, object]:
     steps = Path(run_dir) / "steps.jsonl"
     if keep and steps.is_file():
         shutil.copyfile(steps, keep)
-    return label, {**_row(Path(run_dir)), "step_speed": _step_speed(steps)}, cost
+    return label, {**run_record(Path(run_dir)), "step_speed": _step_speed(steps)}, cost
 
 
 def _summarize(ap: argparse.ArgumentParser, path: str) -> int:
@@ -318,7 +319,7 @@ def main(argv: list[str]) -> int:
                         all0, st0 = _cpu_jiffies()
                         run_dir, cost = run_replay(cfgs[label], cost)
                         all1, st1 = _cpu_jiffies()
-                        row[label] = {**_row(Path(run_dir)), "steal_share": round((st1 - st0) / max(1, all1 - all0), 4)}
+                        row[label] = {**run_record(Path(run_dir)), "steal_share": round((st1 - st0) / max(1, all1 - all0), 4)}
                 for label in order:
                     speed = row[label].get("step_speed")
                     print(f"round {r} {label:22s} mean E2E {row[label]['mean_e2e_s']:6.2f} s  "

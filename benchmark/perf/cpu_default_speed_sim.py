@@ -35,7 +35,7 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 # this directory's other script
-from cpu_default_rounds import check_stretch, paired_summary, resolve_variants, stretch_workload
+from cpu_default_rounds import check_stretch, paired_summary, resolve_variants, run_record, stretch_workload
 
 DEFAULT_PROFILE = HERE / "results" / "life" / "cpu_tiny_steps_20261202.toml"
 
@@ -56,14 +56,7 @@ def _run(job: tuple[str, str, dict, int, str, float, str | None]) -> tuple[str, 
         cfg = policy_config(base, label, variant, rps=rps, out=str(Path(tmp) / "run"))
         run_dir, _ = run_replay(cfg)
         s = json.loads((Path(run_dir) / "summary.json").read_text())
-    adm = s.get("admission") or {}
-    row = {
-        "mean_e2e_s": s["e2e_s"]["mean"], "p95_e2e_s": s["e2e_s"]["p95"], "makespan_s": s["makespan_s"],
-        "goodput_alpha3": s["goodput_wps"].get("3.0"), "preemptions": s.get("preemptions"),
-        "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_admission_wait_s": (adm.get("wait_s") or {}).get("mean")}
-    state = (s.get("engine") or {}).get("policy_state")
-    if state:
-        row["policy_state"] = state  # the policy's adaptive state at the end (mars_stats)
+        row = {**run_record(Path(run_dir)), "p95_e2e_s": s["e2e_s"]["p95"], "prefix_hit_rate": s.get("prefix_hit_rate")}
     return scale, label, seed, row
 
 

@@ -299,8 +299,10 @@ class MarsPolicy(Policy):
         self._step_demand = None
 
     def state(self) -> dict[str, Any]:
-        """The evicted order's reading: the EMA of the share of their expected cached prefix the
-        returning turns found, over how many, and whether the pool is seen as not keeping contexts."""
+        """The evicted order's reading (the EMA of the share of their expected cached prefix the
+        returning turns found, over how many, whether the pool is seen as not keeping contexts) and,
+        with ``reserve_priced``, what the priced reserve has learned (median hold and preemption
+        recovery, starts it let in against the reserve and the preemptions seen while they ran)."""
         out = {"kept_share_ema": round(self._kept_ema, 4), "returning_turns": self._kept_n,
                "evicted": self._evicted}
         if self.config.reserve_priced:
@@ -524,7 +526,8 @@ class MarsPolicy(Policy):
         # Retained KV does not count as free: under pressure the value rule chose to keep it, and
         # counting it let calls start that then preempted others (ILR-3 at 0.16 rps in the sim:
         # 52 preemptions and 855 s mean E2E against 19 and 763 s).
-        if need <= engine.free_blocks():
+        free = engine.free_blocks()
+        if need <= free:
             return True
         if (self.config.reserve_priced and len(self._holds) >= self.config.reserve_min_holds
                 and st.priced_start < 2):
@@ -532,9 +535,9 @@ class MarsPolicy(Policy):
             if len(self._recoveries) >= _MIN_RECOVERIES:
                 recovery = statistics.median(self._recoveries)
             else:
-                # The running calls preempted to free the shortfall, cheapest per block first (the
-                # cost-aware reclaim's order), rebuilt after waiting like a held call.
-                recovery = self._rebuild_to_free(running, need - engine.free_blocks()) + hold
+                # The running calls preempted to free the shortfall, cheapest per block first,
+                # rebuilt after waiting like a held call.
+                recovery = self._rebuild_to_free(running, need - free) + hold
             risk = (self._priced_preemptions + 1) / (self._priced_starts + 2)
             if risk * recovery < hold:
                 st.priced_start = 1  # once: preempted, it waits for the reserve like any other
@@ -551,8 +554,8 @@ class MarsPolicy(Policy):
         for c in running:
             n = c.num_computed_tokens
             if n > 0:
-                s = self.cost.rebuild_s(n)
-                options.append((s / -(-n // bs), s, -(-n // bs)))
+                s, b = self.cost.rebuild_s(n), -(-n // bs)
+                options.append((s / b, s, b))
         options.sort()
         cost = 0.0
         for _, s, b in options:
