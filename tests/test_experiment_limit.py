@@ -291,3 +291,58 @@ def test_summary_merge_on_the_command_line(tmp_path, capsys):
             "| 0 of 2 |") in out, out
     assert out.rstrip().endswith("note: W/rps0.02/seed0 in grid and h100 not merged: profile differs "
                                  "('h200-qwen3-coder-30b-a3b' vs 'h100-qwen3-32b')"), out
+
+
+def _seeded(name: str, seeds: dict[int, tuple[float, float]], rps: float = 0.02) -> dict:
+    """A results.json of workload W with one cell per seed: seed -> (mars, fcfs) mean E2E; each seed's
+    cell has its own number of roots, as a sampled workload does."""
+    rec = _record(name, [])
+    rec["cells"] = [{"key": f"W/rps{rps:g}/seed{s}", "workload": "W", "rps": rps, "seed": s, "roots": 5 + s,
+                     "policies": {"mars": _gp(m, 0.5 if m <= f else 0.48 - 0.001 * s),
+                                  "fcfs": _gp(f, 0.5)}, "baseline": "fcfs"}
+                    for s, (m, f) in seeds.items()]
+    return rec
+
+
+def test_summary_judges_each_load_level_over_its_seeds_across_files(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.summary import mean_interval, merge_records, policy_summary, seed_interval
+
+    # behind in every seed at rps 0.02 (two files, seeds 0 | 1-2); mixed at rps 0.04 (seed 0 only in
+    # the first file, seeds 1-2 in the second)
+    a = _seeded("a", {0: (104.0, 100.0)})
+    a["cells"] += _seeded("a", {0: (96.0, 100.0)}, rps=0.04)["cells"]
+    b = _seeded("b", {1: (105.0, 100.0), 2: (103.0, 100.0)})
+    b["cells"] += _seeded("b", {1: (110.0, 100.0), 2: (97.0, 100.0)}, rps=0.04)["cells"]
+    gm, lo, hi = seed_interval([100 / 104, 100 / 105, 100 / 103])
+    assert gm == pytest.approx((100 ** 3 / (104 * 105 * 103)) ** (1 / 3)) and lo < gm < hi < 1.0
+    for records in ([a, b], merge_records([a, b])[0]):
+        m = policy_summary(records)[0]
+        assert m["seed_groups"] == 2 and m["seed_behind"] == 1, m
+        assert m["seed_worst"]["group"] == "W/rps0.02" and m["seed_worst"]["seeds"] == 3
+        assert m["seed_worst"]["high"] == pytest.approx(hi)
+        # goodput: 0.020-0.022 below fcfs's in every seed at rps 0.02 (behind); 0.021 below in one of the
+        # three at rps 0.04 (within noise)
+        assert m["seed_goodput_behind"] == 1
+        assert m["seed_worst"]["goodput_diff"] == pytest.approx(-0.021)
+    # a cell of another setup is no seed of the group
+    c = _seeded("c", {3: (90.0, 100.0)})
+    c["config"]["replay"]["max_num_seqs"] = 64
+    assert policy_summary([a, b, c])[0]["seed_worst"]["seeds"] == 3
+    # one seed only: no interval
+    assert "seed_groups" not in policy_summary([a])[0]
+    with pytest.raises(ValueError, match="two or more"):
+        seed_interval([1.0])
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    assert main(["experiment", "summary", str(fa), str(fb), "--groups"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 of 2 | W/rps0.02 (3 seeds): " in out, out
+    assert f"| mars | W/rps0.02 | 3 | {gm:.4f}x | {lo:.4f} - {hi:.4f} | behind | -0.02100 |" in out
+    dg, dlo, dhi = mean_interval([-0.020, -0.021, -0.022])
+    assert dg == pytest.approx(-0.021)
+    assert dhi < 0 and f"| {dlo:+.5f} - {dhi:+.5f} | behind |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| mars | 6 |"))
+    assert row.endswith(f"| 1 of 2 | W/rps0.02 (3 seeds): {gm:.4f}x [{lo:.4f} - {hi:.4f}] | 1 of 2 |"), row
+    assert "| mars | W/rps0.04 | 3 |" in out and "| within noise |" in out

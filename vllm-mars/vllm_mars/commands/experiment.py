@@ -46,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "results.json files: the geometric mean and lowest of its speedup over each "
                                     "cell's fastest baseline, the cells below 1 - tolerance, the cells where its "
                                     "goodput is more than the tolerance below the best baseline's, and its speedup "
-                                    "over the reference policy. Reads only the files (no run dirs).")
+                                    "over the reference policy, and over seeds: the seed groups behind the fastest "
+                                    "baseline beyond seed noise (the 95%% interval of the mean over the seeds below "
+                                    "1.0). Reads only the files (no run dirs).")
     s.add_argument("results", nargs="+", help="results.json files (their cells are pooled)")
     s.add_argument("--ref", default="mars", help="the reference policy (default mars)")
     s.add_argument("--baselines", default=None,
@@ -60,6 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "variant in one file is compared with the baselines of another; a label in several "
                         "files takes the first file's numbers. Notes under the table name the cells not "
                         "merged and the labels whose numbers differ")
+    s.add_argument("--groups", action="store_true",
+                   help="under the table, each seed group (the cells of one workload and load level that differ "
+                        "only in their seed, from any of the files) with its geometric mean speedup over the "
+                        "fastest baseline, the 95%% interval over its seeds and the verdict (behind, within "
+                        "noise, ahead)")
     s.set_defaults(func=_summary)
 
 
@@ -78,7 +85,12 @@ def _gap(args: argparse.Namespace) -> int:
 
 def _summary(args: argparse.Namespace) -> int:
     from vllm_mars.experiment.limit import load_limit
-    from vllm_mars.experiment.summary import format_policy_summary, merge_records, policy_summary
+    from vllm_mars.experiment.summary import (
+        format_policy_summary,
+        format_seed_groups,
+        merge_records,
+        policy_summary,
+    )
 
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
@@ -89,7 +101,10 @@ def _summary(args: argparse.Namespace) -> int:
                           tolerance=args.tolerance)
     if not rows:
         raise ValueError("no mars policy with a mean E2E in the selected cells")
-    print("\n".join(format_policy_summary(rows, args.tolerance) + [f"note: {n}" for n in notes]))
+    lines = format_policy_summary(rows, args.tolerance)
+    if args.groups:
+        lines += ["", *format_seed_groups(rows)]
+    print("\n".join(lines + [f"note: {n}" for n in notes]))
     return 0
 
 

@@ -6,7 +6,16 @@ Per mars policy (``mars`` and every ``mars-*`` label) over the cells of one or m
 * its speedup over the fastest baseline of each cell (that baseline's mean E2E over its own): the
   geometric mean, the lowest (and where), how many cells are below ``1 - tolerance``;
 * how many cells its goodput is more than ``tolerance`` below the best baseline's;
-* its speedup over a reference policy (``mars`` by default): geometric mean, range, identical cells.
+* its speedup over a reference policy (``mars`` by default): geometric mean, range, identical cells;
+* over seeds: the cells of one workload and load level that differ only in their seed form a group
+  (the same setup, as :func:`merge_records` defines it, wherever the cells come from); per group of two
+  or more seeds, the geometric mean of the speedup over the fastest baseline and its 95 % confidence
+  interval over the seeds (Student's t on the log speedups). A group is *behind beyond seed noise* when
+  the whole interval is below 1.0; the row counts those and names the group with the lowest mean. This is
+  the issue's "no worse than the fastest baseline within seed noise": a cell's 0.97x whose seeds span
+  0.95-1.03x is noise, a group whose every seed is behind is not. The same for goodput at alpha: the
+  mean over the seeds of mars's goodput minus the best baseline's, with its 95 % interval (goodput is
+  zero in some cells, so the difference, not the ratio); *behind* when the whole interval is below 0.
 
 A baseline is what the experiment's table counts as one (:func:`vllm_mars.metrics.compare.is_baseline`,
 a labelled variant's driver policy read from the file's ``config.variants``), or only those named
@@ -44,6 +53,49 @@ def _geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+#: Student's t 0.975 quantiles by degrees of freedom (a df between two entries takes the lower one's,
+#: the wider interval); beyond the last, the normal's 1.96.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def _t975(df: int) -> float:
+    if df > max(_T975):
+        return 1.96
+    return _T975[max(d for d in _T975 if d <= df)]
+
+
+def seed_interval(speedups: Sequence[float]) -> tuple[float, float, float]:
+    """(geometric mean, low, high): the 95 % confidence interval of the mean log speedup over seeds
+    (two or more), taken back to ratios."""
+    m, lo, hi = mean_interval([math.log(x) for x in speedups])
+    return math.exp(m), math.exp(lo), math.exp(hi)
+
+
+def mean_interval(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % confidence interval of the mean of two or more values (Student's t)."""
+    n = len(xs)
+    if n < 2:
+        raise ValueError("an interval over seeds needs two or more of them")
+    m = sum(xs) / n
+    h = _t975(n - 1) * math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) / math.sqrt(n)
+    return m, m - h, m + h
+
+
+def _group_key(rec: Mapping[str, Any], cell: Mapping[str, Any]) -> tuple[str, str]:
+    """(label, key) of a cell's seed group: its workload and load level, and (when its file describes
+    the workload) the setup that must agree for cells of two seeds to be seeds of one experiment."""
+    import json
+
+    label = f"{cell.get('workload')}/rps{cell.get('rps'):g}"
+    setup = cell["setup"] if "setup" in cell else _setup(rec, cell)  # a merged cell carries its own
+    if setup is None:
+        return label, f"{label}|{rec.get('experiment', '?')}"
+    # the roots a seed's workload has differ by seed: every other field of the setup must agree
+    ident = json.dumps({k: v for k, v in setup.items() if k != "roots"}, sort_keys=True, default=str)
+    return label, f"{label}|{ident}"
+
+
 def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
                    baselines: Sequence[str] | None = None, only: Sequence[str] | None = None,
                    alpha: float = 3.0, tolerance: float = 0.01) -> list[dict[str, Any]]:
@@ -60,14 +112,17 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
             if not _selected(name, c, only):
                 continue
             is_base = {p: is_baseline(p, (variants.get(p) or {}).get("policy")) for p in c["policies"]}
-            cells.append((key, c["policies"], is_base))
+            label, gkey_ = _group_key(rec, c)
+            cells.append((key, c["policies"], is_base, (label, gkey_, c.get("seed"))))
     order: list[str] = []
-    for _, pol, is_base in cells:
+    for _, pol, is_base, _ in cells:
         order += [p for p in pol if not is_base[p] and p not in order]
     rows = []
     for p in order:
         vs_base, vs_ref, low_goodput, identical = [], [], 0, 0
-        for key, pol, is_base in cells:
+        # group key -> (label, seed -> (speedup, goodput minus the best baseline's))
+        groups: dict[str, tuple[str, dict[Any, tuple[float, float]]]] = {}
+        for key, pol, is_base, (label, group, seed) in cells:
             mine = (pol.get(p) or {}).get("mean_e2e_s")
             if not mine:
                 continue
@@ -77,8 +132,11 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
                 fastest = min(v["mean_e2e_s"] for v in base.values())
                 vs_base.append((fastest / mine, key))
                 best_g = max((v.get(gkey) or 0.0) for v in base.values())
-                if (pol[p].get(gkey) or 0.0) < (1 - tolerance) * best_g:
+                mine_g = pol[p].get(gkey) or 0.0
+                if mine_g < (1 - tolerance) * best_g:
                     low_goodput += 1
+                # a seed counts once (the first file's cell of it)
+                groups.setdefault(group, (label, {}))[1].setdefault(seed, (fastest / mine, mine_g - best_g))
             r = (pol.get(ref) or {}).get("mean_e2e_s")
             if r and p != ref:
                 vs_ref.append(r / mine)
@@ -90,6 +148,17 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
             lowest = min(vs_base)
             row.update(geomean=_geomean([x for x, _ in vs_base]), lowest=lowest[0], lowest_cell=lowest[1],
                        below=sum(x < 1 - tolerance for x, _ in vs_base), goodput_below=low_goodput)
+            over = []
+            for label, by_seed in groups.values():
+                if len(by_seed) >= 2:
+                    gm, lo, hi = seed_interval([x for x, _ in by_seed.values()])
+                    dg, dlo, dhi = mean_interval([d for _, d in by_seed.values()])
+                    over.append({"group": label, "seeds": len(by_seed), "geomean": gm, "low": lo, "high": hi,
+                                 "goodput_diff": dg, "goodput_low": dlo, "goodput_high": dhi})
+            if over:
+                row.update(seed_groups=len(over), seed_behind=sum(g["high"] < 1.0 for g in over),
+                           seed_goodput_behind=sum(g["goodput_high"] < 0.0 for g in over),
+                           seed_worst=min(over, key=lambda g: g["geomean"]), seed_detail=over)
         if vs_ref:
             row.update(ref=ref, ref_cells=len(vs_ref), ref_geomean=_geomean(vs_ref), ref_min=min(vs_ref),
                        ref_max=max(vs_ref), identical=identical)
@@ -144,7 +213,8 @@ def merge_records(records: Sequence[Mapping[str, Any]],
     more than 1e-9 relative). Each returned record holds one cell, named ``EXP1+EXP2:KEY`` after the
     files that gave it labels (``EXP:KEY`` when one file did, as without merging), in first-seen
     order; the cell's ``merged_from`` lists those experiments, so that ``only`` matches each
-    ``EXP:KEY`` too. ``only`` (the globs given to :func:`policy_summary`) keeps the notes to the
+    ``EXP:KEY`` too, and its ``setup`` is the run setup it was merged on (the seed groups of
+    :func:`policy_summary` are read from it). ``only`` (the globs given to :func:`policy_summary`) keeps the notes to the
     selected cells; every cell is returned."""
     groups: list[dict[str, Any]] = []
     by_key: dict[str, list[dict[str, Any]]] = {}
@@ -188,6 +258,7 @@ def merge_records(records: Sequence[Mapping[str, Any]],
                     notes.append(([group], note))
     for g in groups:
         g["cell"]["merged_from"] = g["sources"] or [g["first"]]
+        g["cell"]["setup"] = g["setup"]
         g["name"] = "+".join(g["cell"]["merged_from"])
     out = [{"experiment": g["name"], "config": {"variants": g["variants"]}, "cells": [g["cell"]]} for g in groups]
     return out, [n for about, n in notes if any(_selected(g["name"], g["cell"], only) for g in about)]
@@ -197,8 +268,9 @@ def format_policy_summary(rows: Sequence[Mapping[str, Any]], tolerance: float = 
     below = f"{1 - tolerance:g}x"
     out = [(f"| policy | cells | vs the fastest baseline: geometric mean | lowest (cell) | cells below {below} "
            f"| goodput more than {tolerance:.0%} below the best baseline's | vs reference: geometric mean (min - max) "
-           "| identical to the reference |"),
-           "|---|---|---|---|---|---|---|---|"]
+           "| identical to the reference | over seeds: groups behind beyond noise | over seeds: lowest group, "
+           "geometric mean [95 % CI] | over seeds: groups with goodput behind beyond noise |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "geomean" in r:
             b = [f"{r['geomean']:.4f}x", f"{r['lowest']:.4f}x ({r['lowest_cell']})", str(r["below"]),
@@ -210,5 +282,32 @@ def format_policy_summary(rows: Sequence[Mapping[str, Any]], tolerance: float = 
                  f"{r['identical']} of {r['ref_cells']}"]
         else:
             f = ["-", "-"]
-        out.append("| " + " | ".join([r["policy"], str(r["cells"]), *b, *f]) + " |")
+        if "seed_groups" in r:
+            w = r["seed_worst"]
+            g = [f"{r['seed_behind']} of {r['seed_groups']}",
+                 f"{w['group']} ({w['seeds']} seeds): {w['geomean']:.4f}x [{w['low']:.4f} - {w['high']:.4f}]",
+                 f"{r['seed_goodput_behind']} of {r['seed_groups']}"]
+        else:
+            g = ["-", "-", "-"]
+        out.append("| " + " | ".join([r["policy"], str(r["cells"]), *b, *f, *g]) + " |")
+    return out
+
+
+def format_seed_groups(rows: Sequence[Mapping[str, Any]], alpha: float = 3.0) -> list[str]:
+    """Per mars policy and seed group (two or more seeds): the geometric mean speedup over the fastest
+    baseline and its 95 % interval over the seeds, and the mean goodput difference to the best baseline
+    with its interval; ``behind`` where the whole interval is below 1.0 (below 0 for goodput), ``ahead``
+    where it is above."""
+    def verdict(lo: float, hi: float, par: float) -> str:
+        return "behind" if hi < par else "ahead" if lo > par else "within noise"
+
+    out = [(f"| policy | group | seeds | vs the fastest baseline: geometric mean | 95 % CI over the seeds | verdict "
+           f"| goodput@{alpha:g} minus the best baseline's (workflows/s) | 95 % CI | verdict |"),
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for g in r.get("seed_detail", ()):
+            out.append(f"| {r['policy']} | {g['group']} | {g['seeds']} | {g['geomean']:.4f}x "
+                       f"| {g['low']:.4f} - {g['high']:.4f} | {verdict(g['low'], g['high'], 1.0)} "
+                       f"| {g['goodput_diff']:+.5f} | {g['goodput_low']:+.5f} - {g['goodput_high']:+.5f} "
+                       f"| {verdict(g['goodput_low'], g['goodput_high'], 0.0)} |")
     return out
