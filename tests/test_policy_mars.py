@@ -210,6 +210,32 @@ def test_quanta_never_idle_the_step_budget():
     assert any(sum(d.values()) < 2048 for d in fixed[:-1]), fixed
 
 
+def _chunks_beside_a_decode(options: dict) -> list[int]:
+    """L's prefill chunks while another call decodes in every step."""
+    s = _sched(options=options, num_blocks=700, max_num_batched_tokens=2048)
+    s.add_request(make_request("D", prompt_len=64, max_tokens=400))
+    step(s)  # D's prefill; from now on it decodes
+    s.add_request(make_request("L", prompt_len=3000, max_tokens=1))
+    sizes = []
+    while s.has_requests():
+        so, _ = step(s)
+        if "L" in so.num_scheduled_tokens:
+            assert so.num_scheduled_tokens.get("D") == 1  # D decodes beside it
+            sizes.append(so.num_scheduled_tokens["L"])
+    _finish(s)
+    return sizes
+
+
+def test_quanta_yield_to_running_decodes():
+    # A decoding call rides in every step a prefill chunk lengthens: with quanta_yield_decodes the
+    # work-conserving extension, which would delay that level-0 work for a level-1 prefill, waits
+    # until nothing decodes, so the quanta bind ...
+    sizes = _chunks_beside_a_decode({"quanta_yield_decodes": True})
+    assert sizes[:3] == [1024, 512, 256] and sum(sizes) == 3000, sizes
+    # ... and without it (the default) the prefill takes the budget the decode leaves.
+    assert _chunks_beside_a_decode({})[:2] == [2047, 953]
+
+
 def _first_service_of_starved(aging_s: float, horizon_s: float, scaled: bool = False) -> float | None:
     """Virtual time at which a level-3 call is first scheduled under continuous short arrivals."""
     clock = VirtualClock()
