@@ -30,6 +30,7 @@ cell recorded in another.
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -85,8 +86,6 @@ def mean_interval(xs: Sequence[float]) -> tuple[float, float, float]:
 def _group_key(rec: Mapping[str, Any], cell: Mapping[str, Any]) -> tuple[str, str]:
     """(label, key) of a cell's seed group: its workload and load level, and (when its file describes
     the workload) the setup that must agree for cells of two seeds to be seeds of one experiment."""
-    import json
-
     label = f"{cell.get('workload')}/rps{cell.get('rps'):g}"
     setup = cell["setup"] if "setup" in cell else _setup(rec, cell)  # a merged cell carries its own
     if setup is None:

@@ -278,7 +278,7 @@ class MarsPolicy(Policy):
         self._scaled = cfg.mlfq and cfg.scaled_mlfq
         self._turn_ema = 0.0  # observed mean turn time (call arrival to finish), seconds
         self._step_demand: int | None = None  # other work's tokens this step (lazy, see chunk_tokens)
-        self._step_decodes = 0  # running calls decoding this step (counted with _step_demand)
+        self._step_decodes: int | None = None  # running calls decoding this step (lazy, quanta_yield_decodes)
         self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
@@ -304,6 +304,7 @@ class MarsPolicy(Policy):
 
     def begin_step(self) -> None:
         self._step_demand = None
+        self._step_decodes = None
 
     def state(self) -> dict[str, Any]:
         """The evicted order's reading (the EMA of the share of their expected cached prefix the
@@ -487,13 +488,11 @@ class MarsPolicy(Policy):
             budget = self.engine.token_budget
             q = min(self._quanta[lvl], budget)
             if n >= q:
-                if self._scaled:
-                    # Work-conserving: the quantum binds only against competing work; a prefill
-                    # may take the step budget that nobody else would use (with
-                    # quanta_yield_decodes: only while no other running call decodes).
-                    other = self._other_demand(call, budget - q)
-                    if not (cfg.quanta_yield_decodes and self._step_decodes):
-                        q = max(q, budget - other)
+                # Work-conserving: the quantum binds only against competing work; a prefill may
+                # take the step budget that nobody else would use (with quanta_yield_decodes: only
+                # while no other running call decodes).
+                if self._scaled and not (cfg.quanta_yield_decodes and self._running_decodes()):
+                    q = max(q, budget - self._other_demand(call, budget - q))
                 n = min(n, q)
                 st.quantum, st.quantum_level = q, lvl
             else:
@@ -575,6 +574,13 @@ class MarsPolicy(Policy):
                 return cost
         return _INF
 
+    def _running_decodes(self) -> int:
+        """Running calls decoding this step (computed once per step; only with quanta_yield_decodes)."""
+        n = self._step_decodes
+        if n is None:
+            n = self._step_decodes = sum(1 for c in self.engine.running_calls() if c.remaining_prefill <= 0)
+        return n
+
     def _other_demand(self, call: CallView, limit: int) -> int:
         """Tokens the other running and waiting calls want this step (decodes 1, prefills up to
         their quantum), computed once per step and counted only up to ``limit``."""
@@ -582,9 +588,7 @@ class MarsPolicy(Policy):
         if d is None:
             d = 0
             engine = self.engine
-            running = engine.running_calls()
-            self._step_decodes = sum(1 for c in running if c.remaining_prefill <= 0)
-            for group in (running, engine.waiting_calls()):
+            for group in (engine.running_calls(), engine.waiting_calls()):
                 for c in group:
                     rem = c.remaining_prefill
                     d += min(rem, self._quanta[c.state.level]) if rem > 0 else 1
