@@ -48,6 +48,32 @@ def test_serialisation_round_trip_and_file(tmp_path):
         CostModel(prefill_s_per_token=0.0)
 
 
+def test_free_prefill_tokens_from_solo_calls():
+    # A GPU-like prefill: a 20 ms floor (the weight read) that chunks ride until their compute
+    # (10 us/token) passes it, plus attention that grows with the prompt.
+    def prefill(n: int) -> float:
+        return max(0.020, 1e-5 * n) + 1e-9 * n * n
+
+    decode = (33, prefill(8192) + 32 * 0.006)
+    m = CostModel.from_solo_calls((32, prefill(32)), (8192, prefill(8192)), decode)
+    # Without the mid-size prefill: the long line's intercept over its slope (attention makes the
+    # slope steep and the knee early) ...
+    assert m.free_chunk_tokens == 0 and m.free_prefill_tokens() == int(m.call_overhead_s / m.prefill_s_per_token)
+    assert m.free_prefill_tokens() < 1300
+    # ... with it: on the line through the short and the mid prefill, nearer the 2000-token knee.
+    m2 = CostModel.from_solo_calls((32, prefill(32)), (8192, prefill(8192)), decode, mid=(4096, prefill(4096)))
+    assert 1800 < m2.free_prefill_tokens() < 2400, m2.free_prefill_tokens()
+    # The T_ideal model is the same; the measured knee travels with it.
+    assert (m2.prefill_s_per_token, m2.call_overhead_s, m2.decode_s) == (m.prefill_s_per_token, m.call_overhead_s,
+                                                                         m.decode_s)
+    assert CostModel.from_dict(m2.as_dict()).free_prefill_tokens() == m2.free_prefill_tokens()
+    # A mid prefill no slower than the short one measures nothing (the intercept rule stays).
+    flat = CostModel.from_solo_calls((32, 0.02), (8192, 0.2), decode, mid=(4096, 0.02))
+    assert flat.free_chunk_tokens == 0
+    with pytest.raises(ValueError, match="P1 < Pm < P2"):
+        CostModel.from_solo_calls((32, 0.02), (8192, 0.2), decode, mid=(9000, 0.3))
+
+
 def test_uncalibrated_default_says_so():
     assert not CostModel().calibrated and "uncalibrated" in CostModel().source
     assert not make_policy("mars").cost.calibrated

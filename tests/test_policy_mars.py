@@ -226,14 +226,24 @@ def _chunks_beside_a_decode(options: dict) -> list[int]:
     return sizes
 
 
-def test_quanta_yield_to_running_decodes():
-    # A decoding call rides in every step a prefill chunk lengthens: with quanta_yield_decodes the
-    # work-conserving extension, which would delay that level-0 work for a level-1 prefill, waits
-    # until nothing decodes, so the quanta bind ...
-    sizes = _chunks_beside_a_decode({"quanta_yield_decodes": True})
+def test_quanta_beside_running_decodes():
+    # A decoding call rides in every step a prefill chunk lengthens. "quantum": the work-conserving
+    # extension, which would delay that level-0 work for a level-1 prefill, waits until nothing
+    # decodes, so the quanta bind ...
+    sizes = _chunks_beside_a_decode({"quanta_beside_decodes": "quantum"})
     assert sizes[:3] == [1024, 512, 256] and sum(sizes) == 3000, sizes
-    # ... and without it (the default) the prefill takes the budget the decode leaves.
-    assert _chunks_beside_a_decode({})[:2] == [2047, 953]
+    # ... "free" (the default): the chunk grows to the prefill tokens the step's fixed cost is worth
+    # (here 6 ms / 4 us = 1500 tokens: a GPU whose weight read hides them), never below the quantum ...
+    cost = {"prefill_s_per_token": 4e-6, "call_overhead_s": 6e-3, "source": "test"}
+    assert CostModel.from_dict(cost).free_prefill_tokens() == 1500
+    sizes = _chunks_beside_a_decode({"cost_model": cost})
+    assert sizes[:2] == [1500, 1500] and sum(sizes) == 3000, sizes
+    cpu = dict(cost, call_overhead_s=1e-3)  # 250 tokens: below every quantum, the quanta bind
+    assert _chunks_beside_a_decode({"cost_model": cpu})[:3] == [1024, 512, 256]
+    # ... and "budget" takes the budget the decode leaves.
+    assert _chunks_beside_a_decode({"quanta_beside_decodes": "budget", "cost_model": cost})[:2] == [2047, 953]
+    with pytest.raises(ValueError, match="quanta_beside_decodes.*'budget' or 'free' or 'quantum', got 'yield'"):
+        MarsConfig(quanta_beside_decodes="yield")
 
 
 def _first_service_of_starved(aging_s: float, horizon_s: float, scaled: bool = False) -> float | None:

@@ -50,6 +50,9 @@ class CostModel:
     decode_s_per_ctx_token: float = 0.0
     #: Fixed cost of a call outside the engine steps (request handling, first-step extras).
     call_overhead_s: float = 0.0
+    #: Prefill tokens a step carries for its fixed cost (see :meth:`free_prefill_tokens`); 0: not
+    #: measured, the prefill line's intercept over its cost per token.
+    free_chunk_tokens: float = 0.0
     #: Where the numbers came from.
     source: str = DEFAULT_SOURCE
     #: False only for the built-in default.
@@ -81,6 +84,18 @@ class CostModel:
     def decode_step_s(self, context: int = 0) -> float:
         """One decoding call's share of a step at ``context`` tokens (no step overhead)."""
         return self.decode_s + self.decode_s_per_ctx_token * max(context, 0)
+
+    def free_prefill_tokens(self) -> int:
+        """Prefill tokens a step's fixed cost is worth: where the prefill's linear cost reaches
+        the fixed part of its step (on a GPU mostly the weight read every step pays, which a chunk
+        of up to this many tokens rides nearly free; on a CPU overhead, which such a chunk at most
+        doubles). ``free_chunk_tokens`` when measured (:meth:`from_profile`; :meth:`from_solo_calls`
+        with a mid-size prompt), else the intercept of the prefill line
+        (the step overhead plus a call's fixed part, whichever the fit filled) over its cost per
+        token. Decides how far a prefill chunk grows beside running decodes."""
+        if self.free_chunk_tokens > 0:
+            return int(self.free_chunk_tokens)
+        return int((self.step_overhead_s + self.call_overhead_s) / self.prefill_s_per_token)
 
     def step_s(self, prefill: Sequence[tuple[int, int]] = (), decode: Sequence[int] = ()) -> float:
         """One engine step: ``prefill`` = (chunk tokens, context before it), ``decode`` = contexts."""
@@ -136,11 +151,14 @@ class CostModel:
     # -- constructors -----------------------------------------------------------------------------
     @classmethod
     def from_solo_calls(cls, short: tuple[int, float], long: tuple[int, float], long_decode: tuple[int, float],
-                        source: str = "calibrated by solo calls") -> CostModel:
+                        source: str = "calibrated by solo calls", mid: tuple[int, float] | None = None) -> CostModel:
         """From solo latencies: (prompt P1, t(P1, 1 token)), (P2, t(P2, 1)), (outputs N, t(P2, N)).
 
         Linear prefill; the one-token call's fixed part is ``call_overhead_s`` and each further
         output token costs ``decode_s`` (solo calls cannot split it from the step overhead).
+        With ``mid`` = (Pm, t(Pm, 1)), P1 < Pm < P2, ``free_chunk_tokens`` is measured too, on the
+        line through the short and the mid prefill (the long one's attention makes its line steeper
+        and its knee too early): that line's intercept over its slope.
         """
         (p1, t1), (p2, t2), (n, t3) = short, long, long_decode
         if p2 <= p1 or n <= 1:
@@ -148,7 +166,13 @@ class CostModel:
         a = max((t2 - t1) / (p2 - p1), 1e-9)
         c = max(t1 - a * p1, 0.0)
         per_step = max((t3 - t2) / (n - 1), 0.0)
-        return cls(prefill_s_per_token=a, decode_s=per_step, call_overhead_s=c, source=source, calibrated=True)
+        free = 0.0
+        if mid is not None:
+            if not p1 < mid[0] < p2:
+                raise ValueError("from_solo_calls needs P1 < Pm < P2")
+            free = _free_tokens(short, mid)
+        return cls(prefill_s_per_token=a, decode_s=per_step, call_overhead_s=c, free_chunk_tokens=free,
+                   source=source, calibrated=True)
 
     @classmethod
     def fit_prefill(cls, samples: Iterable[tuple[int, float]], quadratic: bool = False,
@@ -183,9 +207,21 @@ class CostModel:
         for c in (16, max_len // 4, max_len // 2, max_len - 1):
             drows.append(((1.0, float(c)), float(step([], [c])) - overhead))
         d0, d1 = _lstsq(drows)
+        short, mid = min(32, budget // 4), budget // 2
+        free = _free_tokens((short, step([(short, 0)], [])), (mid, step([(mid, 0)], [])))
         return cls(step_overhead_s=overhead, prefill_s_per_token=max(a, 1e-12), attn_s_per_token_ctx=b,
-                   decode_s=d0, decode_s_per_ctx_token=d1,
+                   decode_s=d0, decode_s_per_ctx_token=d1, free_chunk_tokens=free,
                    source=f"fitted to step-time profile {getattr(profile, 'name', '?')!r}", calibrated=True)
+
+
+def _free_tokens(short: tuple[int, float], mid: tuple[int, float]) -> float:
+    """Prefill tokens a step's fixed cost is worth, from two prefills of (tokens, seconds): the
+    line through them, its intercept over its slope (0 when either is not positive). A short and a
+    mid-size prefill: the attention of a long one steepens the line and puts the knee too early."""
+    (p1, t1), (pm, tm) = short, mid
+    slope = (tm - t1) / (pm - p1)
+    fixed = t1 - slope * p1
+    return fixed / slope if slope > 1e-12 and fixed > 0 else 0.0
 
 
 def _lstsq(rows: Sequence[tuple[Sequence[float], float]]) -> list[float]:

@@ -313,7 +313,9 @@ async def calibrate(backend, vocab: int, max_model_len: int, seed: int = 12345, 
     t1 = min([await solo(p1, 1, i) for i in range(repeats)])
     t2 = min([await solo(p2, 1, i) for i in range(repeats)])
     t3 = min([await solo(p2, n, i) for i in range(repeats)])
-    return CostModel.from_solo_calls((p1, t1), (p2, t2), (n, t3),
+    pm = p2 // 2  # the mid-size prefill: the prefill tokens a step's fixed cost is worth
+    mid = (pm, min([await solo(pm, 1, i) for i in range(repeats)])) if p1 < pm else None
+    return CostModel.from_solo_calls((p1, t1), (p2, t2), (n, t3), mid=mid,
                                      source="cost model calibrated by solo calls on the idle engine")
 
 

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 _INF = float("inf")
 #: Realized preemption recoveries needed before reserve_priced uses their median.
 _MIN_RECOVERIES = 3
+#: MarsConfig.quanta_beside_decodes
+_BESIDE_DECODES = ("budget", "free", "quantum")
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,18 @@ class MarsConfig:
     #: aging relative to observed turn times (``aging_turns`` mean turns per level). Off: fixed
     #: quanta and ``aging_s`` (``mars-no-scaled-mlfq``).
     scaled_mlfq: bool = True
-    #: With ``scaled_mlfq``: a prefill takes the step budget beyond its quantum only while no other
-    #: running call is decoding (a bigger chunk lengthens the step every decode rides in). Off (the
-    #: default): it takes whatever budget the other calls do not want (decodes want one token
-    #: each). On: 1.0096x mars on the H100 grid's 40 top cells, 0.963x on the H200 pressure cells
-    #: (``experiments/quanta_yield*.toml``).
-    quanta_yield_decodes: bool = False
+    #: With ``scaled_mlfq``: how far a prefill's chunk extends beyond its quantum while another
+    #: running call decodes (each decode rides in the step the chunk lengthens). "free" (the
+    #: default): to no more than the prefill tokens a step's fixed cost is worth (the cost model's
+    #: :meth:`~vllm_mars.costmodel.CostModel.free_prefill_tokens`: on a GPU the weight read every
+    #: step pays, which a MoE's prefill chunk pays for all its experts: about 180 tokens for the
+    #: dense Qwen3-32B on an H100, 1400 for Qwen3-Coder-30B-A3B on an H200; 0, so the quanta bind,
+    #: on the uncalibrated default model). "budget": to the step budget the other calls do not want
+    #: (decodes want one token each). "quantum": none. "free" against "budget": 1.0096x on the H100
+    #: grid's 40 top cells, 1.019x on the H200 pressure cells, within 0.03 % elsewhere on the H200
+    #: grid; "quantum" loses 3.5 % on those H200 cells (``experiments/quanta_free*.toml``,
+    #: ``quanta_yield*.toml``; docs/mars.md).
+    quanta_beside_decodes: str = "free"
     #: Ties within a level (and the victim order) go by the workflow's first arrival instead of the
     #: call's, so later turns of earlier workflows go first and the newest workflow is preempted
     #: first. Off (default): the call's own arrival.
@@ -181,7 +189,7 @@ class MarsConfig:
 
         for name in ("mlfq", "promote_decodes", "preempted_first", "elastic", "priority_reclaim",
                      "retention", "estimate_cached_prefix", "cost_reclaim", "value_retention", "scaled_mlfq",
-                     "quanta_yield_decodes", "reserve_prefills", "reserve_when_evicted", "reserve_priced", "workflow_order", "evicted_order", "evicted_warmup"):
+                     "reserve_prefills", "reserve_when_evicted", "reserve_priced", "workflow_order", "evicted_order", "evicted_warmup"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false", getattr(self, name))
         for name, n in (("level_thresholds", 3), ("quanta", 4)):
@@ -190,6 +198,8 @@ class MarsConfig:
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
                 fail(name, f"a list of {n} positive integers", v)
             object.__setattr__(self, name, tuple(v))
+        if self.quanta_beside_decodes not in _BESIDE_DECODES:
+            fail("quanta_beside_decodes", " or ".join(repr(m) for m in _BESIDE_DECODES), self.quanta_beside_decodes)
         if list(self.level_thresholds) != sorted(self.level_thresholds):
             fail("level_thresholds", "increasing", self.level_thresholds)
         for name in ("aging_s", "aging_turns", "max_retention_s", "memory_cost_weight", "cold_start_tau_s"):
@@ -278,7 +288,7 @@ class MarsPolicy(Policy):
         self._scaled = cfg.mlfq and cfg.scaled_mlfq
         self._turn_ema = 0.0  # observed mean turn time (call arrival to finish), seconds
         self._step_demand: int | None = None  # other work's tokens this step (lazy, see chunk_tokens)
-        self._step_decodes: int | None = None  # running calls decoding this step (lazy, quanta_yield_decodes)
+        self._step_decodes: int | None = None  # running calls decoding this step (lazy, quanta_beside_decodes)
         self._promote = cfg.promote_decodes
         # workflow -> context tokens of its last finished call (bounded LRU)
         self._context: OrderedDict[str, int] = OrderedDict()
@@ -489,10 +499,14 @@ class MarsPolicy(Policy):
             q = min(self._quanta[lvl], budget)
             if n >= q:
                 # Work-conserving: the quantum binds only against competing work; a prefill may
-                # take the step budget that nobody else would use (with quanta_yield_decodes: only
-                # while no other running call decodes).
-                if self._scaled and not (cfg.quanta_yield_decodes and self._running_decodes()):
-                    q = max(q, budget - self._other_demand(call, budget - q))
+                # take the step budget that nobody else would use (beside running decodes: as far
+                # as quanta_beside_decodes lets it).
+                if self._scaled:
+                    ext = budget - self._other_demand(call, budget - q)
+                    beside = cfg.quanta_beside_decodes
+                    if ext > q and beside != "budget" and self._running_decodes():
+                        ext = q if beside == "quantum" else min(ext, self.cost.free_prefill_tokens())
+                    q = max(q, ext)
                 n = min(n, q)
                 st.quantum, st.quantum_level = q, lvl
             else:
@@ -575,7 +589,7 @@ class MarsPolicy(Policy):
         return _INF
 
     def _running_decodes(self) -> int:
-        """Running calls decoding this step (computed once per step; only with quanta_yield_decodes)."""
+        """Running calls decoding this step (computed once per step; only for quanta_beside_decodes)."""
         n = self._step_decodes
         if n is None:
             n = self._step_decodes = sum(1 for c in self.engine.running_calls() if c.remaining_prefill <= 0)
