@@ -12,7 +12,9 @@ Mechanisms, each switched by one config field (the ablation policies flip them):
   given tokens, so a waiting call reaches level 0 within three periods. The period is ``aging_s``,
   or with ``scaled_mlfq`` ``aging_turns`` observed mean turn times (once a turn has finished).
 * **Work-conserving quanta** (``scaled_mlfq``): a quantum binds only against competing work; a
-  prefill may use the part of the step budget nobody else wants this step.
+  prefill may use the part of the step budget nobody else wants this step, but while another
+  running call decodes only up to the prefill tokens a step's fixed cost is worth
+  (``quanta_beside_decodes``, priced by the cost model's ``free_prefill_tokens``).
 * **Elastic prefill** (``elastic``): a prefill chunk that does not fit the free KV blocks shrinks to
   what fits (down to one block) instead of making vLLM preempt somebody.
 * **Reclamation** (``priority_reclaim``): vLLM preempts our largest ``victim_key`` first. With
