@@ -28,6 +28,9 @@ def test_from_profile_recovers_the_step_model():
     assert m.prefill_s_per_token == pytest.approx(2e-5, rel=1e-3)
     assert m.attn_s_per_token_ctx == pytest.approx(1e-9, rel=1e-3)
     assert m.decode_s == pytest.approx(3e-4, rel=1e-3) and m.decode_s_per_ctx_token == pytest.approx(1e-8, rel=1e-3)
+    # The knee: the step's fixed 10 ms is worth 500 prefill tokens at 20 us each, a little fewer with
+    # the attention of a half-budget chunk on the line that measures it.
+    assert 430 < m.free_chunk_tokens < 500 and m.free_prefill_tokens() == int(m.free_chunk_tokens)
     p = _Profile()
     assert m.step_s([(4096, 10000)], [100, 5000]) == pytest.approx(p.step_seconds([(4096, 10000)], [100, 5000]),
                                                                   rel=1e-4)
