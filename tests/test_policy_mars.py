@@ -844,6 +844,15 @@ def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
         make_policy("mars", {"evicted_ema_weight": 0})
 
 
+def test_evicted_band_switches_on_only_below_its_lower_edge():
+    # Eight returns that found nothing leave the EMA at 1/9 = 0.11: below a threshold of 0.15 ...
+    assert _order_after_evictions({"evicted_share": 0.15}) == (True, ["A1", "B0"])
+    # ... but not below its band's lower edge (0.15 - 0.05), so the MLFQ order stays.
+    assert _order_after_evictions({"evicted_share": 0.15, "evicted_band": 0.05}) == (False, ["B0", "A1"])
+    with pytest.raises(ValueError, match="evicted_band"):
+        make_policy("mars", {"evicted_band": 0.5})
+
+
 def test_evicted_warmup_sees_a_pool_that_cannot_keep_contexts_after_a_few_returns():
     slow = {"evicted_order": True, "evicted_ema_weight": 0.03}
     # Eight returns that found nothing: the slow EMA alone is still at 0.97^8 = 0.78 ...

@@ -151,6 +151,9 @@ class MarsConfig:
     evicted_order: bool = True
     #: The EMA's threshold for ``evicted_order`` (share of the expected cached prefix found).
     evicted_share: float = 0.5
+    #: A band around ``evicted_share``: the order switches on below ``evicted_share - band`` and back
+    #: off above ``evicted_share + band`` (0: both at ``evicted_share``).
+    evicted_band: float = 0.0
     #: Weight of a returning turn in that EMA (smaller: a longer memory, slower to switch). 0.1
     #: switched wrongly in a pool that thrashes only for a spell (H200, ILR-4); 0.03 did not.
     evicted_ema_weight: float = 0.03
@@ -211,6 +214,9 @@ class MarsConfig:
         if not (isinstance(self.evicted_share, (int, float)) and not isinstance(self.evicted_share, bool)
                 and 0 <= self.evicted_share <= 1):
             fail("evicted_share", "in [0, 1]", self.evicted_share)
+        b = self.evicted_band
+        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 0.5):
+            fail("evicted_band", "in [0, 0.5)", b)
         w = self.evicted_ema_weight
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w <= 1):
             fail("evicted_ema_weight", "in (0, 1]", w)
@@ -369,7 +375,8 @@ class MarsPolicy(Policy):
                 if self.config.evicted_warmup:
                     w = max(w, 1.0 / (self._kept_n + 1))
                 self._kept_ema = (1 - w) * self._kept_ema + w * min(call.cached_tokens / known, 1.0)
-                evicted = self._kept_ema < self.config.evicted_share
+                band = self.config.evicted_band
+                evicted = self._kept_ema < self.config.evicted_share + (band if self._evicted else -band)
                 if evicted != self._evicted:
                     logger.info("mars: returning turns find %.0f%% of their expected cached prefix (EMA after %d "
                                 "turns): %s", 100 * self._kept_ema, self._kept_n,
