@@ -135,8 +135,8 @@ class MarsConfig:
     #: dense Qwen3-32B on an H100, 1400 for Qwen3-Coder-30B-A3B on an H200; 0, so the quanta bind,
     #: on the uncalibrated default model). "budget": to the step budget the other calls do not want
     #: (decodes want one token each). "quantum": none. "free" against "budget": 1.0096x on the H100
-    #: grid's 40 top cells, 1.019x on the H200 pressure cells, within 0.03 % elsewhere on the H200
-    #: grid; "quantum" loses 3.5 % on those H200 cells (``experiments/quanta_free*.toml``,
+    #: grid's 40 top cells, 1.016x on the 21 H200 pressure cells, 0.9997x-1.0011x on the H200
+    #: grid's light cells; "quantum" loses 3.5 % on those H200 cells (``experiments/quanta_free*.toml``,
     #: ``quanta_yield*.toml``; docs/mars.md).
     quanta_beside_decodes: str = "free"
     #: Ties within a level (and the victim order) go by the workflow's first arrival instead of the
