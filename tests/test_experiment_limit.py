@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,10 @@ def test_summary_pools_cells_of_several_files_against_the_fastest_baseline_and_m
     assert m["lowest"] == pytest.approx(0.9) and m["lowest_cell"] == "b:W/rps0.04/seed0" and m["below"] == 1
     assert m["goodput_below"] == 1 and "ref" not in m  # 0.5 < 0.99 x 0.6 in cell a
     assert x["ref_geomean"] == pytest.approx(1.2 ** 0.5) and x["identical"] == 1 and x["ref_max"] == pytest.approx(1.2)
+    # paired over its two cells (1.0x, 1.2x): the 95 % interval of the mean log ratio (t with 1 df)
+    half = 12.706 * math.log(1.2) / 2
+    assert x["ref_low"] == pytest.approx(1.2 ** 0.5 * math.exp(-half), rel=1e-3)
+    assert x["ref_high"] == pytest.approx(1.2 ** 0.5 * math.exp(half), rel=1e-3)
     # only fcfs as the baseline, one cell
     only = policy_summary([a, b], baselines=["fcfs"], only=["a:*"])
     assert [r["policy"] for r in only] == ["mars", "mars-x"] and only[0]["geomean"] == pytest.approx(2.0)
@@ -287,7 +292,7 @@ def test_summary_merge_on_the_command_line(tmp_path, capsys):
     assert "| fast | 0 | - | - | - | - | 1.3333x (1.3333 - 1.3333) vs mars | 0 of 1 |" in out and "note:" not in out
     assert main(["experiment", "summary", "--merge", str(files[0]), str(files[1]), str(files[2])]) == 0
     out = capsys.readouterr().out
-    assert ("| fast | 1 | 2.0000x | 2.0000x (grid+var:W/rps0.02/seed0) | 0 | 0 | 1.3333x (1.3333 - 1.3333) vs mars "
+    assert ("| fast | 1 | 2.0000x | 2.0000x (grid+var:W/rps0.02/seed0) | 0 | 0 | 1.3333x [1.3333 - 1.3333] (1.3333 - 1.3333) vs mars "
             "| 0 of 2 |") in out, out
     assert out.rstrip().endswith("note: W/rps0.02/seed0 in grid and h100 not merged: profile differs "
                                  "('h200-qwen3-coder-30b-a3b' vs 'h100-qwen3-32b')"), out
