@@ -116,6 +116,63 @@ def test_scheduler_fits_the_policy_cost_model_from_its_step_times():
     assert_no_leaks(s)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_async_scheduler_fits_the_cost_model_from_the_device_step_times(depth):
+    """Async scheduling (vLLM's default on GPU): step N+1 is scheduled while N runs on the device and
+    N's output is processed after that. The device runs the steps back to back, 5 ms + 50 us per
+    scheduled token each; the host spends 0.3 ms scheduling. The fit must see the device's step
+    times, not the gaps between a schedule and its output (which span the step before too)."""
+    from collections import deque
+
+    from vllm_mars.engine.scheduler import AsyncMarsScheduler
+
+    class Recorder(OnlineCostFit):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def observe(self, seconds, prefill, num_decode):
+            self.seen.append((seconds, sum(n for n, _ in prefill) + num_decode))
+            super().observe(seconds, prefill, num_decode)
+
+    clock = VirtualClock()
+    s = make_scheduler("mars", clock=clock, num_blocks=400, max_num_batched_tokens=128,
+                       scheduler_cls=AsyncMarsScheduler)
+    assert isinstance(s, AsyncMarsScheduler) and not s.mars_policy.cost.calibrated
+    assert s._cost_fit is not None  # the online fit runs under async scheduling too
+    s._cost_fit = fit = Recorder()
+    for i in range(60):
+        s.add_request(make_request(f"r{i}", prompt_len=100 + 37 * i % 300, max_tokens=4))
+    in_flight: deque = deque()
+    device_free = 0.0
+    overlapped = 0
+    while s.has_requests() or in_flight:
+        if s.has_requests() and len(in_flight) <= depth:
+            so = s.schedule()
+            out = fake_model_output(s, so)  # computed at launch, as the rig's engine core does
+            tokens = so.total_num_scheduled_tokens
+            start = max(clock.now(), device_free)
+            device_free = start + (0.005 + 5e-5 * tokens if tokens else 0.0)
+            in_flight.append((so, out, device_free))
+            clock.advance(0.0003)
+            if len(in_flight) <= depth and s.has_requests():
+                continue
+        overlapped += len(in_flight) > 1
+        so, out, done = in_flight.popleft()
+        clock.set(max(clock.now(), done))
+        s.update_from_output(so, out)
+    assert overlapped > 50  # the steps did run while their successors were scheduled
+    work = [(t, n) for t, n in fit.seen if n]
+    assert len(work) > 50
+    for t, n in work:
+        assert t == pytest.approx(0.005 + 5e-5 * n, abs=1e-9), (t, n)
+    cost = s.mars_policy.cost
+    assert cost.calibrated and cost.source.startswith("online fit"), cost
+    assert cost.prefill_s_per_token == pytest.approx(5e-5, rel=0.15)
+    s.release_retention()
+    assert_no_leaks(s)
+
+
 @pytest.mark.parametrize("pin", [False, True, "after calibration calls"])
 def test_uncalibrated_warning_comes_at_the_first_step_and_not_when_the_driver_pins_a_model_first(caplog, pin):
     """The driver pins its calibration right after the engine starts (the in-process engine after

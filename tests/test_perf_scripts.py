@@ -1,5 +1,6 @@
 """The paired-rounds script of the embedded default (benchmark/perf/cpu_default_rounds.py): its
-speed-adjusted estimate and its checks of --concurrent, without running an engine."""
+speed-adjusted estimate and its checks of --concurrent, without running an engine; and the online
+cost fit over the steps of a virtual-time run (benchmark/perf/online_knee.py)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,17 @@ def test_rounds_record_keeps_preemptions_and_the_policys_state(rounds_script, tm
     summary["engine"]["policy_state"] = {}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert "policy_state" not in rounds_script.run_record(tmp_path)
+
+
+def test_online_fit_over_a_virtual_time_run_never_loses_its_prefill_price():
+    """The steps of a real (virtual-time) mars run on the H200 MoE profile, fed to OnlineCostFit as
+    the scheduler feeds it: before its guard 160 of the ~1500 refits of this run clipped the linear
+    prefill cost to zero (a short chunk priced at nothing, the prefill knee at billions of tokens)."""
+    spec = importlib.util.spec_from_file_location("online_knee", SCRIPT.parent / "online_knee.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = mod.run_case("h200-qwen3-coder-30b-a3b", "ILR-3", 8, 0.08, None, seed=0)
+    assert rec["refits"] > 1000 and rec["steps"] > 20000, rec
+    assert rec["refits_knee_over_budget"] == 0, rec
+    assert 0.5 < rec["rebuild_16k_over_profile_min"] and rec["rebuild_16k_over_profile_median"] < 2.0, rec
+    assert rec["online_knee_p90"] < rec["profile_knee"], rec  # the linear fit's knee misses the MoE's

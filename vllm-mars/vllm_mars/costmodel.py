@@ -240,7 +240,12 @@ class OnlineCostFit:
     least squares over ``[1, prefill tokens, attention pairs, decoding calls]``).
 
     ``observe`` is called once per executed step; :meth:`model` returns None until ``min_steps``
-    steps with both prefill and decode work were seen.
+    steps were seen, ``min_steps // 4`` of them with prefill work. It refits only while the steps
+    it still remembers hold prefill work (a forgotten count of at least ``min_steps // 8``), and
+    keeps the last model when a refit finds no linear prefill cost (the remembered chunks all of
+    long contexts, where it is collinear with attention): such a refit prices a short chunk at
+    nothing and puts the prefill knee at billions of tokens (5 % of the refits of an ILR-3 run on
+    the H200 MoE profile, ``benchmark/perf/online_knee.py``).
     """
 
     _K = 4
@@ -250,6 +255,7 @@ class OnlineCostFit:
         self.forget = forget
         self.steps = 0
         self._prefill_steps = 0
+        self._prefill_weight = 0.0  # prefill steps, forgotten like the sums
         self._xtx = [[0.0] * self._K for _ in range(self._K)]
         self._xty = [0.0] * self._K
         self._cached: CostModel | None = None
@@ -273,15 +279,18 @@ class OnlineCostFit:
                 row[j] = lam * row[j] + x[i] * x[j]
         self.steps += 1
         self._prefill_steps += n > 0
+        self._prefill_weight = lam * self._prefill_weight + (n > 0)
         self._dirty += 1
 
     def model(self) -> CostModel | None:
         if self.steps < self.min_steps or self._prefill_steps < self.min_steps // 4:
             return None
-        if self._cached is not None and self._dirty < 16:
+        if self._cached is not None and (self._dirty < 16 or self._prefill_weight < self.min_steps // 8):
             return self._cached
         coef = _solve_nonneg(self._xtx, self._xty)
-        if coef is None or coef[1] + coef[2] <= 0:
+        if coef is None or coef[1] + coef[2] <= 0 or (coef[1] <= 0 and self._cached is not None):
+            # (a refit whose remembered prefills cannot separate the linear cost from attention,
+            # long-context chunks alike, would price a short chunk at nothing: the last model stands)
             return self._cached
         self._dirty = 0
         self._cached = CostModel(step_overhead_s=coef[0], prefill_s_per_token=max(coef[1], 1e-12),

@@ -293,7 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.controller == "mars" and "cost_model=" not in " ".join(args.controller_option or []):
             args.controller_option = [*(args.controller_option or []), f"cost_model={args.cost_model}"]
     # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
-    make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
+    policy = make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
     from vllm_mars.engine.local import parse_engine_arg_items
 
@@ -325,6 +325,11 @@ def _serve(args: argparse.Namespace) -> int:
                         served_model_name=args.served_model_name, **kw),
            *extra, *tool_args]
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
+    if policy.uses_cost and not args.cost_model:
+        print(f"mars serve: no --cost-model: policy {args.policy} learns one from the engine's step times, a "
+              "linear fit whose prefill knee misses a mixture-of-experts model's (docs/mars.md, the cost "
+              "model); --cost-model PROFILE (a shipped profile or `mars profile` output) prices with a "
+              "measured one", file=sys.stderr)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -237,18 +239,22 @@ class MarsSchedulerMixin:
     # -- the cost model -----------------------------------------------------------------------------
     def _init_cost_model(self, cfg: Any) -> None:
         """Hand a cost-pricing policy its model: the configured one, else an online fit of this
-        engine's step times (sync scheduling only: with async scheduling a step's output arrives
-        after the next schedule). Running on the uncalibrated default is logged as a warning."""
+        engine's step times (sync or async scheduling: see :meth:`_record_step_work`). Running on
+        the uncalibrated default is logged as a warning."""
         policy = self.mars_policy
         self._cost_fit: OnlineCostFit | None = None
-        self._step_work: tuple[float, list[tuple[int, int]], int] | None = None
+        #: Steps scheduled and not yet processed, oldest first: (output, when scheduled, prefill
+        #: chunks, decoding calls); at most the engine's steps in flight plus one.
+        self._step_work: deque[tuple[Any, float, list[tuple[int, int]], int]] = deque()
+        #: When the last step's output was processed (a step in flight starts no earlier).
+        self._last_output_at = -math.inf
         self._cost_warning_due = False
         self._cost_warning_deferred = False
         if not policy.uses_cost:
             return
         if cfg.cost_model is not None:
             policy.set_cost_model(cfg.cost_model)
-        elif cfg.online_cost and not isinstance(self, AsyncScheduler):
+        elif cfg.online_cost:
             self._cost_fit = OnlineCostFit()
         # Said at the first step that schedules work, not here: the driver pins its calibration
         # right after the engine starts, and a warning now would be false for every run it drives.
@@ -277,6 +283,11 @@ class MarsSchedulerMixin:
                         self.mars_config.policy, getattr(model, "source", model))
 
     def _record_step_work(self, out: Any) -> None:
+        """What step ``out`` computes, for the online fit. Its time is taken when its output is
+        processed: from when it was scheduled or the previous output was processed, whichever is
+        later. Under sync scheduling that is the schedule; under async scheduling (vLLM's default
+        on GPU) the next step is scheduled while this one runs, and the device starts it when the
+        one before is done, which is about when that one's output is processed."""
         requests = self.requests
         prefill, decodes = [], 0
         for rid, n in out.num_scheduled_tokens.items():
@@ -288,15 +299,26 @@ class MarsSchedulerMixin:
                 decodes += 1
             else:
                 prefill.append((n, max(ctx, 0)))
-        self._step_work = (self.clock.now(), prefill, decodes)
+        pending = self._step_work
+        if len(pending) > 4:  # outputs never processed (cannot happen in vLLM's loops): forget them
+            pending.popleft()
+        pending.append((out, self.clock.now(), prefill, decodes))
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        work = self._step_work
+        pending = self._step_work
+        work = None
+        while pending:  # vLLM processes outputs in the order it scheduled them
+            entry = pending.popleft()
+            if entry[0] is scheduler_output:
+                work = entry
+                break
         if work is not None:
-            self._step_work = None
+            now = self.clock.now()
+            start = max(work[1], self._last_output_at)
+            self._last_output_at = now
             fit = self._cost_fit
             if fit is not None:
-                fit.observe(self.clock.now() - work[0], work[1], work[2])
+                fit.observe(now - start, work[2], work[3])
                 if fit.steps % 16 == 0 and (model := fit.model()) is not None:
                     policy = self.mars_policy
                     if policy.cost_pinned:
