@@ -555,6 +555,29 @@ def test_life_sizing_admits_when_the_projection_fits():
     assert c.turn_growth == pytest.approx(100)
 
 
+@pytest.mark.parametrize("order", ["arrival", "life"])
+def test_queue_order_life_considers_the_smallest_projected_life_first(order):
+    # The room left by three active roots takes one of the two queued roots: "big" (7000 tokens,
+    # 3 calls: 21000 token-calls) came first, "small" (1500 tokens, 2 calls: 3000) second. In
+    # arrival order big goes in and small no longer fits; smallest life first, the other way round.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=1, window_max=16, order=order)
+    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))  # rebuilds expensive
+    c.observe(tel(0, free=1000, total=1000))
+    for i in range(3):
+        c.offer(PendingRoot(f"a{i}", 0.0, 1600, {"turns": 10}))
+    c.tick(0.0)
+    for i in range(3):
+        c.update_estimate(f"a{i}", 1700, 1.0)
+    c.observe(tel(1.0, free=600, total=1000))
+    c.offer(PendingRoot("big", 1.0, 7000, {"turns": 3}))
+    c.offer(PendingRoot("small", 1.0, 1500, {"turns": 2}))
+    assert c.tick(1.0) == (["big"] if order == "arrival" else ["small"])
+    with pytest.raises(ValueError, match="order.*'arrival' or 'life'"):
+        make_controller("mars", {"order": "sjf"})
+
+
 def test_life_peak_is_reached_just_before_a_root_ends():
     c = mars()
     c._turn_growth = 10.0

@@ -34,7 +34,8 @@ Rules, each a documented field of :class:`MarsAdmissionConfig`:
   pressure (the window shrinks, the KV cap drops to ``window_min``) and the last budget minus
   promises is still enforced.
 
-* **Cost-aware admission** (``admit = "cost"``, the default, with a cost model): in arrival order,
+* **Cost-aware admission** (``admit = "cost"``, the default, with a cost model): in arrival order
+  (``order = "life"``: the smallest projected life first),
   a root is admitted when its footprint fits the budget, or when the expected rebuild cost its
   overflow would cause, ``sum over its coming turns of rebuild_s(overflow tokens at that turn) *
   (1 + running calls)`` (contexts evicted during tool gaps are rebuilt at the next turn, and a
@@ -218,6 +219,12 @@ class MarsAdmissionConfig(WindowConfig):
     #: grid (the pool keeps contexts) and the CPU rig (the share never reaches 0.25 there); on the
     #: H100 grid "keepable" is the net off (experiments/aimd_net.toml, aimd_net_h100.toml).
     rebuild_net: str = "keepable"
+    #: Cost rule: the order the queued roots are considered in (each admitted only as the rule
+    #: allows; one that does not qualify is skipped). "arrival" (the default): first come, first
+    #: served. "life": the smallest projected life first, its context times its predicted LLM calls
+    #: (the KV-seconds it will hold; shortest job first for the mean wait), arrival breaking ties;
+    #: a root that came back after a soft end first, as in the other orders.
+    order: str = "arrival"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -268,6 +275,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("slot_wait", "'mean', 'ends' or 'fit_ends'")
         if self.rebuild_net not in ("always", "keepable"):
             raise bad("rebuild_net", "'always' or 'keepable'")
+        if self.order not in ("arrival", "life"):
+            raise bad("order", "'arrival' or 'life'")
 
 
 @dataclass
@@ -650,6 +659,11 @@ class MarsAdmissionController(ControllerBase):
             mode = "cpu_overloaded_large_first"
         elif cost_rule:
             order, mode = queue, "cost_fit"
+            if cfg.order == "life" and len(queue) > 1:
+                order = sorted(queue, key=lambda r: (
+                    not self.returning(r),
+                    self._est_tokens(r) * self._pred_turns(r.meta.get("turns") if r.meta else None),
+                    self._seq[r.workflow]))
         elif light:
             order, mode = queue, "light_fcfs"
         else:
