@@ -252,6 +252,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--keep-steps", metavar="DIR",
                     help="with --concurrent: copy every run's recorded steps to DIR/r<round>_<label>.jsonl (the "
                          "input of `mars profile --from-steps`, to fit this box's own profile)")
+    ap.add_argument("--cost-model", metavar="FILE",
+                    help="price every run with this cost model (CostModel JSON or a step-time profile, as "
+                         "`mars serve --cost-model`) instead of the solo-call calibration: the policies, the "
+                         "admission controller and T_ideal")
     ap.add_argument("--summarize", metavar="FILE",
                     help="run nothing: print the paired speedups of an earlier --out file (its rounds)")
     args = ap.parse_args(argv)
@@ -270,6 +274,14 @@ def main(argv: list[str]) -> int:
             keep_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             ap.error(f"--keep-steps {keep_dir}: {e}")
+    given_cost = None
+    if args.cost_model:
+        from vllm_mars.costmodel import CostModel
+
+        try:
+            given_cost = CostModel.load(args.cost_model)
+        except (OSError, ValueError) as e:
+            ap.error(f"--cost-model {args.cost_model}: {e}")
     cores = sorted(os.sched_getaffinity(0))
 
     from dataclasses import replace
@@ -289,7 +301,7 @@ def main(argv: list[str]) -> int:
     base, _ = compare_config(cargs)
     base = base.with_profile()
     rps = DEFAULT_RPS[0] / args.stretch
-    cost = None
+    cost = given_cost
     rounds = []
     with tempfile.TemporaryDirectory(prefix="mars-rounds-") as tmp:
         if args.stretch != 1:

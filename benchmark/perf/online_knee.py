@@ -17,6 +17,10 @@ seeds).
 
     .venv/bin/python benchmark/perf/online_knee.py                      # both cases below
     .venv/bin/python benchmark/perf/online_knee.py --case h200 --workflows 20
+
+``--steps FILE ...`` fits recorded steps of a real engine instead (a run's ``steps.jsonl``, or
+``cpu_default_rounds.py --keep-steps`` output), each file on its own, with nothing forgotten: the
+cost model that engine's own steps give, beside ``--reference`` (a profile or CostModel JSON).
 """
 
 from __future__ import annotations
@@ -91,13 +95,48 @@ def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_con
             "rebuild_16k_over_profile_min": round(min(rebuilds), 3)}
 
 
+def fit_steps(path: str, reference=None) -> dict:
+    """A recorded run's steps (``{"prefill": [[chunk, ctx], ...], "decode": [ctx, ...], "seconds"}``
+    per line) fitted by ``OnlineCostFit`` without forgetting."""
+    from vllm_mars.costmodel import OnlineCostFit
+
+    fit = OnlineCostFit(forget=1.0)
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                prefill = [(int(c), int(x)) for c, x in r["prefill"]]
+                fit.observe(float(r["seconds"]), prefill, len(r["decode"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{n}: not a recorded step ({type(e).__name__}: {e})") from None
+    m = fit.model()
+    if m is None:
+        raise SystemExit(f"{path}: too few steps with prefill work for a fit ({fit.steps} steps)")
+    rec = {"steps_file": path, "steps": fit.steps, "step_overhead_ms": round(m.step_overhead_s * 1e3, 3),
+           "prefill_s_per_token": float(f"{m.prefill_s_per_token:.3g}"),
+           "attn_s_per_token_ctx": float(f"{m.attn_s_per_token_ctx:.3g}"),
+           "rebuild_1000_ms": round(m.rebuild_s(1000) * 1e3, 2), "knee": m.free_prefill_tokens()}
+    if reference is not None:
+        rec["reference_rebuild_1000_ms"] = round(reference.rebuild_s(1000) * 1e3, 2)
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=(*CASES, "all"), default="all")
     ap.add_argument("--workflows", type=int, default=None, help="override the case's workflow count")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", nargs="+", metavar="FILE", help="fit these recorded steps instead (no sim run)")
+    ap.add_argument("--reference", metavar="FILE", help="with --steps: a profile or CostModel JSON to set beside")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if args.steps:
+        from vllm_mars.costmodel import CostModel
+
+        ref = CostModel.load(args.reference) if args.reference else None
+        for path in args.steps:
+            print(json.dumps(fit_steps(path, ref)))
+        return
     for name in CASES if args.case == "all" else (args.case,):
         profile, preset, n, rps, max_context = CASES[name]
         rec = run_case(profile, preset, args.workflows or n, rps, max_context, args.seed)
