@@ -144,3 +144,32 @@ def test_online_fit_over_a_virtual_time_run_never_loses_its_prefill_price():
     assert rec["refits_knee_over_budget"] == 0, rec
     assert 0.5 < rec["rebuild_16k_over_profile_min"] and rec["rebuild_16k_over_profile_median"] < 2.0, rec
     assert rec["online_knee_p90"] < rec["profile_knee"], rec  # the linear fit's knee misses the MoE's
+
+
+def test_cost_model_option_refuses_a_bad_file_in_one_line(rounds_script, tmp_path, capsys):
+    bad = tmp_path / "cost.json"
+    bad.write_text('{"prefill_s_per_token": -1}')
+    with pytest.raises(SystemExit) as e:
+        rounds_script.main(["--variants", "fcfs,mars", "--rounds", "1", "--cost-model", str(bad), "--out", "/dev/null"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--cost-model {bad}" in err and "prefill_s_per_token" in err
+
+
+def test_online_knee_fits_recorded_steps_and_names_a_bad_line(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("online_knee", SCRIPT.parent / "online_knee.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    steps = tmp_path / "steps.jsonl"
+    lines = []
+    for i in range(200):  # 5 ms a step, 20 us a prefill token, nothing per decode
+        n = 64 * (i % 9) if i % 3 else 0
+        prefill = [[n, 32 * (i % 5)]] if n else []
+        lines.append(json.dumps({"prefill": prefill, "decode": [100] * (1 + i % 4), "seconds": 0.005 + 2e-5 * n}))
+    steps.write_text("\n".join(lines) + "\n")
+    rec = mod.fit_steps(str(steps))
+    assert rec["steps"] == 200 and rec["prefill_s_per_token"] == pytest.approx(2e-5, rel=0.01)
+    assert rec["rebuild_1000_ms"] == pytest.approx(20.0, rel=0.02) and rec["knee"] == pytest.approx(250, abs=2)
+    steps.write_text(lines[0] + "\n" + '{"prefill": [[1, 2]], "seconds": 0.1}\n')
+    with pytest.raises(SystemExit, match=r"steps.jsonl:2: not a recorded step \(KeyError"):
+        mod.fit_steps(str(steps))
