@@ -533,11 +533,12 @@ def test_life_sizing_learns_growth_from_active_roots_and_holds_a_root_that_would
     assert admitted == ["b"]
 
 
-def test_life_sizing_admits_when_the_projection_fits():
-    # The same roots at one turn each of 100 tokens' growth: 4 x (1600 + 100 x 10) fits 16k.
+def _three_roots_grown_by_100(**kw):
+    """Three 10-turn roots of 1600 tokens admitted into a 1000-block pool (16k tokens), each shown
+    one turn of 100 tokens' growth; at t=1, 600 blocks free. Rebuilds expensive (1 ms a token)."""
     from vllm_mars.costmodel import CostModel
 
-    c = mars(window_min=1, window_max=16)
+    c = mars(window_min=1, window_max=16, **kw)
     c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
     c.observe(tel(0, free=1000, total=1000))
     for i in range(3):
@@ -546,6 +547,12 @@ def test_life_sizing_admits_when_the_projection_fits():
     for i in range(3):
         c.update_estimate(f"a{i}", 1700, 1.0)
     c.observe(tel(1.0, free=600, total=1000))
+    return c
+
+
+def test_life_sizing_admits_when_the_projection_fits():
+    # The same roots at one turn each of 100 tokens' growth: 4 x (1600 + 100 x 10) fits 16k.
+    c = _three_roots_grown_by_100()
     c.offer(PendingRoot("b", 1.0, 1600, {"turns": 10}))
     assert c.tick(1.0) == ["b"]
     ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
@@ -560,17 +567,7 @@ def test_queue_order_life_considers_the_smallest_projected_life_first(order):
     # The room left by three active roots takes one of the two queued roots: "big" (7000 tokens,
     # 3 calls: 21000 token-calls) came first, "small" (1500 tokens, 2 calls: 3000) second. In
     # arrival order big goes in and small no longer fits; smallest life first, the other way round.
-    from vllm_mars.costmodel import CostModel
-
-    c = mars(window_min=1, window_max=16, order=order)
-    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))  # rebuilds expensive
-    c.observe(tel(0, free=1000, total=1000))
-    for i in range(3):
-        c.offer(PendingRoot(f"a{i}", 0.0, 1600, {"turns": 10}))
-    c.tick(0.0)
-    for i in range(3):
-        c.update_estimate(f"a{i}", 1700, 1.0)
-    c.observe(tel(1.0, free=600, total=1000))
+    c = _three_roots_grown_by_100(order=order)
     c.offer(PendingRoot("big", 1.0, 7000, {"turns": 3}))
     c.offer(PendingRoot("small", 1.0, 1500, {"turns": 2}))
     assert c.tick(1.0) == (["big"] if order == "arrival" else ["small"])
