@@ -171,5 +171,5 @@ def test_online_knee_fits_recorded_steps_and_names_a_bad_line(tmp_path, capsys):
     assert rec["steps"] == 200 and rec["prefill_s_per_token"] == pytest.approx(2e-5, rel=0.01)
     assert rec["rebuild_1000_ms"] == pytest.approx(20.0, rel=0.02) and rec["knee"] == pytest.approx(250, abs=2)
     steps.write_text(lines[0] + "\n" + '{"prefill": [[1, 2]], "seconds": 0.1}\n')
-    with pytest.raises(SystemExit, match=r"steps.jsonl:2: not a recorded step \(KeyError"):
+    with pytest.raises(SystemExit, match=r"steps.jsonl:2: missing field 'decode'"):
         mod.fit_steps(str(steps))

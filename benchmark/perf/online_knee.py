@@ -96,19 +96,18 @@ def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_con
 
 
 def fit_steps(path: str, reference=None) -> dict:
-    """A recorded run's steps (``{"prefill": [[chunk, ctx], ...], "decode": [ctx, ...], "seconds"}``
-    per line) fitted by ``OnlineCostFit`` without forgetting."""
+    """A recorded run's steps (``steps.jsonl``, read by ``vllm_mars.sim.fit.load_samples``) fitted
+    by ``OnlineCostFit`` without forgetting."""
     from vllm_mars.costmodel import OnlineCostFit
+    from vllm_mars.sim.fit import load_samples
 
+    try:
+        samples = load_samples(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"not recorded steps: {e}") from None
     fit = OnlineCostFit(forget=1.0)
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                r = json.loads(line)
-                prefill = [(int(c), int(x)) for c, x in r["prefill"]]
-                fit.observe(float(r["seconds"]), prefill, len(r["decode"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path}:{n}: not a recorded step ({type(e).__name__}: {e})") from None
+    for x in samples:
+        fit.observe(x.seconds, x.prefill, len(x.decode))
     m = fit.model()
     if m is None:
         raise SystemExit(f"{path}: too few steps with prefill work for a fit ({fit.steps} steps)")

@@ -662,7 +662,7 @@ class MarsAdmissionController(ControllerBase):
             if cfg.order == "life" and len(queue) > 1:
                 order = sorted(queue, key=lambda r: (
                     not self.returning(r),
-                    self._est_tokens(r) * self._pred_turns(r.meta.get("turns") if r.meta else None),
+                    self._est_tokens(r) * self._root_turns(r),
                     self._seq[r.workflow]))
         elif light:
             order, mode = queue, "light_fcfs"
@@ -686,7 +686,7 @@ class MarsAdmissionController(ControllerBase):
             if cap is not None:
                 # Whole life: the candidate's context over all its turns joins the projection; what
                 # the peak gains beyond the capacity is its overflow.
-                cand = (self._pred_turns(r.meta.get("turns") if r.meta else None), float(self._est_tokens(r)))
+                cand = (self._root_turns(r), float(self._est_tokens(r)))
                 grown = sorted([*items, cand], reverse=True)
                 with_peak = self._life_peak(grown)
                 over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
@@ -729,6 +729,10 @@ class MarsAdmissionController(ControllerBase):
         return out
 
     # -- whole-life sizing ("life") -----------------------------------------------------------------
+    def _root_turns(self, root: PendingRoot) -> float:
+        """LLM calls a queued root makes (its reported ``turns``, else the learned mean)."""
+        return self._pred_turns(root.meta.get("turns") if root.meta else None)
+
     def _pred_turns(self, turns: object) -> float:
         """LLM calls a root makes: its own ``turns`` when it reports them, else the learned mean."""
         return float(turns) if isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1 else self._turns
@@ -795,7 +799,7 @@ class MarsAdmissionController(ControllerBase):
         and each rebuild stalls the running batch. With ``per_turn_tokens`` (overflow "turns"),
         turn k rebuilds those tokens on top of the blocks short now, for the root's turns."""
         assert self.cost is not None
-        turns = self._pred_turns(root.meta.get("turns") if root.meta else None)
+        turns = self._root_turns(root)
         t = self._tel
         running = t.running if t is not None and t.running is not None else len(self._active)
         bs = self._block_size()
