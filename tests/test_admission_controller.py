@@ -7,7 +7,9 @@ import math
 import pytest
 from vllm_mars.admission.base import NoneController, PendingRoot, Telemetry, make_controller
 from vllm_mars.admission.concur import ConcurConfig, ConcurController
-from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController, _Active
+from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
+from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
+from vllm_mars.admission.mars.projection import life_peak, marginal_overflow, projection
 
 
 def tel(ts, free=1000, total=1000, bs=16, usage=None, inflight=None, workers=None, wait=None, hit=None):
@@ -268,8 +270,10 @@ def test_duplicate_offer_and_bad_config_rejected():
         offer(c, "a")
     with pytest.raises(ValueError, match="window_max"):
         MarsAdmissionConfig(window_min=5, window_max=4)
-    with pytest.raises(ValueError, match="queue_wait.*'slot', 'fit', 'fit_within', 'pool' or 'unkept'"):
-        make_controller("mars", {"queue_wait": "fast"})
+    with pytest.raises(ValueError, match="size.*'life' or 'turn'"):
+        make_controller("mars", {"size": "fast"})
+    with pytest.raises(ValueError, match=r"unknown MarsAdmissionConfig key\(s\) \['queue_wait'\]"):
+        make_controller("mars", {"queue_wait": "unkept"})  # retired (docs/history.md)
     with pytest.raises(ValueError, match="valid keys:"):
         MarsAdmissionConfig.from_dict({"windw": 3})
     with pytest.raises(ValueError, match="window_max must be int"):
@@ -425,16 +429,15 @@ def test_cost_rule_window_shrinks_on_measured_rebuilds_only():
         c.tick(k * 0.2)
     assert c.window < 10 and c.limit() < 10
 
-@pytest.mark.parametrize("rebuild_net", ["always", "keepable"])
 @pytest.mark.parametrize("tokens", [3000, 200])
-def test_rebuild_net_keepable_shrinks_only_where_the_pool_keeps_window_min_contexts(rebuild_net, tokens):
+def test_rebuilds_shrink_the_window_only_where_the_pool_keeps_window_min_contexts(tokens):
     # One active root in a 1600-token pool, then 2 engine-seconds of rebuilds per second. A
     # 3000-token root (10 turns) does not fit the pool twice (window_min 2): every context is evicted
-    # in its tool gaps however few roots are active, so "keepable" leaves the window open; a
-    # 200-token one (one turn) fits it 8 times, and the window shrinks under either rule.
+    # in its tool gaps however few roots are active, so the window stays open; a 200-token one
+    # (one turn) fits it 8 times, and the window shrinks.
     from vllm_mars.costmodel import CostModel
 
-    c = mars(window_min=2, window_max=10, interval_s=0.2, rebuild_net=rebuild_net)
+    c = mars(window_min=2, window_max=10, interval_s=0.2)
     c.set_cost_model(CostModel(prefill_s_per_token=1e-4, source="test"))
     c.observe(Telemetry(ts=0.0, free_blocks=100, total_blocks=100, block_size=16,
                         recomputed_tokens=0, kv_blocks_removed=0))
@@ -444,10 +447,8 @@ def test_rebuild_net_keepable_shrinks_only_where_the_pool_keeps_window_min_conte
         c.observe(Telemetry(ts=k * 0.2, free_blocks=0, total_blocks=100, block_size=16,
                             recomputed_tokens=4000 * k, kv_blocks_removed=0))
         c.tick(k * 0.2)
-    shrunk = rebuild_net == "always" or tokens == 200
+    shrunk = tokens == 200
     assert (c.window < 10) == shrunk and c.snapshot()["kv_overloaded"] == shrunk
-    with pytest.raises(ValueError, match="rebuild_net"):
-        mars(rebuild_net="never")
 
 
 def test_registry_a_controller_is_only_its_rules_and_bool_options_work():
@@ -562,34 +563,10 @@ def test_life_sizing_admits_when_the_projection_fits():
     assert c.turn_growth == pytest.approx(100)
 
 
-@pytest.mark.parametrize("order", ["arrival", "life"])
-def test_queue_order_life_considers_the_smallest_projected_life_first(order):
-    # The room left by three active roots takes one of the two queued roots: "big" (7000 tokens,
-    # 3 calls: 21000 token-calls) came first, "small" (1500 tokens, 2 calls: 3000) second. In
-    # arrival order big goes in and small no longer fits; smallest life first, the other way round.
-    c = _three_roots_grown_by_100(order=order)
-    c.offer(PendingRoot("big", 1.0, 7000, {"turns": 3}))
-    c.offer(PendingRoot("small", 1.0, 1500, {"turns": 2}))
-    assert c.tick(1.0) == (["big"] if order == "arrival" else ["small"])
-    with pytest.raises(ValueError, match="order.*'arrival' or 'life'"):
-        make_controller("mars", {"order": "sjf"})
-
-
 def test_life_peak_is_reached_just_before_a_root_ends():
-    c = mars()
-    c._turn_growth = 10.0
     # remaining turns, context: at tau=5 both live (100+50 + 200+50); at tau=8 only the first.
-    assert c._life_peak([(8.0, 100.0), (5.0, 200.0)]) == pytest.approx(max(100 + 80, 300 + 2 * 50))
-    assert c._life_peak([]) == 0.0
-
-
-def _late_overflow_scenario(overflow):
-    """A 1000-block pool (16k tokens). Two 10-turn roots admitted at t=0 have each shown one turn of
-    400 tokens' growth (3400 tokens, 9 turns to go: 2 x 7000 at their end, within the pool). A third
-    10-turn root of 3000 tokens arrives at t=100: the three together pass the pool only from their
-    6th coming turn on (by 1000, 2200, 3400 and 4600 tokens at turns 6-9; 4600 at the peak). Rebuilds
-    at 1 ms per token stall 3 calls; a slot is expected in 100 s / 2 active = 50 s."""
-    return _third_root(1000, 600, 1e-3, overflow=overflow)
+    assert life_peak([(8.0, 100.0), (5.0, 200.0)], 10.0) == pytest.approx(max(100 + 80, 300 + 2 * 50))
+    assert life_peak([], 10.0) == 0.0
 
 
 def _third_root(pool, free_then, s_per_token, b_tokens=3000, waiting=None, **kw):
@@ -612,29 +589,33 @@ def _third_root(pool, free_then, s_per_token, b_tokens=3000, waiting=None, **kw)
     return c.tick(100.0), c
 
 
+def _admit_event(c, workflow="b"):
+    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == workflow]
+    return ev[0].data
+
+
 def test_overflow_priced_per_turn_admits_a_root_whose_overflow_comes_only_at_the_end():
-    # "peak": 10 turns x rebuild(4608 tokens) x 3 calls = 138 s > 50 s: held.
-    held, c = _late_overflow_scenario("peak")
-    assert held == []
-    # "turns": only turns 6-9 overflow, (1000 + 2200 + 3400 + 4600) tokens x 1 ms x 3 = 34 s < 50 s.
-    admitted, c = _late_overflow_scenario("turns")
+    # A 1000-block pool (16k tokens): the two active roots (3400 tokens, 9 turns to go: 2 x 7000 at
+    # their end) and b (3000 tokens, 10 turns) pass the pool only from their 6th coming turn on (by
+    # 1000, 2200, 3400 and 4600 tokens at turns 6-9). Rebuilds at 1 ms per token stall 3 calls: (1000
+    # + 2200 + 3400 + 4600) tokens x 1 ms x 3 = 34 s, below the 50 s to the next slot (100 s / 2
+    # active). Priced at the peak for every turn it would be 10 x 4.6 s x 3 = 138 s: held.
+    admitted, c = _third_root(1000, 600, 1e-3)
     assert admitted == ["b"]
-    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    assert ev[0].data["mode"] == "cost_overflow" and ev[0].data["overflow_turns"] == 4
-    assert ev[0].data["expected_rebuild_s"] == pytest.approx(3 * 1e-3 * (1000 + 2200 + 3400 + 4600), rel=0.01)
+    ev = _admit_event(c)
+    assert ev["mode"] == "cost_overflow" and ev["overflow_turns"] == 4
+    assert ev["expected_rebuild_s"] == pytest.approx(3 * 1e-3 * (1000 + 2200 + 3400 + 4600), rel=0.01)
 
 
 def test_projection_by_turn_and_the_candidates_marginal_overflow():
-    c = mars()
-    c._turn_growth = 10.0
     # remaining turns, context: both live through turn 5, only the first through turns 6-8
     items = [(8.0, 100.0), (5.0, 200.0)]
-    assert c._projection(items) == pytest.approx([320, 340, 360, 380, 400, 160, 170, 180])
+    assert projection(items, 10.0) == pytest.approx([320, 340, 360, 380, 400, 160, 170, 180])
     grown = sorted([*items, (3.0, 50.0)], reverse=True)
     # with cap 380: before, turn 5 is over by 20 (not the candidate's); the candidate adds 50 + 10 k
     # at turns 1-3: 380 (fits), 410 and 440
-    assert c._marginal_overflow(items, grown, 380.0) == pytest.approx([0, 30, 60, 0, 0, 0, 0, 0])
-    assert c._projection([]) == []
+    assert marginal_overflow(items, grown, 380.0, 10.0) == pytest.approx([0, 30, 60, 0, 0, 0, 0, 0])
+    assert projection([], 10.0) == []
 
 
 def _expensive_hold(**kw):
@@ -654,221 +635,84 @@ def _expensive_hold(**kw):
     return c, c.tick(4.0)
 
 
-def test_ski_rental_admits_a_root_once_its_wait_matches_its_rebuild_cost():
-    # Rebuilds cost 0.64 s per turn per stalled call here (test_cost_admission_holds_roots_...):
-    # held at first; with ski_rental the same root goes in once it has waited longer than that.
-    def scenario(ski):
-        c, held = _expensive_hold(ski_rental=ski)
-        late = 4.0 + 100.0  # past turns x rebuild_s x (1 + running) = 4 x 0.64 x 3 s
-        c.observe(Telemetry(ts=late, free_blocks=2, total_blocks=48, block_size=32, running=2,
-                            recomputed_tokens=0, kv_blocks_removed=0))
-        return held, c.tick(late)
-
-    assert scenario(True) == ([], ["q"])
-    assert scenario(False) == ([], [])
-
-
-def _no_fit_scenario(queue_wait):
-    """A 100-block pool (1600 tokens) that two active 3000-token roots (10 turns, 400 tokens of
-    growth per turn, 9 to go) already overflow at every coming turn. Root b (3000 tokens, 10 turns)
-    arrives at t=100 with nothing free: its overflow now is its whole context at every turn plus its
-    footprint short of the budget, 84,480 tokens x 0.4 ms x 3 stalled calls = 101 s, above the 50 s
-    a slot is expected in. But no slot makes it fit: with both roots gone (100 s) b alone still
-    overflows the pool from its first turn on (36,000 tokens: 43 s)."""
-    # (the two roots go in at t=0: with nothing active any wait is worse than a rebuild)
-    return _third_root(100, 0, 4e-4, queue_wait=queue_wait)
-
-
-def test_queue_wait_fit_does_not_hold_a_root_for_a_slot_that_would_not_make_it_fit():
-    held, _ = _no_fit_scenario("slot")
-    assert held == []  # 101 s of rebuilds > the 50 s to the next slot
-    admitted, c = _no_fit_scenario("fit")
-    assert admitted == ["b"]
-    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    assert ev[0].data["mode"] == "cost_overflow" and ev[0].data["wait_slots"] == 2
-    assert ev[0].data["expected_rebuild_s"] == pytest.approx(3 * 4e-4 * 84_480, rel=0.01)
-    # waiting for both roots (2 x 50 s) and then still rebuilding 36,000 tokens beats waiting for one
-    assert ev[0].data["expected_queue_s"] == pytest.approx(100.0 + 3 * 4e-4 * 36_000, rel=0.01)
-
-
-@pytest.mark.parametrize("queue_wait", ["slot", "fit"])
-def test_queue_wait_fit_still_holds_a_root_that_the_next_slot_makes_fit(queue_wait):
-    # The expensive-rebuild scenario: one slot frees the budget the held roots need, so "fit"
-    # weighs the same wait as "slot" and holds them too.
-    _, held = _expensive_hold(queue_wait=queue_wait)
+def test_a_root_that_the_next_slot_makes_fit_is_held_and_waits_for_it():
+    # Rebuilds cost 0.64 s per turn per stalled call: more than the wait for the next slot, which
+    # frees the budget q needs. q is held, however long it has waited already.
+    c, held = _expensive_hold()
     assert held == []
+    late = 4.0 + 100.0
+    c.observe(Telemetry(ts=late, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    assert c.tick(late) == []
 
 
-def test_queue_wait_fit_within_reads_the_projection_only_while_the_active_roots_fit():
-    # The active roots' own lives fit the 1000-block pool (2 x 7000 of 16,000 tokens at their last
-    # turn); b (17,000 tokens) overflows it even alone. Its rebuilds (67 s at 0.1 ms per token) are
-    # above the 50 s to a slot, so "slot" holds it; waiting for both roots (100 s) still leaves 9.6 s
-    # of rebuilds, so "fit" and "fit_within" let it in.
-    for queue_wait, want in (("slot", []), ("fit", ["b"]), ("fit_within", ["b"])):
-        admitted, _ = _third_root(1000, 600, 1e-4, b_tokens=17_000, queue_wait=queue_wait)
-        assert admitted == want, (queue_wait, admitted)
-    # With the active roots already past the pool (the no-fit scenario), "fit_within" holds like
-    # "slot": there a root let in early costs more than its priced rebuilds.
-    assert _no_fit_scenario("fit_within")[0] == []
-    assert _no_fit_scenario("fit")[0] == ["b"]
-
-
-def test_queue_wait_pool_holds_only_where_holding_can_keep_contexts_or_relieve_the_engine():
-    # The no-fit scenario's pool (1600 tokens) holds fewer than window_min (1 here) of the current
-    # contexts (3400, 3400 and b's 3000): no active set the controller keeps lets them survive a
-    # tool gap. With no call waiting in the engine, "pool" then reads the wait from the projection
-    # like "fit" and lets b in ...
-    admitted, c = _no_fit_scenario_waiting("pool", waiting=0)
+@pytest.mark.parametrize("waiting", [0, 3, None])
+def test_a_root_is_not_held_for_a_slot_that_would_not_make_it_fit(waiting):
+    # A 100-block pool (1600 tokens) that the two active roots already overflow at every coming
+    # turn; b arrives with nothing free: its overflow now is its whole context at every turn plus its
+    # footprint short of the budget, 84,480 tokens x 0.4 ms x 3 stalled calls = 101 s, above the 50 s
+    # a slot is expected in. But the pool keeps none of the roots' contexts, and no slot makes b fit:
+    # with both roots gone (100 s) b alone still overflows from its first turn on (36,000 tokens:
+    # 43 s). Whatever waits in the engine, b goes in.
+    admitted, c = _third_root(100, 0, 4e-4, waiting=waiting)
     assert admitted == ["b"]
-    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    assert ev[0].data["wait_slots"] == 2 and ev[0].data["engine_waiting_ema"] == 0
-    # ... but while calls queue in the engine (an EMA of 3 waiting), or when the engine does not
-    # say (no reading of its queue), holding b relieves the batch: it holds like "slot".
-    assert _no_fit_scenario_waiting("pool", waiting=3)[0] == []
-    assert _no_fit_scenario_waiting("pool", waiting=None)[0] == []
-    # A pool that holds the contexts (16,000 tokens against a mean of 7,933): "pool" is "slot"
-    # even with the engine idle, where "fit" lets b in.
-    for queue_wait, want in (("slot", []), ("pool", []), ("fit", ["b"])):
-        admitted, _ = _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0, queue_wait=queue_wait)
-        assert admitted == want, (queue_wait, admitted)
+    ev = _admit_event(c)
+    assert ev["mode"] == "cost_overflow" and ev["wait_slots"] == 2
+    assert ev["expected_rebuild_s"] == pytest.approx(3 * 4e-4 * 84_480, rel=0.01)
+    # waiting for both roots (2 x 50 s) and then still rebuilding 36,000 tokens beats waiting for one
+    assert ev["expected_queue_s"] == pytest.approx(100.0 + 3 * 4e-4 * 36_000, rel=0.01)
 
 
-def test_queue_wait_unkept_reads_the_projection_wherever_the_pool_cannot_keep_contexts():
-    # "unkept" is "pool" without the idle-engine condition: the no-fit pool keeps no context, so b
-    # goes in whatever waits in the engine ...
-    for waiting in (0, 3, None):
-        assert _no_fit_scenario_waiting("unkept", waiting=waiting)[0] == ["b"], waiting
-    # ... and a pool that keeps the contexts holds like "slot".
-    assert _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0, queue_wait="unkept")[0] == []
+def test_where_the_pool_keeps_the_contexts_the_wait_is_the_next_slot():
+    # The 1000-block pool (16,000 tokens) keeps window_min (1) of the grown contexts (mean 11,667):
+    # b (17,000 tokens) overflows it even alone, its rebuilds (67 s at 0.1 ms per token) are above
+    # the 50 s to a slot, and b is held (waiting for both roots, 100 s, would leave 9.6 s of
+    # rebuilds: reading that wait here would let it in).
+    assert _third_root(1000, 600, 1e-4, b_tokens=17_000, waiting=0)[0] == []
 
 
-def test_queue_wait_pool_reads_keepable_from_the_contexts_the_roots_will_have():
+def test_keepable_is_read_from_the_contexts_the_roots_will_have():
     # A 4800-token pool holds window_min (1) of the current contexts (3400, 3400 and b's 3000: a
     # mean of 3267) but not of those they reach over their remaining 10 turns at 400 tokens a turn
     # (7400, 7400, 7000): the pool keeps none of them across a tool gap by the end of their lives,
-    # the horizon the hold is decided on. With the engine idle "pool" then reads the wait from the
-    # projection and lets b in, where "slot" holds it.
-    assert _third_root(300, 0, 4e-4, waiting=0, queue_wait="slot")[0] == []
-    admitted, c = _third_root(300, 0, 4e-4, waiting=0, queue_wait="pool")
+    # the horizon the hold is decided on, so the wait is read from the projection and b goes in.
+    admitted, c = _third_root(300, 0, 4e-4, waiting=0)
     assert admitted == ["b"] and c._turn_growth == pytest.approx(400.0)
-    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    assert ev[0].data["wait_slots"] >= 1
-    # Calls queued in the engine: holding b relieves the batch, so "pool" holds like "slot".
-    assert _third_root(300, 0, 4e-4, waiting=3, queue_wait="pool")[0] == []
-
-
-def _held_behind_two_roots(slot_wait, turns_seen, queue_wait="pool"):
-    """Two 10-turn 3000-token roots admitted at t=0 into a full 100-block pool show a turn every
-    50 s (400 tokens of growth each) until ``turns_seen``; root b (3000 tokens, 10 turns) arrives
-    10 s after their latest turn with nothing free. Returns (b's first tick, its admit events)."""
-    from vllm_mars.costmodel import CostModel
-
-    c = mars(window_min=1, window_max=16, slot_wait=slot_wait, queue_wait=queue_wait)
-    c.set_cost_model(CostModel(prefill_s_per_token=4e-4, source="test"))
-    c.observe(tel(0, free=100, total=100))
-    for i in range(2):
-        c.offer(PendingRoot(f"a{i}", 0.0, 3000, {"turns": 10}))
-    assert c.tick(0.0) == ["a0", "a1"]
-    for j in range(1, turns_seen):
-        for i in range(2):
-            c.update_estimate(f"a{i}", 3000 + 400 * j, 50.0 * j)
-    t = 50.0 * (turns_seen - 1) + 10
-    c.observe(Telemetry(ts=t, free_blocks=0, total_blocks=100, block_size=16, running=2,
-                        recomputed_tokens=0, kv_blocks_removed=0))
-    c.offer(PendingRoot("b", t, 3000, {"turns": 10}))
-    admitted = c.tick(t)
-    return admitted, [e.data for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-
-
-def test_slot_wait_ends_reads_the_wait_from_when_the_active_roots_end():
-    # Early in the active roots' lives (turn 2 of 10, 60 s in): "mean" expects a slot in 60 s / 2
-    # (no root finished, the longest active over the active) and holds b, whose overflow costs
-    # 101 s of rebuilds; "ends" expects one after 8.5 more turns of 50 s (425 s) and lets it in.
-    assert _held_behind_two_roots("mean", 2) == ([], [])
-    admitted, ev = _held_behind_two_roots("ends", 2)
-    assert admitted == ["b"] and ev[0]["mode"] == "cost_overflow"
-    assert ev[0]["expected_queue_s"] == pytest.approx(8.5 * 50.0)
-    assert ev[0]["expected_rebuild_s"] == pytest.approx(101.4, rel=0.01)
-    # Near their end (turn 9 of 10, 410 s in): "mean" expects 410 s / 2 and lets b in (88 s of
-    # rebuilds); "ends" expects both to end 1.5 turns (75 s) from now and holds it.
-    admitted, ev = _held_behind_two_roots("mean", 9)
-    assert admitted == ["b"] and ev[0]["expected_queue_s"] == pytest.approx(205.0)
-    assert ev[0]["expected_rebuild_s"] == pytest.approx(87.9, rel=0.01)
-    assert _held_behind_two_roots("ends", 9) == ([], [])
-    # "fit_ends" keeps "mean" outside the projection's wait ("pool" reads it from the projection
-    # only with the engine's queue known to be empty: not here)
-    assert _held_behind_two_roots("fit_ends", 2) == ([], [])
-    assert _held_behind_two_roots("fit_ends", 9)[0] == ["b"]
-    # "unkept" (the default) reads the wait from the projection wherever the pool cannot keep the
-    # grown contexts, as here (100 blocks of 16 against 3000-token roots): waiting for slots keeps
-    # nothing, so b goes in under every slot estimate.
-    for slot_wait in ("mean", "ends", "fit_ends"):
-        for turns in (2, 9):
-            admitted, ev = _held_behind_two_roots(slot_wait, turns, queue_wait="unkept")
-            assert admitted == ["b"] and ev[0]["mode"] == "cost_overflow", (slot_wait, turns)
-    assert mars().config.queue_wait == "unkept"
-
-
-def test_slot_wait_fit_ends_reads_the_projections_wait_from_the_ends():
-    # The no-fit scenario with "fit": both active roots end after 8.5 more turns of 50 s (425 s, not
-    # 2 x the 50 s "mean" slot), then b's overflow still costs 36,000 tokens x 0.4 ms x 3 calls.
-    admitted, c = _third_root(100, 0, 4e-4, queue_wait="fit", slot_wait="fit_ends")
-    assert admitted == ["b"]
-    ev = [e for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    assert ev[0].data["wait_slots"] == 2
-    assert ev[0].data["expected_queue_s"] == pytest.approx(425.0 + 3 * 4e-4 * 36_000, rel=0.01)
-
-
-def test_slot_wait_ends_weighs_the_kth_soonest_end_for_k_slots():
-    # "fit" waits for k slots: with "ends" the k-th soonest end (remaining turns less half the
-    # current one, times the learned turn time) instead of k times the next slot's wait.
-    c = mars(slot_wait="ends")
-    c._turn_s = 10.0
-    for name, turns in (("x", 3), ("y", 8), ("z", 5)):
-        c._active[name] = _Active(name, 0.0, 1, False, 100, turns)
-    c._life_version += 1
-    assert [c._slot_wait_s(k) for k in (1, 2, 3, 4)] == pytest.approx([25.0, 45.0, 75.0, 75.0])
-    assert mars()._slot_wait_s(1) is None  # "mean" (the default)
-    with pytest.raises(ValueError, match="slot_wait"):
-        mars(slot_wait="median")
-
-
-def _no_fit_scenario_waiting(queue_wait, waiting):
-    return _third_root(100, 0, 4e-4, waiting=waiting, queue_wait=queue_wait)
+    assert _admit_event(c)["wait_slots"] >= 1
 
 
 def test_fit_wait_is_the_cheapest_of_waiting_for_each_group_of_ending_roots():
-    # Three active roots ending after 3, 5 and 8 more turns; "fit" weighs waiting 1, 2 or 3 slots
+    # Three active roots ending after 3, 5 and 8 more turns; holding weighs waiting 1, 2 or 3 slots
     # (the rest grown by the turns that took, most turns left first as the projection needs: the
     # long root alone passes the pool, which the candidate's overflow must not be charged for) plus
     # the candidate's rebuilds then.
     from vllm_mars.costmodel import CostModel
 
-    c = mars(queue_wait="fit")
-    c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
-    c._turn_growth = 10.0
-    root = PendingRoot("b", 0.0, 300, {"turns": 4})
-    items, cand, cap = [(8.0, 470.0), (5.0, 20.0), (3.0, 50.0)], (4.0, 300.0), 400.0
+    cost = CostModel(prefill_s_per_token=1e-3, source="test")
+    items, cand, cap, g = [(8.0, 470.0), (5.0, 20.0), (3.0, 50.0)], (4.0, 300.0), 400.0, 10.0
+
+    def rebuild(per_turn):
+        return rebuild_cost_s(cost, 4.0, 0, 16, 0, per_turn)
 
     def then(k, later):
         grown = sorted([*later, cand], reverse=True)
-        return k * 1.0 + c._rebuild_cost_s(root, 0, c._marginal_overflow(later, grown, cap))
+        return k * 1.0 + rebuild(marginal_overflow(later, grown, cap, g))
 
     one = [(5.0, 500.0), (2.0, 50.0)]
     want = min(then(1, one), then(2, [(3.0, 520.0)]), then(3, []))
-    got, k = c._fit_wait_s(root, items, cand, cap, 1.0)
+    got, k = fit_wait_s(rebuild, items, cand, cap, 1.0, g)
     assert got == pytest.approx(want) and 1 <= k <= 3
     assert then(1, one) != pytest.approx(then(1, one[::-1]))  # the order matters here
 
 
-def _shared_prefix_candidate(shared):
-    """Two active 10-turn roots of 3000 tokens in a 1200-block pool (19200 tokens), each grown by
-    400; a1's first call found 2500 of its tokens cached (a prefix it shares with a0). Root b
-    (3000 tokens, 10 turns) arrives at t=100 with 600 blocks free. Returns (b's first tick, the
-    admit event of b or None, the controller)."""
+def test_shared_prefix_counts_once_in_the_projection():
+    # Two active 10-turn roots of 3000 tokens in a 1200-block pool (19200 tokens), each grown by
+    # 400; a1's first call found 2500 of its tokens cached (a prefix it shares with a0), so its own
+    # context is 900 tokens: with b (3000 tokens, 10 turns) the lives peak at 18100 tokens and b fits
+    # (counted whole, a1 would make the peak 9800 + 3 x 9 x 400 = 20600, past the pool).
     from vllm_mars.costmodel import CostModel
 
-    c = mars(window_min=1, window_max=16, shared=shared, overflow="peak")
+    c = mars(window_min=1, window_max=16)
     c.set_cost_model(CostModel(prefill_s_per_token=1e-3, source="test"))
     c.observe(tel(0, free=1200, total=1200))
     for i in range(2):
@@ -882,26 +726,13 @@ def _shared_prefix_candidate(shared):
     c.observe(Telemetry(ts=100.0, free_blocks=600, total_blocks=1200, block_size=16, running=2,
                         recomputed_tokens=0, kv_blocks_removed=0))
     c.offer(PendingRoot("b", 100.0, 3000, {"turns": 10}))
-    out = c.tick(100.0)
-    ev = [e.data for e in c.take_events() if e.event == "admission_admit" and e.data["workflow"] == "b"]
-    return out, (ev[0] if ev else None), c
-
-
-def test_shared_prefix_counts_once_in_the_projection():
-    # "full": with b the three lives peak at 9800 + 3 x 9 x 400 = 20600 tokens against 19200: b
-    # goes in only as a priced overflow (88 blocks).
-    out, ev, _ = _shared_prefix_candidate("full")
-    assert out == ["b"] and ev["mode"] == "cost_overflow" and ev["life_peak_tokens"] == 20600
-    # "unique": a1's 2500 cached tokens are a0's, so its own context is 900 tokens; with b the
-    # peak is 18100 and b fits the pool.
-    out, ev, _ = _shared_prefix_candidate("unique")
-    assert out == ["b"] and ev["mode"] == "cost_fit" and ev["life_peak_tokens"] == 18100
-    with pytest.raises(ValueError, match="shared"):
-        mars(shared="twice")
+    assert c.tick(100.0) == ["b"]
+    ev = _admit_event(c)
+    assert ev["mode"] == "cost_fit" and ev["life_peak_tokens"] == 18100
 
 
 def test_observe_cached_ignores_what_it_cannot_use():
-    c = mars(shared="unique")
+    c = mars()
     c.observe(tel(0, free=1000, total=1000))
     c.offer(PendingRoot("a", 0.0, 100))
     assert c.tick(0.0) == ["a"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.continuity import Continuity, GapModel, ToolCallScan, prompt_prefix
-from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
 from vllm_mars.admission.identity import identify
+from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
 from vllm_mars.admission.roots import RootTable
 from vllm_mars.clock import VirtualClock
 

@@ -436,7 +436,7 @@ def test_metrics_parsing_errors_and_hit_rate():
 
 
 def test_in_process_telemetry_from_scheduler():
-    from vllm_mars.admission.controller import MarsAdmissionConfig, MarsAdmissionController
+    from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
     from vllm_mars.admission.telemetry import InProcessTelemetry, ToolStats
     from vllm_mars.clock import VirtualClock
     from vllm_mars.engine.rig import assert_no_leaks, make_request, make_scheduler, run_to_completion, step

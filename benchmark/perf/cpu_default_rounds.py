@@ -10,7 +10,7 @@ variant's mean E2E over fcfs's (the speedup), and the medians over all rounds an
 geometric mean of the per-round speedups with a 90 % bootstrap interval (``--summarize FILE`` prints
 those for an earlier output without running anything). A label is a driver
 policy (``mars policies``) or a variant of ``--variants-from`` (an experiment file's
-``[variants.LABEL]``: default ``experiments/cpu_default_queue_wait.toml``).
+``[variants.LABEL]``: default ``experiments/cpu_default_aimd.toml``).
 
 With ``--concurrent`` the variants of a round run at the same time instead, each in its own process
 pinned to its own core (at most one variant per core), so the steal bursts and the box's speed
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="fcfs,mars,mars-queue-wait-slot,mars-queue-wait-fit",
                     help="comma-separated driver policies or variant labels (fcfs is the baseline and always runs)")
-    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_queue_wait.toml"),
+    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_aimd.toml"),
                     help="experiment file whose [variants.LABEL] tables define the variant labels")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-steal", type=float, default=0.02,

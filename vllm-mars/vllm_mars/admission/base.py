@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from vllm_mars.options import check_options
 from vllm_mars.registry import Registry
 
 
@@ -325,6 +326,22 @@ class ControllerBase:
         """Active-root limit now."""
         return self.window
 
+    def _telemetry_usable(self) -> bool:
+        """The last telemetry gave free and total blocks."""
+        t = self._tel
+        return t is not None and t.free_blocks is not None and bool(t.total_blocks)
+
+    def _usage(self) -> float | None:
+        """KV usage by the last telemetry (its own reading, else from free and total blocks)."""
+        t = self._tel
+        if t is None:
+            return None
+        if t.kv_usage is not None:
+            return t.kv_usage
+        if t.free_blocks is not None and t.total_blocks:
+            return 1.0 - t.free_blocks / t.total_blocks
+        return None
+
     def snapshot(self) -> dict[str, Any]:
         """State for /metrics and debugging."""
         return {"controller": self.name, "window": self.window, "limit": self.limit(),
@@ -340,7 +357,7 @@ register_controller = _REGISTRY.register
 def _load_builtins() -> None:
     import importlib
 
-    for mod in ("controller", "concur"):  # registers "mars", "concur"
+    for mod in ("mars", "concur"):  # registers "mars", "concur"
         importlib.import_module(f"vllm_mars.admission.{mod}")
 
 
@@ -373,9 +390,7 @@ class NoneController(ControllerBase):
 
 def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
     """Build the config dataclass ``cls`` from ``d`` with the one options validator
-    (:func:`vllm_mars.config.check_options`: unknown keys, wrong types, non-finite numbers)."""
-    from vllm_mars.config import check_options
-
+    (:func:`vllm_mars.options.check_options`: unknown keys, wrong types, non-finite numbers)."""
     if d and not dataclasses.fields(cls):
         raise ValueError(f"this admission controller takes no options, got {sorted(d)}")
     return check_options(cls, d, owner=cls.__name__)

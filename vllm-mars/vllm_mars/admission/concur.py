@@ -64,16 +64,6 @@ class ConcurController(ControllerBase):
         self._last_update: float | None = None
         self._stale = False
 
-    def _usage(self) -> float | None:
-        t = self._tel
-        if t is None:
-            return None
-        if t.kv_usage is not None:
-            return t.kv_usage
-        if t.free_blocks is not None and t.total_blocks:
-            return 1.0 - t.free_blocks / t.total_blocks
-        return None
-
     def _update(self, now: float) -> None:
         cfg, t = self.config, self._tel
         if t is None or (self._last_update is not None and now - self._last_update < cfg.interval_s - 1e-9):

@@ -184,8 +184,8 @@ class SidecarConfig:
 
 def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
     """Range-check the named numeric fields of a config dataclass with the one options validator
-    (:func:`vllm_mars.config.check_value`: type, finite, range); ValueError naming the field."""
-    from vllm_mars.config import check_value
+    (:func:`vllm_mars.options.check_value`: type, finite, range); ValueError naming the field."""
+    from vllm_mars.options import check_value
 
     types = {f.name: f.type for f in fields(obj)}
     for name, (lo, hi) in ranges.items():

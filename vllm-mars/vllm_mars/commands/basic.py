@@ -40,7 +40,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _policies(args: argparse.Namespace) -> int:
-    from vllm_mars.config import dataclass_doc
+    from vllm_mars.options import dataclass_doc
     from vllm_mars.policies import available_policies, get_policy_class
 
     for name in available_policies():

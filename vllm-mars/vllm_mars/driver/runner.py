@@ -151,7 +151,8 @@ class ReplayConfig:
 
     def validate(self) -> None:
         """Every option, before anything starts (one-line ValueErrors naming the option)."""
-        from vllm_mars.config import REPLAY_RANGES, check_fields
+        from vllm_mars.config import REPLAY_RANGES
+        from vllm_mars.options import check_fields
 
         check_fields(self, REPLAY_RANGES)
         if self.arrival not in ARRIVAL_PROCESSES:

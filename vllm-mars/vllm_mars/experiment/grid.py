@@ -17,12 +17,13 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_mars.driver.compare import run_policies
 from vllm_mars.driver.runner import ReplayConfig
+from vllm_mars.experiment.results import write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
 from vllm_mars.metrics.ideal import CostModel
 
@@ -183,8 +184,6 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
     results record (``results.json``)."""
     import shutil
 
-    from vllm_mars.experiment.results import write_results
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = select_cells(exp, only)
@@ -264,13 +263,6 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         if p.is_file():
             records.append(json.loads(p.read_text()))
     return write_results(exp, out, records, cost)
-
-
-def experiment_config(exp: Experiment) -> dict[str, Any]:
-    """What results.json records of the experiment's settings."""
-    return {"file": str(exp.path), "policies": list(exp.policies), "variants": exp.variants,
-            "seeds": list(exp.seeds), "workloads": [asdict(w) for w in exp.workloads],
-            "replay": {k: v for k, v in asdict(exp.base).items() if k not in ("workload", "out", "progress")}}
 
 
 class _NoBar:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,15 @@ from vllm_mars.metrics.summary import DEFAULT_ALPHA
 GOODPUT = f"goodput_wps_alpha{DEFAULT_ALPHA}"
 
 
+def experiment_config(exp: Experiment) -> dict[str, Any]:
+    """What results.json records of the experiment's settings."""
+    return {"file": str(exp.path), "policies": list(exp.policies), "variants": exp.variants,
+            "seeds": list(exp.seeds), "workloads": [asdict(w) for w in exp.workloads],
+            "replay": {k: v for k, v in asdict(exp.base).items() if k not in ("workload", "out", "progress")}}
+
+
 def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]],
                   cost: CostModel | None) -> dict[str, Any]:
-    from vllm_mars.experiment.grid import experiment_config
-
     done = {c["key"] for c in cells}
     record = {"experiment": exp.name, "description": exp.description, "alpha": DEFAULT_ALPHA,
               "config": experiment_config(exp), "cost_model": cost.as_dict() if cost else None,

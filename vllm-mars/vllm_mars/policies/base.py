@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 from vllm_mars.clock import Clock, MonotonicClock
 from vllm_mars.costmodel import CostModel, uncalibrated
+from vllm_mars.options import check_options
 from vllm_mars.registry import Registry
 from vllm_mars.workflow import WorkflowInfo
 
@@ -162,14 +163,6 @@ class EngineView(Protocol):
     def token_budget(self) -> int:
         """max_num_batched_tokens: the step's token budget."""
         ...
-
-
-def check_nonneg(cfg: Any, *names: str) -> None:
-    """Config validation: each named field must be a number >= 0 (ValueError naming the field)."""
-    for n in names:
-        v = getattr(cfg, n)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{n} must be a number >= 0, got {v!r}")
 
 
 class FirstArrivals:
@@ -329,8 +322,6 @@ def config_fields(cls: type[Policy]) -> list[str]:
 
 def make_policy(name: str, options: Mapping[str, Any] | None = None, clock: Clock | None = None) -> Policy:
     """Build a policy from its name and its config options (unknown keys are a ValueError)."""
-    from vllm_mars.config import check_options  # config imports this package
-
     cls = get_policy_class(name)
     try:
         config = check_options(cls.Config, options, owner="config", context=f" for policy {name!r}")

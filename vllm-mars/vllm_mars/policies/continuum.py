@@ -51,7 +51,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.policies.base import CallView, FirstArrivals, Policy, check_nonneg, register_policy
+from vllm_mars.options import check_nonneg
+from vllm_mars.policies.base import CallView, FirstArrivals, Policy, register_policy
 from vllm_mars.policies.gaps import GapTracker, gap_tool
 from vllm_mars.policies.infercept import config_cost_model, prefill_seconds
 

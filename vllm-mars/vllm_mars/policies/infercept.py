@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.costmodel import CostModel, from_polynomial
-from vllm_mars.policies.base import CallView, FirstArrivals, Policy, check_nonneg, register_policy
+from vllm_mars.options import check_nonneg
+from vllm_mars.policies.base import CallView, FirstArrivals, Policy, register_policy
 from vllm_mars.policies.gaps import GapTracker, gap_tool
 
 

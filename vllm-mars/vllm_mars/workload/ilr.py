@@ -99,7 +99,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(IlrConfig)}
 
 def config_from_mapping(raw: dict[str, Any], where: str = "<preset>") -> IlrConfig:
     """Build an IlrConfig from a TOML/JSON mapping; unknown keys are an error naming the valid ones."""
-    from vllm_mars.config import check_options
+    from vllm_mars.options import check_options
 
     try:
         return check_options(IlrConfig, raw, convert_lists=True)

@@ -1,0 +1,161 @@
+"""Which queued roots the MARS admission controller admits at a tick, in which order.
+
+* **Missing telemetry**: a fixed window of ``no_telemetry_window`` roots in arrival order, never blind.
+* **CPU overloaded**: largest footprint first (fewer, heavier workflows), only what fits.
+* **Cost rule** (``admit = "cost"``, with a cost model): arrival order; a root goes in when its
+  footprint fits the budget and (``size = "life"``) its whole life fits the projection, or when the
+  rebuilds its overflow would cost are below the cost of holding it (:mod:`.cost`). A root that
+  does not qualify is skipped, never blocks the ones behind it.
+* **Footprint rule**: light load (no pressure, everything queued fits the slots and the budget):
+  arrival order; otherwise smallest footprint first, only what fits. When only long roots (>
+  ``long_prefill_tokens``) wait: arrival order within the live budget, at most one per tick while
+  earlier admitted roots are active.
+* Whatever the rule: if nothing was chosen and nothing is active, the oldest root goes in alone
+  (no starvation). A root that came back after a soft end goes before new roots in every order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from vllm_mars.admission.base import PendingRoot
+from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
+from vllm_mars.admission.mars.projection import Item, life_peak, marginal_overflow, pool_keeps
+from vllm_mars.admission.mars.window import AimdWindow
+
+#: (root, mode, footprint blocks, decision inputs for the admission event)
+Choice = tuple[PendingRoot, str, int, dict]
+
+
+class Selection(AimdWindow):
+    """The selection half of :class:`~vllm_mars.admission.mars.MarsAdmissionController`."""
+
+    _turn_growth: float
+
+    # hooks the controller provides
+    def footprint_blocks(self, root: PendingRoot) -> int:
+        raise NotImplementedError
+
+    def _est_tokens(self, root: PendingRoot) -> int:
+        raise NotImplementedError
+
+    def _is_long(self, tokens: int) -> bool:
+        raise NotImplementedError
+
+    def _root_turns(self, root: PendingRoot) -> float:
+        raise NotImplementedError
+
+    def life_capacity_tokens(self) -> float | None:
+        raise NotImplementedError
+
+    def _life_items(self) -> list[Item]:
+        raise NotImplementedError
+
+    def _queue_cost_s(self, now: float) -> float:
+        raise NotImplementedError
+
+    def _select(self, slots: int, budget: int | None, now: float) -> list[Choice]:
+        """Pick up to ``slots`` roots: (root, mode, footprint blocks, decision inputs)."""
+        queue = list(self._queue.values())
+        if budget is None:  # missing telemetry: a small fixed window in arrival order
+            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r), {}) for r in queue[:slots]]
+        cfg = self.config
+        foot = {r.workflow: self.footprint_blocks(r) for r in queue}
+        cost_rule = self._rule() == "cost"
+        short = [r for r in queue if not self._is_long(self._est_tokens(r))]
+        if not short and not cost_rule:
+            return self._drain(queue, slots, budget, foot)
+        _, cpu_over, cpu_healthy = self._cpu_state()
+        usage = self._usage()
+        light = (not (self._kv_overloaded or cpu_over or self._stale) and cpu_healthy
+                 and (usage is None or usage <= cfg.kv_low) and budget > 0
+                 and len(queue) <= slots and sum(foot.values()) <= budget)
+        if cpu_over:
+            order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
+            mode = "cpu_overloaded_large_first"
+        elif cost_rule:
+            order, mode = queue, "cost_fit"
+        elif light:
+            order, mode = queue, "light_fcfs"
+        else:
+            order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
+            mode = "smallest_fit"
+        queue_s = self._queue_cost_s(now) if cost_rule else None
+        cap = self.life_capacity_tokens() if cfg.size == "life" else None
+        items = self._life_items() if cap is not None else []
+        g = self._turn_growth
+        peak = life_peak(items, g) if cap is not None else 0.0
+        bs = self._block_size()
+        out: list[Choice] = []
+        remaining = budget
+        for r in order:
+            if len(out) >= slots:
+                break
+            b = foot[r.workflow]
+            over, why, grown, with_peak = 0, {}, None, 0.0
+            if cap is not None:
+                # Whole life: the candidate's context over all its turns joins the projection; what
+                # the peak gains beyond the capacity is its overflow.
+                cand = (self._root_turns(r), float(self._est_tokens(r)))
+                grown = sorted([*items, cand], reverse=True)
+                with_peak = life_peak(grown, g)
+                over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
+                why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
+            if b <= remaining and over == 0:
+                out.append((r, mode, b, why))
+            elif cost_rule and not cpu_over:
+                assert queue_s is not None
+                lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
+                if cap is not None:
+                    # the overflow priced turn by turn: what the candidate adds to the projection's
+                    # excess over the pool at each of its coming turns
+                    per_turn = marginal_overflow(items, grown, cap, g)
+                    rebuild_s = self._rebuild_cost_s(r, lack, per_turn)
+                    why = {**why, "overflow_turns": sum(1 for x in per_turn if x > 0)}
+                else:
+                    rebuild_s = self._rebuild_cost_s(r, lack + over)
+                wait_s = queue_s
+                if rebuild_s >= wait_s and cap is not None and not pool_keeps(cap, items, g, cfg.window_min, cand):
+                    # No active set keeps the contexts: holding it only pays if a slot makes it fit.
+                    wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
+                                           items, cand, cap, queue_s, g)
+                    why = {**why, "wait_slots": k}
+                if rebuild_s >= wait_s:
+                    continue
+                out.append((r, "cost_overflow", b, {**why, "overflow_blocks": lack + over,
+                                                    "expected_rebuild_s": round(rebuild_s, 6),
+                                                    "expected_queue_s": round(wait_s, 6)}))
+            else:
+                continue
+            remaining -= b
+            if grown is not None:
+                items, peak = grown, with_peak
+        if not out and not self._active:
+            oldest = queue[0]
+            out.append((oldest, "oldest_alone", foot[oldest.workflow], {}))
+        return out
+
+    def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int,
+                        per_turn_tokens: list[float] | None = None) -> float:
+        """:func:`.cost.rebuild_cost_s` for ``root`` with the running calls now."""
+        assert self.cost is not None
+        t = self._tel
+        running = t.running if t is not None and t.running is not None else len(self._active)
+        return rebuild_cost_s(self.cost, self._root_turns(root), running, self._block_size(),
+                              overflow_blocks, per_turn_tokens)
+
+    def _drain(self, queue: list[PendingRoot], slots: int, budget: int, foot: dict[str, int]) -> list[Choice]:
+        """Only long roots wait: arrival order within the live budget, one at a time while any
+        earlier admission is active; the oldest alone when none fits and nothing is active."""
+        cap = 1 if self._active else slots
+        out, remaining = [], budget
+        for r in queue:
+            if len(out) >= cap:
+                break
+            b = foot[r.workflow]
+            if b <= remaining:
+                out.append((r, "drain_fit", b, {}))
+                remaining -= b
+        if not out and not self._active:
+            out.append((queue[0], "drain_oldest_alone", foot[queue[0].workflow], {}))
+        return out
