@@ -18,12 +18,14 @@ from vllm_mars.engine.scheduler import AsyncMarsScheduler, MarsScheduler
 REPO = Path(__file__).resolve().parents[1]
 
 
-# -- item 6: the class follows vLLM's async-scheduling decision -----------------------------------
+# -- item 6: MarsScheduler follows vLLM's async-scheduling decision; a named class is built as named --
 @pytest.mark.parametrize("named", [MarsScheduler, AsyncMarsScheduler])
 @pytest.mark.parametrize("async_on", [True, False])
 def test_scheduler_class_follows_async_scheduling(named, async_on):
     s = make_scheduler("mars", num_blocks=64, scheduler_cls=named, async_scheduling=async_on)
-    assert type(s) is (AsyncMarsScheduler if async_on else MarsScheduler)
+    # vLLM builds its AsyncScheduler whenever it is named, whatever the config says; so do we.
+    want = AsyncMarsScheduler if (async_on or named is AsyncMarsScheduler) else MarsScheduler
+    assert type(s) is want
     assert s.mars_config.policy == "mars"  # initialised exactly once either way
     s.add_request(make_request("a", prompt_len=40, max_tokens=4))
     while s.has_requests():
@@ -31,20 +33,34 @@ def test_scheduler_class_follows_async_scheduling(named, async_on):
     assert_no_leaks(s)
 
 
-def test_real_cpu_engine_turns_the_async_class_into_the_sync_one(tiny_model):
-    """vLLM's CPU platform turns async scheduling off even when asked: naming AsyncMarsScheduler
-    (or asking for async) still gives the synchronous scheduler the engine core drives."""
+def test_real_cpu_engine_builds_the_variant_vllm_decides(tiny_model):
+    """vLLM's CPU platform turns async scheduling off even when asked: MarsScheduler, the name the
+    engine arguments give, then builds the synchronous scheduler the engine core drives. Naming
+    AsyncMarsScheduler builds it as named (as vLLM builds its AsyncScheduler when named), and it
+    still serves under the synchronous engine: every token, nothing left behind."""
+    from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kw = local.engine_kwargs(tiny_model, policy="fcfs", num_blocks=16, max_model_len=256, max_num_seqs=4,
-                             max_num_batched_tokens=256, engine_args={"async_scheduling": True})
-    kw["scheduler_cls"] = "vllm_mars.engine.scheduler.AsyncMarsScheduler"
-    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
-    sched = engine.engine_core.engine_core.scheduler
-    assert engine.vllm_config.scheduler_config.async_scheduling is False
-    assert type(sched) is MarsScheduler
-    assert_no_leaks(sched)
+    for named, built in (("MarsScheduler", MarsScheduler), ("AsyncMarsScheduler", AsyncMarsScheduler)):
+        kw = local.engine_kwargs(tiny_model, policy="fcfs", num_blocks=16, max_model_len=256, max_num_seqs=4,
+                                 max_num_batched_tokens=256, engine_args={"async_scheduling": True})
+        kw["scheduler_cls"] = f"vllm_mars.engine.scheduler.{named}"
+        engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+        try:
+            sched = engine.engine_core.engine_core.scheduler
+            assert engine.vllm_config.scheduler_config.async_scheduling is False
+            assert type(sched) is built
+            engine.add_request("r", {"prompt_token_ids": list(range(10, 50))},
+                               SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+            tokens = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens = out.outputs[0].token_ids
+            assert len(tokens) == 6
+            assert_no_leaks(sched)
+        finally:
+            engine.engine_core.shutdown()
 
 
 def test_engine_kwargs_name_one_class_on_both_platforms():

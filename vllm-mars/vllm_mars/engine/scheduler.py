@@ -660,8 +660,11 @@ class MarsSchedulerMixin:
 
 
 def _chosen_class(named: type, async_scheduling: bool) -> type:
-    """The class vLLM should run for ``async_scheduling``: ours pick each other, subclasses stay."""
-    if named in (MarsScheduler, AsyncMarsScheduler):
+    """The class to build when ``named`` is constructed: ``MarsScheduler`` follows vLLM's
+    async-scheduling decision (as vLLM itself picks ``AsyncScheduler`` when no class is named);
+    any other class, ``AsyncMarsScheduler`` included, is built as named, as vLLM builds its own
+    ``AsyncScheduler`` whatever the config says."""
+    if named is MarsScheduler:
         return AsyncMarsScheduler if async_scheduling else MarsScheduler
     return named
 
@@ -671,20 +674,16 @@ class MarsScheduler(MarsSchedulerMixin, Scheduler):
 
     vLLM decides ``scheduler_config.async_scheduling`` (VllmConfig's post-init, then the platform
     hook: on by default on CUDA, always off on CPU) before the engine core constructs the
-    ``scheduler_cls``. Construction reads that decision, the way vLLM itself picks
-    ``AsyncScheduler`` when no class is named, so either class name gives the variant that
-    matches the engine: a synchronous scheduler under an async engine loses the overlap, and an
-    async one under a synchronous engine carries placeholders nobody drains.
+    ``scheduler_cls``. Constructing ``MarsScheduler`` reads that decision, the way vLLM itself
+    picks ``AsyncScheduler`` when no class is named, so the one documented name fits every engine
+    (a synchronous scheduler under an async engine would lose the overlap). A class named
+    explicitly is built as named, as vLLM builds ``AsyncScheduler`` when it is named: vLLM's own
+    tests (``tests/v1/core``) build the async variant with async scheduling off in the config.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> MarsScheduler:  # noqa: PYI034 - may build the other class
+    def __new__(cls, *args: Any, **kwargs: Any) -> MarsScheduler:  # noqa: PYI034 - may build the variant
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        target = _chosen_class(cls, bool(vllm_config.scheduler_config.async_scheduling))
-        obj = super().__new__(target)
-        if not isinstance(obj, cls):
-            # AsyncMarsScheduler named for a synchronous engine: Python skips __init__ here.
-            obj.__init__(*args, **kwargs)
-        return obj
+        return super().__new__(_chosen_class(cls, bool(vllm_config.scheduler_config.async_scheduling)))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -692,10 +691,9 @@ class MarsScheduler(MarsSchedulerMixin, Scheduler):
         async_on = bool(self.scheduler_config.async_scheduling)
         logger.info("%s built (async_scheduling=%s)", type(self).__name__, async_on)
         if isinstance(self, AsyncScheduler) != async_on:
-            # Only a user subclass can get here (ours pick the matching variant in __new__).
-            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s; subclass the other "
-                           "variant (degraded performance or stale placeholders otherwise)",
-                           type(self).__name__, async_on)
+            # A class named explicitly (AsyncMarsScheduler, a user subclass) is built as named.
+            logger.warning("MARS scheduler mismatch: %s runs with async_scheduling=%s (name MarsScheduler "
+                           "to get the variant that matches the engine)", type(self).__name__, async_on)
 
 
 class AsyncMarsScheduler(MarsScheduler, AsyncScheduler):

@@ -1,0 +1,273 @@
+"""vLLM 0.32.0's own scheduler test suite (``tests/v1/core``) under our scheduler classes.
+
+Fetches the vllm 0.32.0 sdist from the package index (cached under the user cache dir, its sha256
+checked against the index's), extracts its ``tests/`` tree, installs the suite's one missing test
+dependency (``tblib``) into the cache, then runs the suite once with vLLM's stock classes (the
+baseline, on this machine) and once per policy with ``create_scheduler`` building
+``MarsScheduler`` / ``AsyncMarsScheduler`` (``scripts/vllm_core_plugin.py``). Reports, per policy,
+how many of the tests that pass on stock pass, and names every loss.
+
+    .venv/bin/python scripts/vllm_core_suite.py --policies fcfs,mars --check   # CI
+    .venv/bin/python scripts/vllm_core_suite.py --all --out results.json      # every policy
+
+``--check`` exits 1 when a policy loses a test that stock passes, unless the policy gates admission
+and the test is in :data:`GATING_LOSSES` with its reason. Network failures fail loudly (exit 2):
+the suite is never skipped silently.
+
+Why not ``pip download --no-binary :all:``: pip prepares an sdist's metadata before it saves it,
+and vLLM's ``setup.py`` needs its whole build toolchain (setuptools_rust, torch, cmake) for that.
+The sdist is read from the same PEP 503 index pip uses (``PIP_INDEX_URL`` or pypi.org), checked
+against the index's sha256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+#: The suite's test-only dependencies missing from our venv (tests/conftest.py imports tblib).
+TEST_DEPS = ("tblib==3.2.2",)
+
+#: The published config.json of the model the suite's ``create_scheduler`` names by default. The
+#: scheduler tests read only the model's config (no weights, no tokenizer); this machine cannot
+#: reach Hugging Face, so the config goes into an offline hub cache that the suite reads.
+MODEL_CONFIGS: dict[str, dict] = {
+    "facebook/opt-125m": {
+        "_name_or_path": "facebook/opt-125m", "activation_dropout": 0.0, "activation_function": "relu",
+        "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2,
+        "do_layer_norm_before": True, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 3072,
+        "hidden_size": 768, "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048,
+        "model_type": "opt", "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 1,
+        "prefix": "</s>", "torch_dtype": "float16", "transformers_version": "4.21.0.dev0",
+        "use_cache": True, "vocab_size": 50272, "word_embed_proj_dim": 768,
+    },
+}
+_SNAPSHOT = "0" * 40
+
+#: Tests a policy that gates admission (holds a waiting call back although vLLM would start it)
+#: is expected to lose, with the reason; matched as test-id prefixes. Every other loss is a defect.
+GATING_LOSSES: dict[str, dict[str, str]] = {}
+
+
+def cache_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("MARS_CORE_SUITE_CACHE") or user_cache_dir("vllm-mars")) / "vllm-core-suite"
+
+
+def _index_url() -> str:
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        try:
+            url = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                 capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            url = ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def fetch_sdist(cache: Path) -> Path:
+    """The sdist in the cache, downloaded (and its hash checked) when missing."""
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / SDIST
+    sums = cache / (SDIST + ".sha256")
+    if path.exists() and sums.exists():
+        want = sums.read_text().strip()
+        if hashlib.sha256(path.read_bytes()).hexdigest() == want:
+            return path
+    index = f"{_index_url()}/vllm/"
+    try:
+        with urllib.request.urlopen(index, timeout=60) as r:
+            page = r.read().decode()
+    except OSError as e:
+        raise SystemExit(f"vllm_core_suite: cannot read the package index {index}: {e}") from e
+    m = re.search(r'href="([^"]*/' + re.escape(SDIST) + r')#sha256=([0-9a-f]{64})"', page)
+    if m is None:
+        raise SystemExit(f"vllm_core_suite: {SDIST} (with a sha256) is not listed at {index}")
+    url, want = m.group(1), m.group(2)
+    if url.startswith("/"):
+        url = re.match(r"https?://[^/]+", index).group(0) + url
+    tmp = path.with_suffix(".part")
+    try:
+        with urllib.request.urlopen(url, timeout=300) as r, tmp.open("wb") as f:
+            shutil.copyfileobj(r, f)
+    except OSError as e:
+        raise SystemExit(f"vllm_core_suite: cannot download {url}: {e}") from e
+    got = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    if got != want:
+        tmp.unlink()
+        raise SystemExit(f"vllm_core_suite: {url} has sha256 {got}, the index says {want}")
+    tmp.replace(path)
+    sums.write_text(want + "\n")
+    return path
+
+
+def extract_tests(sdist: Path, cache: Path) -> Path:
+    """``vllm-<version>/tests`` from the sdist, extracted once; returns the tree's root."""
+    root = cache / f"vllm-{VLLM_VERSION}"
+    stamp = root / ".mars-extracted"
+    if stamp.exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    prefix = f"vllm-{VLLM_VERSION}/tests/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+        tar.extractall(cache, members=members, filter="data")
+    stamp.write_text(SDIST + "\n")
+    return root
+
+
+def offline_hub(cache: Path) -> Path:
+    """An ``HF_HOME`` whose hub cache holds :data:`MODEL_CONFIGS` (read with ``HF_HUB_OFFLINE=1``)."""
+    home = cache / "hf"
+    for name, config in MODEL_CONFIGS.items():
+        repo = home / "hub" / ("models--" + name.replace("/", "--"))
+        snap = repo / "snapshots" / _SNAPSHOT
+        snap.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(_SNAPSHOT)
+        (snap / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return home
+
+
+def install_test_deps(cache: Path) -> Path:
+    site = cache / "site"
+    stamp = site / ".mars-deps"
+    if stamp.exists() and stamp.read_text().split() == list(TEST_DEPS):
+        return site
+    shutil.rmtree(site, ignore_errors=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "--no-deps", "--target", str(site), *TEST_DEPS], check=False)
+    if r.returncode:
+        raise SystemExit(f"vllm_core_suite: pip could not install {TEST_DEPS} into {site}")
+    stamp.write_text("\n".join(TEST_DEPS) + "\n")
+    return site
+
+
+def run_suite(root: Path, site: Path, policy: str, out: Path, options: dict | None,
+              pytest_args: list[str], timeout: float) -> dict[str, str]:
+    """One pytest run of tests/v1/core; returns {test id: passed|failed|error|skipped}."""
+    xml = out / f"junit-{policy}.xml"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(site), env.get("PYTHONPATH", "")) if p)
+    env["MARS_CORE_POLICY"] = policy
+    env["MARS_CORE_POLICY_OPTIONS"] = json.dumps(options or {})
+    env["HF_HUB_OFFLINE"] = "1"  # the suite's model configs are not fetched here
+    env["HF_HOME"] = str(offline_hub(root.parent))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "vllm_core_plugin", "-p", "no:cacheprovider",
+           "-W", "ignore::pytest.PytestUnknownMarkWarning", f"--junitxml={xml}", "tests/v1/core", *pytest_args]
+    t0 = time.monotonic()
+    log = out / f"pytest-{policy}.log"
+    with log.open("w") as f:
+        r = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                           check=False)
+    if r.returncode not in (0, 1) or not xml.exists():
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"vllm_core_suite: pytest for {policy} exited {r.returncode} (see {log}):\n{tail}")
+    header = log.read_text()[:20000]
+    want = "stock vLLM scheduler classes" if policy == "stock" else f"builds MarsScheduler with policy {policy}"
+    if want not in header:
+        raise SystemExit(f"vllm_core_suite: the plugin did not report '{want}' for {policy} (see {log})")
+    print(f"  {policy}: pytest took {time.monotonic() - t0:.0f} s", flush=True)
+    return parse_junit(xml)
+
+
+def parse_junit(xml: Path) -> dict[str, str]:
+    results: dict[str, str] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                break
+        results[tid] = outcome
+    return results
+
+
+def compare(stock: dict[str, str], ours: dict[str, str]) -> tuple[int, int, list[str]]:
+    """(stock passes, of which ours passes, the lost test ids)."""
+    passed = [t for t, o in stock.items() if o == "passed"]
+    lost = sorted(t for t in passed if ours.get(t) != "passed")
+    return len(passed), len(passed) - len(lost), lost
+
+
+def expected_loss(policy: str, test: str) -> str | None:
+    for prefix, why in GATING_LOSSES.get(policy, {}).items():
+        if test.startswith(prefix):
+            return why
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="fcfs,mars", help="comma-separated policies (default fcfs,mars)")
+    ap.add_argument("--all", action="store_true", help="every registered policy")
+    ap.add_argument("--policy-options", default="{}", help='JSON {policy: {option: value}}')
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when a policy loses a test stock passes (beyond its listed gating losses)")
+    ap.add_argument("--out", default=None, help="directory for logs, junit XML and results.json "
+                                                "(default: the cache dir's runs/)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run (default 3600)")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k async")
+    args = ap.parse_args(argv)
+
+    from vllm_mars.policies import available_policies
+
+    policies = list(available_policies()) if args.all else [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in available_policies()]
+    if unknown:
+        ap.error(f"unknown policies {unknown}; available: {', '.join(available_policies())}")
+    options = json.loads(args.policy_options)
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        ap.error('--policy-options must be a JSON object {"policy": {"option": value}}')
+
+    cache = cache_root()
+    sdist = fetch_sdist(cache)
+    root = extract_tests(sdist, cache)
+    site = install_test_deps(cache)
+    out = Path(args.out) if args.out else cache / "runs" / time.strftime("%Y%m%dT%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"vllm_core_suite: vLLM {VLLM_VERSION} tests/v1/core from {sdist}; logs in {out}", flush=True)
+
+    stock = run_suite(root, site, "stock", out, None, args.pytest_args, args.timeout)
+    summary = {"vllm": VLLM_VERSION, "date": time.strftime("%Y-%m-%d"), "tests": len(stock),
+               "stock_passed": sum(o == "passed" for o in stock.values()), "policies": {}}
+    print(f"stock: {summary['stock_passed']} of {len(stock)} tests pass", flush=True)
+    bad = False
+    for policy in policies:
+        ours = run_suite(root, site, policy, out, options.get(policy), args.pytest_args, args.timeout)
+        n, kept, lost = compare(stock, ours)
+        unexplained = [t for t in lost if expected_loss(policy, t) is None]
+        summary["policies"][policy] = {"passed_of_stock": kept, "stock_passed": n,
+                                       "lost": {t: expected_loss(policy, t) or "UNEXPLAINED" for t in lost},
+                                       "gained": sorted(t for t, o in ours.items()
+                                                        if o == "passed" and stock.get(t) != "passed")}
+        print(f"{policy}: {kept} of the {n} stock passes pass"
+              + (f"; lost {len(lost)} ({len(unexplained)} unexplained)" if lost else ""), flush=True)
+        for t in lost:
+            print(f"    LOST {t}: {expected_loss(policy, t) or 'UNEXPLAINED'}", flush=True)
+        bad |= bool(unexplained)
+    (out / "results.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 1 if args.check and bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
