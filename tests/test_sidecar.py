@@ -282,6 +282,14 @@ def test_mars_serve_and_backend_dying_mid_stream(tiny_model, tmp_path):
         assert wait_until(healthy, 240, 0.5) and proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": "A"}, timeout=60)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        # the engine port answers only the sidecar (issue 35, hole 7): no key, a guessed key, or a
+        # route outside /v1 that runs the model (SageMaker's /invocations) get 401
+        eng = f"http://127.0.0.1:{engine_port}"
+        forged = {**CHAT, "vllm_xargs": {"mars_workflow": "forged"}}
+        for path, hdrs in (("/v1/chat/completions", {}), ("/v1/chat/completions", {"Authorization": "Bearer x"}),
+                           ("/invocations", {})):
+            assert httpx.post(eng + path, json=forged, headers=hdrs, timeout=30).status_code == 401, path
+        assert httpx.get(eng + "/health", timeout=10).status_code == 200
         # the sidecar's /metrics polls (10 a second here) stay out of vLLM's access log (issue 11, 9)
         log = (tmp_path / "engine.log").read_text()
         assert '"POST /v1/chat/completions' in log and '"GET /metrics' not in log, log[-2000:]

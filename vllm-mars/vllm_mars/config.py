@@ -87,9 +87,28 @@ def check_engine_options(policy: str, policy_options: Mapping[str, Any] | None =
     make_policy(policy, policy_options)
 
 
+#: Root arrivals per second: finite, at least one arrival per 1,000 s (a run must end), at most 1e6.
+RPS_RANGE: dict[str, float] = {"minimum": 1e-3, "maximum": 1e6}
+
+
+def check_rps(name: str, value: Any) -> float:
+    """One arrival rate (a CLI flag, a TOML value, a config field); ValueError naming ``name``."""
+    return float(check_value(name, float, value, **RPS_RANGE))
+
+
+def rps_arg(text: str) -> float:
+    """argparse ``type=`` for ``--rps``: checked at parse time (argparse names the flag)."""
+    import argparse
+
+    try:
+        return check_rps("rps", float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "rps" in str(e) else f"expected a number, got {text!r}") from None
+
+
 #: Ranges of ReplayConfig's numeric fields (``check_value`` keywords); ``None`` values skip the check.
 REPLAY_RANGES: dict[str, dict[str, float]] = {
-    "rps": {"above": 0, "maximum": 1e6},
+    "rps": RPS_RANGE,
     "num_workflows": {"minimum": 1, "maximum": 1e7},
     "seed": {"minimum": 0},
     "num_blocks": {"minimum": 0},  # 0: vLLM's own sizing

@@ -146,3 +146,41 @@ def workflow_from_extra_args(extra_args: Mapping[str, Any] | None, request_id: s
         else None
     )
     return WorkflowInfo(workflow, root, parent, turn, last, tool, prefill, next_tool, tagged)
+
+
+#: characters an id keeps as they are when encoded (RFC 3986 unreserved: safe in a header value,
+#: a URL path segment and a file name)
+_SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+#: longest directory name :func:`safe_dirname` returns (file systems allow 255 bytes)
+DIRNAME_CHARS = 120
+
+
+def safe_id(v: str) -> str:
+    """``v`` in a form that is safe as an HTTP header value, a URL path segment and a directory
+    name, and unique per id: RFC 3986 unreserved characters stay as they are, every other
+    character is percent-encoded from its UTF-8 bytes (``%`` itself too), and the ids ``.`` and
+    ``..`` become ``%2E`` and ``%2E%2E``. The mapping is one to one
+    (``urllib.parse.unquote(safe_id(v)) == v``), so an id that is not safe as is gets encoded,
+    never collapsed onto another; it is the URL-path form of the id (the finish route takes it)."""
+    if v and all(c in _SAFE_CHARS for c in v):
+        return v if v not in (".", "..") else "%2E" * len(v)
+    out = []
+    for c in v:
+        if c in _SAFE_CHARS:
+            out.append(c)
+        else:
+            out.extend(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+    return "".join(out) or "%"  # (the empty id, which no path accepts, still gets a name)
+
+
+def safe_dirname(v: str, limit: int = DIRNAME_CHARS) -> str:
+    """:func:`safe_id` bounded to ``limit`` characters for a directory name: a longer encoding
+    keeps its first characters and ends with ``%h`` and a hash of the whole id (``%h`` is never
+    part of an encoding, so a bounded name cannot equal another id's name)."""
+    import hashlib
+
+    s = safe_id(v)
+    if len(s) <= limit:
+        return s
+    digest = hashlib.blake2b(v.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return s[: limit - 34] + "%h" + digest

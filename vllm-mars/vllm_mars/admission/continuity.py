@@ -47,8 +47,8 @@ def _item_key(item: Any) -> str:
         item = {k: item.get(k) for k in ("role", "content", "type", "text") if k in item}
     try:
         data = json.dumps(item, sort_keys=True, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        data = repr(item)
+    except (TypeError, ValueError, RecursionError):  # (the sidecar bounds depth first; a second guard)
+        data = f"<{type(item).__name__} {len(item) if isinstance(item, (list, dict)) else 0}>"
     return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 

@@ -5,7 +5,9 @@ A waiting call holds no parsed body: its raw bytes stay in memory only below ``s
 to a file otherwise (read back and deleted at admission, deleted when the call gives up), so the
 sidecar's memory per waiting call is a few hundred bytes plus at most ``spill_bytes``.
 :class:`QueueBudget` bounds waiting calls in number and in bytes (spilled or not); a call that
-does not fit gets 503 with ``Retry-After``.
+does not fit gets 503 with ``Retry-After``. Its byte bound covers every request body the sidecar
+holds, not only waiting ones: a body's bytes are reserved chunk by chunk as they arrive and its
+parsed size (an upper bound from its JSON value count) before it is parsed, until its call ends.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ class QueueBudget:
     def give(self, size: int) -> None:
         self.calls -= 1
         self.bytes -= size
+
+    def take_bytes(self, n: int) -> bool:
+        """Reserve ``n`` bytes of request body held in the sidecar (read, parsed, waiting or being
+        forwarded); False when they do not fit."""
+        if self.bytes + n > self.max_bytes:
+            return False
+        self.bytes += n
+        return True
+
+    def give_bytes(self, n: int) -> None:
+        self.bytes -= n
 
 
 def _libc_trim() -> object | None:

@@ -197,22 +197,23 @@ class SessionTable:
         return len(self._root)
 
 
+_TEXT_KEYS = ("content", "text", "input", "arguments", "output", "tool_calls", "function")
+
+
 def _text_len(x: Any) -> int:
-    if isinstance(x, str):
-        return len(x)
-    if isinstance(x, list):
-        return sum(_text_len(i) for i in x)
-    if isinstance(x, dict):
-        n = 0
-        for k in ("content", "text", "input", "arguments", "output"):
-            if k in x:
-                n += _text_len(x[k])
-        if "tool_calls" in x:
-            n += _text_len(x["tool_calls"])
-        if "function" in x:
-            n += _text_len(x["function"])
-        return n
-    return 0
+    """Characters of prompt text in ``x`` (strings under the text-bearing keys of messages and
+    items, through lists). Iterative: any nesting depth costs no stack."""
+    n = 0
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v[k] for k in _TEXT_KEYS if k in v)
+    return n
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:

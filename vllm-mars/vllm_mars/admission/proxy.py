@@ -25,6 +25,7 @@ from vllm_mars.admission.identity import Identity, identify
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.roots import RootState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
+from vllm_mars.workflow import workflow_from_extra_args
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,28 @@ _DROP_UP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"k
 MAX_CLAIMED_TOKENS = 1 << 31
 #: the longest workflow / root / parent / tool id accepted (ids are kept per workflow and logged)
 MAX_ID_CHARS = 1024
+#: the deepest nesting of arrays and objects a request body may have (OpenAI bodies, tool JSON
+#: schemas included, stay far below; deeper is a 400 before anything walks the body)
+MAX_JSON_DEPTH = 128
+
+
+def too_deep(raw: bytes, body: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """The top-level field of ``body`` nested deeper than ``limit`` arrays/objects (None: none).
+    Iterative; a body with fewer brackets than ``limit`` is not walked at all."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return None
+    for key, top in body.items():
+        stack = [(top, 2)]
+        while stack:
+            v, depth = stack.pop()
+            if isinstance(v, dict):
+                v = v.values()
+            elif not isinstance(v, list):
+                continue
+            if depth > limit:
+                return key
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+    return None
 
 
 class HTTPError(Exception):
@@ -63,9 +86,12 @@ def err_body(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": _KINDS.get(status, "Error"), "code": status}}).encode()
 
 
-async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float) -> bytes:
-    """The whole request body; 413 over ``limit`` bytes, 408 when no chunk comes for ``timeout_s``,
-    CancelledError when the client disconnects."""
+async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float, deadline_s: float | None = None,
+                    reserve: Callable[[int], None] | None = None) -> bytes:
+    """The whole request body; 413 over ``limit`` bytes, 408 when no chunk comes for ``timeout_s``
+    or the whole body takes longer than ``deadline_s`` (a slow-loris by body), CancelledError when
+    the client disconnects. ``reserve(n)`` is called for each chunk's bytes before it is kept (it
+    raises HTTPError when the sidecar's budget for request bodies is spent)."""
     for k, v in scope["headers"]:
         if k == b"content-length":
             try:
@@ -75,10 +101,17 @@ async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float) -> 
             if n > limit:
                 raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
+    loop = asyncio.get_running_loop()
+    end = None if deadline_s is None else loop.time() + deadline_s
     while True:
+        wait = timeout_s if end is None else min(timeout_s, end - loop.time())
         try:
-            msg = await asyncio.wait_for(receive(), timeout_s)
+            if wait <= 0:
+                raise TimeoutError
+            msg = await asyncio.wait_for(receive(), wait)
         except TimeoutError:
+            if end is not None and loop.time() >= end - 1e-3:
+                raise HTTPError(408, f"request body not complete within {deadline_s} s") from None
             raise HTTPError(408, f"request body not received within {timeout_s} s") from None
         if msg["type"] == "http.disconnect":
             raise asyncio.CancelledError
@@ -86,9 +119,23 @@ async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float) -> 
         size += len(chunk)
         if size > limit:
             raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        if reserve is not None and chunk:
+            reserve(len(chunk))
         chunks.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(chunks)
+
+
+#: the most JSON values (an upper bound: commas plus arrays and objects) a body may hold; parsing
+#: ``[[],[],...]`` costs ~30x its bytes, so a body's parsed size is bounded and counted before parsing
+MAX_JSON_VALUES = 2_000_000
+#: bytes charged per JSON value when a body is parsed (a list or dict object plus its reference)
+PARSED_BYTES_PER_VALUE = 80
+
+
+def json_values(raw: bytes) -> int:
+    """An upper bound on the values in JSON text ``raw`` (C-speed byte counts)."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
 
 
 def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
@@ -101,6 +148,9 @@ def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
         raise HTTPError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise HTTPError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if (deep := too_deep(raw, body)) is not None:
+        raise HTTPError(400, f"request body field {deep!r} is nested more than {MAX_JSON_DEPTH} arrays/objects "
+                             "deep")
     if b"\\ud" in raw or b"\\uD" in raw:  # a \uXXXX surrogate escape: is every one paired?
         try:
             json.dumps(body, ensure_ascii=False).encode()
@@ -108,8 +158,12 @@ def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
             raise HTTPError(400, f"request body has an unpaired UTF-16 surrogate ({e.reason})") from None
     try:
         ident = identify(headers, body)
+        xargs = body.get("vllm_xargs")
+        if xargs:  # every mars_* key, checked by the engine's own parser: a wrong one is a 400 here,
+            workflow_from_extra_args(xargs, "-")  # never a call the engine serves untagged
     except (ValueError, OverflowError, TypeError) as e:
-        msg = str(e) if isinstance(e, ValueError) else f"a mars_* value is out of range: {e}"
+        msg = str(e).replace("extra_args[", "vllm_xargs[") if isinstance(e, ValueError) else \
+            f"a mars_* value is out of range: {e}"
         raise HTTPError(400, msg) from None
     for what, v in (("workflow", ident.workflow), ("root", ident.root), ("parent", ident.parent),
                     ("tool", ident.tool)):

@@ -7,10 +7,14 @@ The guard (a subclass of uvicorn's httptools protocol) bounds what one client ca
   seconds of the connection opening, or of its first byte on a kept-alive connection; otherwise
   408 and the connection is closed (slow-loris, a header line per second);
 * ``max_header_bytes``: a head larger than this gets 431 and the connection is closed;
-* ``max_connections``: connections beyond this are answered 503 and closed at once.
+* ``max_connections``: at the cap a new connection first takes the place of an idle keep-alive
+  connection (closed), else of the request that has been sending its head or body the longest
+  (more than ``SLOW_GRACE_S``; answered 408 and closed), so slow or idle clients cannot lock others
+  out; only when every connection is busy with a complete request is it answered 503 and closed;
+* ``keep_alive_s``: an idle keep-alive connection is closed after this long.
 
-The body of a request is bounded by the app (``body_timeout_s`` between body chunks -> 408,
-``max_body_bytes`` -> 413).
+The body of a request is bounded by the app (``body_timeout_s`` between body chunks and
+``body_deadline_s`` for the whole body -> 408, ``max_body_bytes`` -> 413).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class _HeadTooLarge(Exception):
     """Raised inside the parser's callbacks to stop parsing an oversized request head."""
 
 
+#: a request sending its head or body for longer than this may lose its connection to a new one at the cap
+SLOW_GRACE_S = 2.0
+
+
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connections: int) -> type:
     """uvicorn's httptools protocol with the limits of the module docstring."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -41,18 +49,48 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         _in_head = False
         _head_bytes = 0
         _raw_head = 0
+        #: when the request now being received began (None: none is being received)
+        _receiving_since: float | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            if len(self.connections) > max_connections and not self._make_room():
                 logger.warning("connection cap (%d) reached: refusing %s", max_connections, self.client)
                 self._reject(503, "Service Unavailable")
                 return
             self._arm()
 
+        def _make_room(self) -> bool:
+            """At the cap: close an idle keep-alive connection, else the request that has been
+            sending its head or body the longest (beyond SLOW_GRACE_S). False: every other
+            connection is busy with a complete request (or already closing)."""
+            live, victim = 0, None
+            oldest = self.loop.time() - SLOW_GRACE_S
+            for c in self.connections:
+                t = c.transport
+                if c is self or t is None or t.is_closing():
+                    continue
+                live += 1
+                if getattr(c, "timeout_keep_alive_task", None) is not None:
+                    victim, oldest = c, -1.0  # idle: the first choice
+                elif oldest >= 0 and (since := getattr(c, "_receiving_since", None)) is not None and since < oldest:
+                    victim, oldest = c, since
+            if live < max_connections:
+                return True  # the count includes connections already closing
+            if victim is None:
+                return False
+            if oldest < 0:
+                victim.transport.close()
+            else:
+                logger.info("connection cap (%d): closing %s, slowest to send its request", max_connections,
+                            victim.client)
+                victim._reject(408, "Request Timeout")
+            return True
+
         def _arm(self) -> None:
             self._in_head = True
             self._head_bytes = self._raw_head = 0
+            self._receiving_since = self.loop.time()
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
@@ -104,6 +142,10 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
             self._disarm()
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self._receiving_since = None
+            super().on_message_complete()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
@@ -124,7 +166,7 @@ def uvicorn_config(app: Any) -> Any:
         loop = "asyncio"
     proto = guarded_protocol(cfg.header_timeout_s, cfg.max_header_bytes, cfg.max_connections)
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=proto,
-                          lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30,
+                          lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=cfg.keep_alive_s,
                           proxy_headers=False, server_header=False, timeout_graceful_shutdown=5)
 
 

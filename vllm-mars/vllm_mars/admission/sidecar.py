@@ -45,6 +45,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import re
 from collections import deque
 from collections.abc import Mapping
@@ -57,10 +58,13 @@ from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
 from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
 from vllm_mars.admission.proxy import (
+    MAX_JSON_VALUES,
+    PARSED_BYTES_PER_VALUE,
     Forwarder,
     HTTPError,
     down_headers,
     err_body,
+    json_values,
     parse_call,
     read_body,
     upstream_headers,
@@ -70,13 +74,15 @@ from vllm_mars.admission.serving import SidecarThread, run_sidecar
 from vllm_mars.admission.telemetry import TelemetryState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.clock import Clock, MonotonicClock
+from vllm_mars.workflow import safe_id
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Sidecar", "SidecarConfig", "SidecarThread", "config_dict", "run_sidecar"]
 
 PROXY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-_FINISH = re.compile(r"^/mars/v1/workflows/([^/]+)/finish$")
+#: the id may contain "/" (``org/repo-1``), raw or %2F-encoded (ASGI paths arrive percent-decoded)
+_FINISH = re.compile(r"^/mars/v1/workflows/(.+)/finish$", re.DOTALL)
 
 #: (lowest, highest) of each numeric option; None: unbounded on that side. Checked by one function.
 _RANGES: dict[str, tuple[float | None, float | None]] = {
@@ -99,6 +105,8 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "body_timeout_s": (0.01, None),
     "max_header_bytes": (1024, None),
     "max_connections": (1, None),
+    "body_deadline_s": (0.01, None),
+    "keep_alive_s": (0.1, 3600.0),
 }
 
 
@@ -160,8 +168,13 @@ class SidecarConfig:
     max_header_bytes: int = 64 << 10
     #: Longest wait between two chunks of a request body (s; else 408).
     body_timeout_s: float = 30.0
-    #: Client connections held at once; more are answered 503 and closed.
+    #: Client connections held at once; at the cap an idle keep-alive connection, else the slowest
+    #: request still sending its head or body, makes room; otherwise 503 and closed.
     max_connections: int = 1000
+    #: A whole request body must arrive within this many seconds of its head (s; else 408).
+    body_deadline_s: float = 60.0
+    #: Seconds an idle keep-alive client connection is kept open.
+    keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -171,10 +184,16 @@ class SidecarConfig:
                 raise ValueError(f"SidecarConfig.backends: {b!r} must start with http:// or https://")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"SidecarConfig.backends: duplicate URL in {list(self.backends)}")
-        for k in self.keys:
-            if not k or any(c.isspace() for c in k):
-                raise ValueError("SidecarConfig.api_key: an API key must be non-empty and without spaces")
+        given = ([] if self.api_key is None else [self.api_key]) + list(self.api_keys)
+        for k in given:  # an empty key must not mean "no authentication"
+            if not k or any(c.isspace() or not c.isprintable() for c in k):
+                raise ValueError("SidecarConfig.api_key: an API key must be non-empty, printable and without "
+                                 "spaces")
+        b = self.backend_api_key
+        if b is not None and (not b or any(c.isspace() or not c.isprintable() for c in b)):
+            raise ValueError("SidecarConfig.backend_api_key: must be non-empty, printable and without spaces")
         check_ranges(self, _RANGES)
+        check_paths(self.spill_dir, self.events_path)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -192,11 +211,32 @@ def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None
         check_value(f"{type(obj).__name__}.{name}", types[name], getattr(obj, name), minimum=lo, maximum=hi)
 
 
-def _observed(send: Any, ident: Identity, scan: ToolCallScan | None) -> Any:
+def check_paths(spill_dir: str | None, events_path: str | None) -> None:
+    """The file options, checked at start (not at the first call that needs them)."""
+    if spill_dir is not None:
+        if not os.path.isdir(spill_dir):
+            raise ValueError(f"SidecarConfig.spill_dir: {spill_dir!r} is not a directory")
+        if not os.access(spill_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"SidecarConfig.spill_dir: {spill_dir!r} is not writable")
+    if events_path is not None:
+        if os.path.isdir(events_path):
+            raise ValueError(f"SidecarConfig.events_path: {events_path!r} is a directory")
+        parent = os.path.dirname(os.path.abspath(events_path))
+        if not (os.access(events_path, os.W_OK) if os.path.exists(events_path)
+                else os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+            raise ValueError(f"SidecarConfig.events_path: cannot write {events_path!r}")
+
+
+
+def _observed(send: Any, ident: Identity, scan: ToolCallScan | None, tenant: str = "") -> Any:
     """``send`` that tells the client the workflow it was assigned (``x-mars-workflow`` and
-    ``x-mars-root`` response headers) and, for an agent call, scans the answer for a tool call."""
-    extra = [(b"x-mars-workflow", ident.workflow.encode("latin-1", "replace")),
-             (b"x-mars-root", ident.root.encode("latin-1", "replace"))]
+    ``x-mars-root`` response headers: the ids as :func:`~vllm_mars.workflow.safe_id` encodes them,
+    safe in a header whatever the client sent, and the form the finish route's path takes) and, for
+    an agent call, scans the answer for a tool call. Built before the call is forwarded, so nothing
+    about the ids can fail once the engine has run it."""
+    n = len(tenant)
+    extra = [(b"x-mars-workflow", safe_id(ident.workflow[n:]).encode("ascii")),
+             (b"x-mars-root", safe_id(ident.root[n:]).encode("ascii"))]
 
     async def observed(msg: dict) -> None:
         if msg["type"] == "http.response.start":
@@ -206,6 +246,14 @@ def _observed(send: Any, ident: Identity, scan: ToolCallScan | None) -> Any:
         await send(msg)
 
     return observed
+
+
+def _header_text(v: bytes) -> str:
+    """A header value as text: UTF-8 when it is (a unicode id stays itself), else latin-1."""
+    try:
+        return v.decode()
+    except UnicodeDecodeError:
+        return v.decode("latin-1")
 
 
 class Sidecar:
@@ -222,7 +270,7 @@ class Sidecar:
                          for u in config.backends]
         self.placement = Placement(self.backends, self.controller, config.kv_target)
         self.counters: dict[str, int] = {"requests": 0, "rejected_503": 0, "queue_full_503": 0, "upstream_errors": 0,
-                                         "client_disconnects": 0}
+                                         "client_disconnects": 0, "event_write_errors": 0}
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
                                    failed_idle_timeout_s=config.failed_idle_timeout_s,
                                    place=lambda r: self.placement.place(r.root),
@@ -348,8 +396,14 @@ class Sidecar:
         evs = self.controller.take_events() + self.lifecycle.take_events()
         self.recent_events.extend(evs)
         if evs and self._events_file is not None:
-            for e in evs:
-                self._events_file.write(json.dumps({"ts": e.ts, "event": e.event, **e.data}, default=str) + "\n")
+            try:
+                for e in evs:
+                    self._events_file.write(json.dumps({"ts": e.ts, "event": e.event, **e.data}, default=str) + "\n")
+            except OSError as e:  # a full disk (or /dev/full) loses events, never a call or the ticker
+                self.counters["event_write_errors"] += 1
+                if self.counters["event_write_errors"] == 1:
+                    logger.error("cannot write admission events to %s: %s (counted in "
+                                 "mars_sidecar_event_write_errors_total; logged once)", self.config.events_path, e)
 
     # -- ASGI -------------------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -454,14 +508,41 @@ class Sidecar:
 
     # -- the proxied call -------------------------------------------------------------------------
     async def _proxy(self, scope: dict, receive: Any, send: Any, path: str, tenant: str) -> None:
+        """Read the body within its bounds (size, gap, deadline), holding its bytes and its parsed
+        size in the byte budget from the first chunk until the call ends, then run the call."""
         self.counters["requests"] += 1
         cfg = self.config
+        budget = self.queue_budget
+        held = 0
+
+        def reserve(n: int) -> None:
+            nonlocal held
+            if not budget.take_bytes(n):
+                self.counters["queue_full_503"] += 1
+                raise HTTPError(503, f"admission queue full ({budget.bytes} bytes of request bodies held; limit "
+                                     f"{budget.max_bytes} bytes); retry later", self._retry_after())
+            held += n
+
         try:
-            raw = await read_body(scope, receive, cfg.max_body_bytes, cfg.body_timeout_s)
-        except asyncio.CancelledError:
-            self.counters["client_disconnects"] += 1
-            return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            try:
+                raw = await read_body(scope, receive, cfg.max_body_bytes, cfg.body_timeout_s, cfg.body_deadline_s,
+                                      reserve)
+            except asyncio.CancelledError:
+                self.counters["client_disconnects"] += 1
+                return
+            values = json_values(raw)
+            if values > MAX_JSON_VALUES:
+                raise HTTPError(400, f"request body holds more than {MAX_JSON_VALUES} JSON values")
+            reserve(values * PARSED_BYTES_PER_VALUE)  # before parsing: what the parsed body will cost
+            box = [raw]
+            del raw  # (a waiting call keeps no reference to its raw bytes here: _admit spills them)
+            await self._call(scope, receive, send, path, tenant, box)
+        finally:
+            budget.give_bytes(held)
+
+    async def _call(self, scope: dict, receive: Any, send: Any, path: str, tenant: str, box: list) -> None:
+        raw = box.pop()
+        headers = {k.decode("latin-1"): _header_text(v) for k, v in scope["headers"]}
         body, ident = parse_call(raw, headers)
         call = [body, raw]  # handed to _admit, which drops what a waiting call must not keep
         del body, raw
@@ -500,7 +581,7 @@ class Sidecar:
             del call
             apply_to_body(body, ident, turn)
             ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
-                                                        _observed(send, ident, scan))
+                                                        _observed(send, ident, scan, tenant))
         except asyncio.CancelledError:
             if not disconnected:
                 raise
@@ -546,7 +627,7 @@ class Sidecar:
         if r.waiter is None:
             r.waiter = asyncio.get_running_loop().create_future()
         r.waiters += 1
-        size = len(call[1])
+        size = 0  # (its bytes are held in the budget since it was read: see _proxy)
         if not self.queue_budget.take(size):
             lc.left_waiting(r)
             self.counters["queue_full_503"] += 1
@@ -563,8 +644,10 @@ class Sidecar:
                 give_back_memory()
             await asyncio.shield(r.waiter)
             call[1], held = held, None
-        except OSError as e:
-            raise HTTPError(503, f"cannot hold the request body while it waits: {e}", self._retry_after()) from None
+        except OSError as e:  # (the server's paths stay out of the answer)
+            logger.error("cannot spill a waiting request body: %s", e)
+            raise HTTPError(503, f"cannot hold the request body while it waits: {e.strerror or type(e).__name__}",
+                            self._retry_after()) from None
         except asyncio.CancelledError:
             if r.waiter.cancelled():  # the workflow was ended (finish route) while this call waited
                 raise HTTPError(409, f"workflow {ident.root!r} was finished while this call waited") from None

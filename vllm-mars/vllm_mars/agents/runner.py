@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -37,6 +36,7 @@ from vllm_mars.agents.proxy import CallRecord, SessionProxy
 from vllm_mars.agents.tasks import AgentTask, load_agent_tasks
 from vllm_mars.driver.runner import RunClock, default_out_dir
 from vllm_mars.metrics.events import EventLog
+from vllm_mars.workflow import safe_dirname
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def sandboxed_argv(cmd: list[str], paths: SessionPaths, sock_dir: str) -> list[s
 
 
 def _safe(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", s)[:80] or "_"
+    return safe_dirname(s)  # one directory per session, never "." or ".." (the one encoder)
 
 
 def _cli_env(fe: Frontend, paths: SessionPaths, settings: CliSettings) -> dict[str, str]:
@@ -227,6 +227,8 @@ class AgentRun:
                     break
                 cmd = self.fe.argv(self.exe, prompt, resume=client_session if k else None,
                                    continue_last=bool(k) and self.cfg.resume_last)
+                if cmd[-1] == prompt:  # "--": a task line such as "--version" is a prompt, never a flag
+                    cmd = [*cmd[:-1], "--", prompt]
                 rc, timed_out, stdout, stderr = await self._cli(self._argv(cmd, paths, sock_dir), env,
                                                                 paths.workspace, deadline, paths.root / f"cli-{k}")
                 parsed = self.fe.parse(stdout)
@@ -253,6 +255,8 @@ class AgentRun:
                 shutil.rmtree(sock_dir, ignore_errors=True)
         end = self.clock()
         calls = proxy.calls
+        if error is None and not calls:  # a CLI that exited 0 without one model call did not do the task
+            error = f"{self.fe.name} made no model call"
         wfs = sorted({c.workflow for c in calls if c.workflow})
         summary = {"workflow": key, "root": key, "client_session": client_session, "sidecar_workflows": wfs,
                    "calls": len(calls), "side_calls": sum(1 for c in calls if not c.has_tools),

@@ -7,11 +7,13 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +82,8 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                         "repeat for several clients: each key then has its own workflow ids, so no client can "
                         "finish or join another's workflows (docs/admission.md, trust model)")
     g.add_argument("--backend-api-key", default=None,
-                   help="send 'Authorization: Bearer KEY' to the backends (default: pass the client's header)")
+                   help="send 'Authorization: Bearer KEY' to the backends (default: pass the client's header; "
+                        "mars serve: a key generated per start, which its vLLM server requires)")
     g.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="largest request body; larger gets 413 (default 16 MiB)")
     g.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
@@ -92,7 +95,8 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add_argument("--max-queued-calls", type=int, default=1024, metavar="N",
                    help="calls waiting for admission at once; more get 503 + Retry-After (default 1024)")
     g.add_argument("--max-queued-bytes", type=int, default=1 << 30, metavar="B",
-                   help="request body bytes waiting for admission at once; more get 503 (default 1 GiB)")
+                   help="request body bytes held at once (waiting for admission, or read and parsed: counted "
+                        "before parsing, as bytes plus their parsed size); more get 503 (default 1 GiB)")
     g.add_argument("--spill-bytes", type=int, default=64 << 10, metavar="B",
                    help="a waiting call's body above B bytes waits in a file, not in memory (default 64 KiB)")
     g.add_argument("--spill-dir", default=None, metavar="DIR", help="directory for spilled bodies (default: temp)")
@@ -100,8 +104,13 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                    help="a request head must arrive within S seconds, else 408 and close (default 10)")
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                    help="longest wait between request body chunks, else 408 (default 30)")
+    g.add_argument("--body-deadline", type=float, default=60.0, metavar="S",
+                   help="a whole request body must arrive within S seconds, else 408 (default 60)")
+    g.add_argument("--keep-alive", type=float, default=5.0, metavar="S",
+                   help="an idle keep-alive client connection is closed after S seconds (default 5)")
     g.add_argument("--max-connections", type=int, default=1000, metavar="N",
-                   help="client connections held at once; more get 503 and are closed (default 1000)")
+                   help="client connections held at once; at the cap an idle keep-alive connection, else the "
+                        "slowest request still being sent, makes room; else 503 and close (default 1000)")
     g.add_argument("--telemetry-interval", type=float, default=0.2, metavar="S",
                    help="seconds between /metrics polls of each backend, 0.01..60 (default 0.2)")
     g.add_argument("--telemetry-stale", type=float, default=2.0, metavar="S",
@@ -126,7 +135,9 @@ _FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeou
           "backend_wait_s": "--backend-wait", "max_queued_calls": "--max-queued-calls",
           "max_queued_bytes": "--max-queued-bytes", "spill_bytes": "--spill-bytes",
           "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
-          "max_connections": "--max-connections", "port": "--port", "api_key": "--api-key",
+          "max_connections": "--max-connections", "body_deadline_s": "--body-deadline",
+          "keep_alive_s": "--keep-alive", "port": "--port", "api_key": "--api-key",
+          "backend_api_key": "--backend-api-key", "spill_dir": "--spill-dir", "events_path": "--events",
           "backends": "--backend"}
 
 
@@ -148,7 +159,7 @@ def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: s
             backend_wait_s=args.backend_wait, events_path=args.events, max_queued_calls=args.max_queued_calls,
             max_queued_bytes=args.max_queued_bytes, spill_bytes=args.spill_bytes, spill_dir=args.spill_dir,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            max_connections=args.max_connections)
+            max_connections=args.max_connections, body_deadline_s=args.body_deadline, keep_alive_s=args.keep_alive)
     except ValueError as e:
         msg = str(e)
         for fld, flag in _FLAGS.items():
@@ -316,6 +327,13 @@ def _serve(args: argparse.Namespace) -> int:
         # the sidecar polls /metrics every --telemetry-interval: keep those polls (and /health)
         # out of vLLM's access log, which otherwise is mostly them
         extra += ["--disable-access-log-for-endpoints", "/metrics,/health"]
+    # the vLLM port answers only the sidecar: a per-start key (or --backend-api-key) in the
+    # environment, checked by vLLM's own --api-key (/v1) and by BackendGuard (every other route)
+    from vllm_mars.admission.backend_guard import KEY_ENV, MIDDLEWARE
+
+    backend_key = args.backend_api_key or secrets.token_urlsafe(32)
+    cfg = replace(cfg, backend_api_key=backend_key)
+    extra += ["--middleware", MIDDLEWARE]
     if not any(a.startswith("--enable-prompt-tokens-details") for a in extra):
         # usage.prompt_tokens_details.cached_tokens: the sidecar reads what a root's first call found
         # cached (KV shared with other workflows; admission option shared = "unique")
@@ -332,7 +350,9 @@ def _serve(args: argparse.Namespace) -> int:
               "measured one", file=sys.stderr)
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    env = {**os.environ, KEY_ENV: backend_key, "VLLM_API_KEY": backend_key}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
+                            env=env)
     # SIGTERM must run the cleanup below too (uvicorn re-raises the signal it caught once it has stopped;
     # with the default action the vLLM server was left running)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,8 +28,15 @@ def _floats(s: str, flag: str) -> list[float]:
         vals = [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} {s!r}: expected comma-separated numbers") from None
-    if not vals or any(v <= 0 for v in vals):
+    if not vals:
         raise ValueError(f"{flag} {s!r}: expected positive numbers")
+    if flag == "--rps":
+        from vllm_mars.config import check_rps
+
+        for v in vals:
+            check_rps(flag, v)
+    elif any(not v > 0 or not math.isfinite(v) for v in vals):
+        raise ValueError(f"{flag} {s!r}: expected positive finite numbers")
     return vals
 
 
@@ -100,6 +108,8 @@ def _common(p: argparse.ArgumentParser, compare: bool) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from vllm_mars.config import rps_arg
+
     p = sub.add_parser("replay", help="replay a workload through the engine with one policy; writes a run dir",
                        description="Replay agent workflows (token-id prompts growing turn by turn, recorded "
                                    "output lengths, simulated or real tools) through vLLM with one policy. "
@@ -108,7 +118,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=os.environ.get("SCHEDULING_POLICY", "fcfs"),
                    help="scheduler policy, or mars (MARS admission + mars), concur (CONCUR + fcfs), "
                         "mars-no-admission (env SCHEDULING_POLICY; default fcfs)")
-    p.add_argument("--rps", type=float, default=float(os.environ.get("RPS", "1.0")),
+    p.add_argument("--rps", type=rps_arg, default=rps_arg(os.environ.get("RPS", "1.0")),
                    help="root arrivals per second (env RPS; default 1.0)")
     p.add_argument("--backend", choices=("inprocess", "http", "sim"), default="inprocess",
                    help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_mars.admission.base import ToolStats
+from vllm_mars.workflow import safe_dirname
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def _strip_marker(err: bytes) -> str:
 
 
 def _safe_name(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", s)[:120] or "_"
+    """A workflow's workspace directory name: one per workflow, never ``.``/``..`` (the one encoder)."""
+    return safe_dirname(s)
 
 
 class RealTools(_Plane):
@@ -196,6 +198,8 @@ class RealTools(_Plane):
 
     def workspace(self, workflow: str) -> Path:
         ws = (self.root / _safe_name(workflow)).resolve()
+        if ws.parent != self.root.resolve():  # (cannot happen with the encoder: a second guard)
+            raise ValueError(f"workflow id {workflow!r} does not name a directory under {self.root}")
         (ws / ".tmp").mkdir(parents=True, exist_ok=True)
         return ws
 

@@ -16,6 +16,7 @@ mars with, see :mod:`vllm_mars.experiment.limit`). Relative paths are relative t
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -107,8 +108,8 @@ def _pos_int(path: Path, where: str, v: Any, minimum: int = 1) -> int:
 
 
 def _pos_float(path: Path, where: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise _err(path, where, f"expected a positive number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise _err(path, where, f"expected a positive finite number, got {v!r}")
     return float(v)
 
 
@@ -124,10 +125,21 @@ def _unknown(path: Path, where: str, table: dict, allowed: tuple[str, ...]) -> N
         raise _err(path, f"{where}{bad[0]}", f"unknown key; allowed: {', '.join(allowed)}")
 
 
+def _rps_value(path: Path, where: str, v: Any) -> float:
+    from vllm_mars.config import check_rps
+
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _err(path, where, f"expected a positive number, got {v!r}")
+    try:
+        return check_rps("rps", v)
+    except ValueError as e:
+        raise _err(path, where, str(e)) from None
+
+
 def _rps(path: Path, where: str, v: Any) -> tuple[float, ...]:
     if not isinstance(v, list) or not v:
         raise _err(path, where, f"expected a non-empty list of positive numbers, got {v!r}")
-    vals = tuple(_pos_float(path, f"{where}[{i}]", x) for i, x in enumerate(v))
+    vals = tuple(_rps_value(path, f"{where}[{i}]", x) for i, x in enumerate(v))
     if len(set(vals)) != len(vals):
         raise _err(path, where, f"repeated rps level in {list(vals)}")
     return vals

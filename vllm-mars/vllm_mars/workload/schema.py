@@ -30,6 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from vllm_mars.workflow import MAX_ID_CHARS
+
 #: Value of the versioned ``schema`` field of every top-level line.
 SCHEMA_V1 = "mars_workload_v1"
 #: The preview's live-agent task format (read by :mod:`vllm_mars.workload.mas_task`).
@@ -41,6 +43,9 @@ MAX_TOKENS = 1 << 24
 MAX_TOOL_S = 86_400.0
 MAX_ARRIVAL_S = 1e7
 MAX_DEPTH = 32
+#: Longest workflow id: the engine's tag limit (``vllm_mars.workflow.MAX_ID_CHARS``) less room for
+#: the ``~k`` suffix a replay adds to repeats, so every call of a valid workload is tagged.
+MAX_WORKFLOW_ID_CHARS = MAX_ID_CHARS - 24
 
 
 class WorkloadError(ValueError):
@@ -78,14 +83,15 @@ class Turn(_Strict):
                                description="tokens this call generates (ignore_eos, max_tokens)")
     tool_s: float = Field(default=0.0, ge=0.0, le=MAX_TOOL_S, allow_inf_nan=False,
                           description="simulated tool time after this call, s")
-    tool: str | None = Field(default=None, description="name of the tool called after this call")
+    tool: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS,
+                             description="name of the tool called after this call")
     tool_cmd: str | None = Field(default=None, description="shell command for real tool execution")
 
 
 class Workflow(_Strict):
     """A workflow (root session or child sub-agent)."""
 
-    workflow_id: str = Field(min_length=1)
+    workflow_id: str = Field(min_length=1, max_length=MAX_WORKFLOW_ID_CHARS)
     arrival_s: float | None = Field(default=None, ge=0.0, le=MAX_ARRIVAL_S, allow_inf_nan=False,
                                     description="offset from the run start; None lets the driver decide")
     prefix: list[Segment] = Field(default_factory=list, description="shared prompt segments, in order")
