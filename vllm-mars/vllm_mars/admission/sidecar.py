@@ -99,6 +99,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "body_timeout_s": (0.01, None),
     "max_header_bytes": (1024, None),
     "max_connections": (1, None),
+    "default_max_tokens": (1, None),
 }
 
 
@@ -162,6 +163,9 @@ class SidecarConfig:
     body_timeout_s: float = 30.0
     #: Client connections held at once; more are answered 503 and closed.
     max_connections: int = 1000
+    #: The output limit a call that sends none gets (chat/completions ``max_tokens``, Responses
+    #: ``max_output_tokens``); calls that send a limit keep theirs. None: the server's (context left).
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -180,6 +184,13 @@ class SidecarConfig:
     def keys(self) -> tuple[str, ...]:
         """Every accepted API key (empty: no authentication)."""
         return ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+
+
+def set_default_max_tokens(body: dict, path: str, n: int) -> None:
+    """Give a call that sends no output limit ``n`` (Codex sends none); a call's own limit stays."""
+    keys = ("max_output_tokens",) if path.endswith("/responses") else ("max_tokens", "max_completion_tokens")
+    if all(body.get(k) is None for k in keys):
+        body[keys[0]] = n
 
 
 def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
@@ -499,6 +510,8 @@ class Sidecar:
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
             del call
             apply_to_body(body, ident, turn)
+            if cfg.default_max_tokens is not None:
+                set_default_max_tokens(body, path, cfg.default_max_tokens)
             ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
                                                         _observed(send, ident, scan))
         except asyncio.CancelledError:
