@@ -63,6 +63,18 @@ def too_deep(raw: bytes, body: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
     return None
 
 
+
+def _context_hint(payload: bytes) -> bytes:
+    """vLLM's "maximum context length" 400, with the flag that raises the limit named in its message."""
+    try:
+        body = json.loads(payload)
+        err = body["error"]
+        err["message"] += (" (the server's context length is its --max-model-len: start mars serve, or vLLM, "
+                           "with a larger --max-model-len)")
+        return json.dumps(body).encode()
+    except (ValueError, KeyError, TypeError):
+        return payload
+
 class HTTPError(Exception):
     """Answer the client with ``status`` and a JSON error body."""
 
@@ -266,6 +278,8 @@ class Forwarder:
             resp.close()
             return self._broken(r, b, str(e), started=False)
         resp.release()
+        if resp.status == 400 and b"maximum context length is" in payload:
+            payload = _context_hint(payload)
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": [*down_headers(resp.headers), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})

@@ -107,6 +107,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_connections": (1, None),
     "body_deadline_s": (0.01, None),
     "keep_alive_s": (0.1, 3600.0),
+    "default_max_tokens": (1, None),
 }
 
 
@@ -175,6 +176,9 @@ class SidecarConfig:
     body_deadline_s: float = 60.0
     #: Seconds an idle keep-alive client connection is kept open.
     keep_alive_s: float = 5.0
+    #: The output limit a call that sends none gets (chat/completions ``max_tokens``, Responses
+    #: ``max_output_tokens``); calls that send a limit keep theirs. None: the server's (context left).
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -199,6 +203,13 @@ class SidecarConfig:
     def keys(self) -> tuple[str, ...]:
         """Every accepted API key (empty: no authentication)."""
         return ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+
+
+def set_default_max_tokens(body: dict, path: str, n: int) -> None:
+    """Give a call that sends no output limit ``n`` (Codex sends none); a call's own limit stays."""
+    keys = ("max_output_tokens",) if path.endswith("/responses") else ("max_tokens", "max_completion_tokens")
+    if all(body.get(k) is None for k in keys):
+        body[keys[0]] = n
 
 
 def check_ranges(obj: Any, ranges: Mapping[str, tuple[float | None, float | None]]) -> None:
@@ -580,6 +591,8 @@ class Sidecar:
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
             del call
             apply_to_body(body, ident, turn)
+            if cfg.default_max_tokens is not None:
+                set_default_max_tokens(body, path, cfg.default_max_tokens)
             ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
                                                         _observed(send, ident, scan, tenant))
         except asyncio.CancelledError:

@@ -61,6 +61,8 @@ class SessionOutput:
     output_tokens: int = 0
     #: model steps the CLI reports (Codex: turns; OpenCode: steps = agent-loop calls)
     steps: int = 0
+    #: tools the CLI ran (Codex: command_execution / file_change items; OpenCode: tool_use parts)
+    tool_calls: int = 0
     errors: list[str] = field(default_factory=list)
     #: lines that were not JSON (CLI warnings)
     other_lines: int = 0
@@ -91,6 +93,10 @@ class Frontend:
     #: the session headers it sends (for the docs and the report)
     identity_headers: tuple[str, ...] = ()
 
+    def executable(self, root: Path) -> Path:
+        """Where the installer puts it under the agents prefix ``root``."""
+        return root / "node_modules" / ".bin" / self.binary
+
     def write_config(self, paths: SessionPaths, s: CliSettings) -> None:
         raise NotImplementedError
 
@@ -100,7 +106,8 @@ class Frontend:
                 "XDG_CACHE_HOME": f"{home}/.cache", "XDG_STATE_HOME": f"{home}/.local/state",
                 "NO_COLOR": "1", "TERM": "dumb"}
 
-    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False) -> list[str]:
+    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False,
+             workdir: str | None = None) -> list[str]:
         raise NotImplementedError
 
     def parse(self, stdout: str) -> SessionOutput:
@@ -148,7 +155,8 @@ class Codex(Frontend):
     def env(self, paths: SessionPaths, s: CliSettings) -> dict[str, str]:
         return {**super().env(paths, s), "CODEX_HOME": str(paths.home / ".codex"), "MARS_API_KEY": s.api_key}
 
-    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False) -> list[str]:
+    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False,
+             workdir: str | None = None) -> list[str]:
         head = [exe, "exec", "--skip-git-repo-check", "--json"]
         if continue_last:
             return [*head, "resume", "--last", prompt]
@@ -172,6 +180,8 @@ class Codex(Frontend):
                 item = e.get("item") or {}
                 if item.get("type") == "agent_message":
                     out.final_text = item.get("text")
+                elif item.get("type") in ("command_execution", "file_change", "mcp_tool_call"):
+                    out.tool_calls += 1
                 elif item.get("type") == "error":
                     out.errors.append(str(item.get("message"))[:300])
             elif t in ("turn.failed", "error"):
@@ -215,8 +225,10 @@ class OpenCode(Frontend):
         return {**super().env(paths, s), "OPENCODE_CONFIG": str(paths.home / "opencode.json"),
                 **{f"OPENCODE_DISABLE_{k}": "1" for k in off}}
 
-    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False) -> list[str]:
-        head = [exe, "run", "--format", "json"]
+    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False,
+             workdir: str | None = None) -> list[str]:
+        # --dir: without it a session's directory (its tools' cwd) became the workspace's parent
+        head = [exe, "run", "--format", "json", *(("--dir", workdir) if workdir else ())]
         if continue_last:
             return [*head, "--continue", prompt]
         if resume is not None:
@@ -232,6 +244,8 @@ class OpenCode(Frontend):
             t = e.get("type")
             if t == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif t == "tool_use":
+                out.tool_calls += 1
             elif t == "step_finish":
                 tok = part.get("tokens") or {}
                 out.steps += 1
@@ -245,7 +259,58 @@ class OpenCode(Frontend):
         return out
 
 
-FRONTENDS: dict[str, Frontend] = {f.name: f for f in (Codex(), OpenCode())}
+class OpenHands(Frontend):
+    """The OpenHands SDK (PyPI ``openhands-sdk`` + ``openhands-tools``): one conversation per session,
+    run by ``_openhands_exec.py`` with the Python of its own venv (``PREFIX/openhands``: it needs
+    Python >= 3.12 and ``mcp<2``, vLLM ``mcp>=2``). Terminal and file-editor tools, native tool calling
+    through litellm (``openai/<model>`` at ``base_url``), which sends ``x-litellm-session-id`` and
+    ``prompt_cache_key`` = the conversation id; the conversation ends with the agent's ``finish``."""
+
+    name = "openhands"
+    binary = "python"
+    identity_headers = ("x-litellm-session-id",)
+    script = str(Path(__file__).with_name("_openhands_exec.py"))
+
+    def executable(self, root: Path) -> Path:
+        return root / "openhands" / "bin" / "python"
+
+    def write_config(self, paths: SessionPaths, s: CliSettings) -> None:
+        cfg = {"base_url": s.base_url, "model": s.model, "api_key": s.api_key,
+               "max_output_tokens": s.max_output_tokens, "max_iterations": 30,
+               "persistence_dir": str(paths.home / "conversations")}
+        (paths.home / "openhands.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    def argv(self, exe: str, prompt: str, resume: str | None = None, continue_last: bool = False,
+             workdir: str | None = None) -> list[str]:
+        root = str(Path(workdir).parent / "home") if workdir else "home"
+        # file_editor takes absolute paths: the prompt says where the workspace is, as a user would
+        text = f"{prompt}\n\nThe workspace is {workdir}." if workdir else prompt
+        return [exe, "-I", self.script, "--config", f"{root}/openhands.json", "--workspace", workdir or ".",
+                *(("--resume", resume) if resume else ()), text]
+
+    def parse(self, stdout: str) -> SessionOutput:
+        out = SessionOutput()
+        for e in _events(stdout, out):
+            t = e.get("type")
+            if t == "conversation":
+                out.session_id = e.get("id")
+            elif t == "action":
+                out.steps += 1
+                out.tool_calls += 1
+            elif t == "message":
+                out.final_text = e.get("text")
+            elif t == "usage":
+                out.input_tokens += int(e.get("input_tokens") or 0)
+                out.cached_tokens += int(e.get("cached_tokens") or 0)
+                out.output_tokens += int(e.get("output_tokens") or 0)
+            elif t == "error":
+                out.errors.append(str(e.get("message"))[:300])
+            elif t == "done" and e.get("status") != "finished":
+                out.errors.append(f"conversation ended {e.get('status')}")
+        return out
+
+
+FRONTENDS: dict[str, Frontend] = {f.name: f for f in (Codex(), OpenCode(), OpenHands())}
 
 
 def get_frontend(name: str) -> Frontend:

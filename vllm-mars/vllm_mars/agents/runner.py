@@ -97,10 +97,10 @@ def find_cli(fe: Frontend, prefix: str | None = None) -> str:
         roots.append(os.environ["MARS_AGENTS_PREFIX"])
     roots.append(str(Path(__file__).resolve().parents[3] / ".agents"))
     for r in roots:
-        exe = Path(r) / "node_modules" / ".bin" / fe.binary
+        exe = fe.executable(Path(r))
         if exe.exists():
             return str(exe)
-    found = shutil.which(fe.binary)
+    found = shutil.which(fe.binary) if fe.name != "openhands" else None  # not any python on PATH
     if found:
         return found
     raise FileNotFoundError(f"the {fe.name} CLI ({fe.binary}) is not installed (looked in "
@@ -131,6 +131,18 @@ def sandboxed_argv(cmd: list[str], paths: SessionPaths, sock_dir: str) -> list[s
 
 def _safe(s: str) -> str:
     return safe_dirname(s)  # one directory per session, never "." or ".." (the one encoder)
+
+
+def bwrap_argv_plain(workspace: str, cmd: list[str]) -> list[str]:
+    """``cmd`` under bubblewrap with no network, writing only in ``workspace`` (a task's check)."""
+    from vllm_mars.driver._sandbox_exec import bwrap_argv
+
+    return bwrap_argv(workspace, cmd, net=False)
+
+
+def _check_env() -> dict[str, str]:
+    keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
+    return {**keep, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _cli_env(fe: Frontend, paths: SessionPaths, settings: CliSettings) -> dict[str, str]:
@@ -226,7 +238,7 @@ class AgentRun:
                     error = "cannot resume: the first run reported no session id"
                     break
                 cmd = self.fe.argv(self.exe, prompt, resume=client_session if k else None,
-                                   continue_last=bool(k) and self.cfg.resume_last)
+                                   continue_last=bool(k) and self.cfg.resume_last, workdir=str(paths.workspace))
                 if cmd[-1] == prompt:  # "--": a task line such as "--version" is a prompt, never a flag
                     cmd = [*cmd[:-1], "--", prompt]
                 rc, timed_out, stdout, stderr = await self._cli(self._argv(cmd, paths, sock_dir), env,
@@ -234,7 +246,7 @@ class AgentRun:
                 parsed = self.fe.parse(stdout)
                 client_session = parsed.session_id or client_session
                 run = {"prompt": k, "rc": rc, "timed_out": timed_out, "client_session": parsed.session_id,
-                       "steps": parsed.steps, "input_tokens": parsed.input_tokens,
+                       "steps": parsed.steps, "tool_calls": parsed.tool_calls, "input_tokens": parsed.input_tokens,
                        "cached_tokens": parsed.cached_tokens, "output_tokens": parsed.output_tokens,
                        "errors": parsed.errors, "final_text_tail": (parsed.final_text or "")[-200:],
                        "stderr_tail": stderr[-_TAIL:] if rc else ""}
@@ -254,12 +266,16 @@ class AgentRun:
             if sock_dir:
                 shutil.rmtree(sock_dir, ignore_errors=True)
         end = self.clock()
+        solved, check = await self._check(task, paths) if task.check else (None, None)
+        if check is not None:
+            self.events.emit("task_check", workflow=key, root=key, solved=solved, **check)
         calls = proxy.calls
         if error is None and not calls:  # a CLI that exited 0 without one model call did not do the task
             error = f"{self.fe.name} made no model call"
         wfs = sorted({c.workflow for c in calls if c.workflow})
         summary = {"workflow": key, "root": key, "client_session": client_session, "sidecar_workflows": wfs,
                    "calls": len(calls), "side_calls": sum(1 for c in calls if not c.has_tools),
+                   "tool_calls": sum(r.get("tool_calls", 0) for r in cli_runs), "solved": solved,
                    "prompt_tokens": sum(c.prompt_tokens or 0 for c in calls),
                    "output_tokens": sum(c.output_tokens or 0 for c in calls)}
         if error is None:
@@ -274,6 +290,22 @@ class AgentRun:
         self.results.append(trace)
         print(f"[agents] {key}: {'ok' if error is None else error[:120]} ({end - t0:.1f} s, {len(calls)} calls, "
               f"session {client_session}, workflow {','.join(wfs) or '-'})", file=sys.stderr)
+
+    async def _check(self, task: AgentTask, paths: SessionPaths) -> tuple[bool, dict[str, Any]]:
+        """Run the task's check in its workspace (in the sandbox when there is one): solved = exit 0."""
+        cmd = ["bash", "-c", task.check or "false"]
+        argv = bwrap_argv_plain(str(paths.workspace), cmd) if self.sandbox == "bwrap" else cmd
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=str(paths.workspace), env=_check_env(),
+                                                    stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        except TimeoutError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = await proc.communicate()
+        return proc.returncode == 0, {"check": task.check, "check_rc": proc.returncode,
+                                      "check_tail": out.decode(errors="replace")[-300:]}
 
     # -- the server's own gauges ---------------------------------------------------------------------
     async def _sampler(self) -> None:

@@ -2,7 +2,9 @@
 
 * ``mas_task_v1`` (JSONL, sniffed by its ``schema``): one session per task; the prompt is the task
   text (``payload.text`` / ``instruction`` / ``problem_statement`` / ``task_description``), the
-  ``workspace_init`` files are written into the session's workspace first.
+  ``workspace_init`` files are written into the session's workspace first; the prompt starts with
+  ``[TASK] task_id=ID``; ``payload.check`` (a shell command) decides afterwards whether the session
+  solved its task (exit 0 in the workspace).
 * ``.json``: a list; each item is a prompt (one session) or a list of prompts (one session: the
   first starts it, each next one resumes it, as ``codex exec resume`` / ``opencode run --session``).
 * anything else: plain text, one prompt (one session) per non-blank line; ``#`` lines are comments.
@@ -27,6 +29,8 @@ class AgentTask:
     task_id: str
     prompts: tuple[str, ...]
     files: tuple[WorkspaceFile, ...] = ()
+    #: a shell command run in the workspace after the session: exit 0 = solved (``payload.check``)
+    check: str | None = None
 
 
 def _prompt(p: object, path: Path, where: str) -> str:
@@ -47,8 +51,13 @@ def load_agent_tasks(path: str | Path) -> list[AgentTask]:
         for t in load_tasks(path):
             files = ", ".join(f.path for f in t.workspace_init)
             text = t.task_text()
-            prompt = f"The workspace contains: {files}.\n\n{text}" if files else text
-            out.append(AgentTask(t.workflow_id, (prompt,), t.workspace_init))
+            # the task id line: the scripted model (mars serve --scripted) finds its script by it
+            head = f"[TASK] task_id={t.task_id or t.workflow_id}\n"
+            prompt = head + (f"The workspace contains: {files}.\n\n{text}" if files else text)
+            check = t.payload.get("check")
+            if check is not None and (not isinstance(check, str) or not check.strip()):
+                raise WorkloadError(path, t.line, "payload.check", "must be a non-empty shell command string")
+            out.append(AgentTask(t.workflow_id, (prompt,), t.workspace_init, check))
         return out
     if path.suffix == ".json":
         try:

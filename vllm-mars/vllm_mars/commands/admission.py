@@ -124,6 +124,9 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add_argument("--backend-wait", type=float, default=300.0, metavar="S",
                    help="an admitted call whose backend is unreachable waits up to S for a live one "
                         "before 503 (default 300)")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="output limit for calls that send none (Codex sends none; a model that never stops "
+                        "then runs to the context limit); calls that send a limit keep it (default: none)")
     g.add_argument("--events", metavar="PATH", help="append admission events (JSON lines) to PATH")
 
 
@@ -138,6 +141,7 @@ _FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeou
           "max_connections": "--max-connections", "body_deadline_s": "--body-deadline",
           "keep_alive_s": "--keep-alive", "port": "--port", "api_key": "--api-key",
           "backend_api_key": "--backend-api-key", "spill_dir": "--spill-dir", "events_path": "--events",
+          "default_max_tokens": "--default-max-tokens",
           "backends": "--backend"}
 
 
@@ -159,7 +163,8 @@ def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: s
             backend_wait_s=args.backend_wait, events_path=args.events, max_queued_calls=args.max_queued_calls,
             max_queued_bytes=args.max_queued_bytes, spill_bytes=args.spill_bytes, spill_dir=args.spill_dir,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            max_connections=args.max_connections, body_deadline_s=args.body_deadline, keep_alive_s=args.keep_alive)
+            max_connections=args.max_connections, body_deadline_s=args.body_deadline, keep_alive_s=args.keep_alive,
+            default_max_tokens=args.default_max_tokens)
     except ValueError as e:
         msg = str(e)
         for fld, flag in _FLAGS.items():
@@ -202,12 +207,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
-    from vllm_mars.engine.local import SERVER_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
+    from vllm_mars.engine.local import CPU_SERVE_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
 
-    p.add_argument("--max-model-len", type=int, default=SERVER_MAX_MODEL_LEN,
-                   help="max context length (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
-                   help="max running sequences (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="max context length (default: the model's own on GPU; on the CPU build "
+                        f"{CPU_SERVE_MAX_MODEL_LEN} or less when the model or --num-blocks hold less)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"max running sequences (default: vLLM's on GPU, {SERVER_MAX_NUM_SEQS} on the CPU build)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="engine platform for the engine defaults (cpu: bfloat16, 32-token blocks, 256 MiB KV; "
                         "gpu: vLLM's own); the scheduler follows vLLM's async-scheduling choice (default auto)")
@@ -225,6 +231,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "or a step-time profile (name or `mars profile` output). Without it the policy fits "
                         "one online from step times and the controller uses its footprint rules")
     _add_sidecar_options(p, serve=True)
+    p.add_argument("--scripted", default=None, metavar="TASKS",
+                   help="the scripted model: for prompts of the tasks in TASKS (mas_task_v1 JSONL with "
+                        "payload.script, e.g. benchmark/tasks/coding.jsonl) the engine emits each task's "
+                        "scripted solution as tool calls, so real agents do real work with the tiny model "
+                        "(docs/frontends.md, the scripted model)")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME|none",
                    help="vLLM tool-call parser; tool calling (tool_choice auto, which OpenCode and Codex send) "
                         "is on by default with the parser that fits the model: qwen3_coder for Qwen3-Coder, "
@@ -306,19 +317,28 @@ def _serve(args: argparse.Namespace) -> int:
     # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
     policy = make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
-    from vllm_mars.engine.local import parse_engine_arg_items
+    from vllm_mars.engine.local import on_cpu, parse_engine_arg_items, serve_sizes
 
-    cpu = None if args.device == "auto" else args.device == "cpu"
+    cpu = on_cpu() if args.device == "auto" else args.device == "cpu"
     policy_options = _kv(args.policy_option, "--policy-option")
     if args.cost_model:
         policy_options["cost_model"] = cost.as_dict()
+    sizes = serve_sizes(args.model, cpu, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        num_blocks=args.num_blocks, block_size=args.block_size)
+    print("mars serve: max_model_len " + (str(sizes["max_model_len"]) if sizes["max_model_len"] else
+                                          "the model's own (vLLM's sizing)"), file=sys.stderr)
     kw: dict[str, Any] = {"policy": args.policy, "policy_options": policy_options,
-                          "block_size": args.block_size, "max_model_len": args.max_model_len,
-                          "max_num_seqs": args.max_num_seqs, "cpu": cpu,
-                          "engine_args": parse_engine_arg_items(args.engine_arg)}
+                          "block_size": args.block_size, **sizes, "cpu": cpu,
+                          "engine_args": parse_engine_arg_items(args.engine_arg), "scripted": args.scripted}
     if args.num_blocks is not None:
         kw["num_blocks"] = args.num_blocks
     extra = shlex.split(args.vllm_args)
+    if args.scripted:
+        from vllm_mars.engine.scripted import SCRIPTED_CHAT_TEMPLATE
+
+        extra += ["--chat-template", SCRIPTED_CHAT_TEMPLATE]
+        print(f"mars serve: scripted model: prompts of the tasks in {args.scripted} get their scripted "
+              "solutions (engine-side logits processor; everything else runs unchanged)", file=sys.stderr)
     tool_args, parser = _tool_calling_args(args, extra)
     if parser is not None:
         policy_options["tool_parser"] = parser  # the scheduler reads the next tool with it

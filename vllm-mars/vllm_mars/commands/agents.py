@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "its only network is the server, through a per-session measuring proxy). Records every "
                     "call (E2E, TTFT, tokens, the workflow id the sidecar assigned) into events.jsonl, "
                     "traces.jsonl, summary.json and report.md. Install the CLIs first: scripts/setup_agents.sh.")
-    r.add_argument("--frontend", required=True, choices=("codex", "opencode"), help="the agent CLI")
+    r.add_argument("--frontend", required=True, choices=("codex", "opencode", "openhands"), help="the agent CLI")
     r.add_argument("--tasks", required=True, metavar="FILE",
                    help="mas_task_v1 JSONL, a JSON list of prompts (a nested list: one session resumed per "
                         "prompt), or a text file with one prompt per line")

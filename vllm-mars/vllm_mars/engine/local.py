@@ -29,10 +29,15 @@ CPU_DTYPE = "bfloat16"
 CPU_BLOCK_SIZE = 32
 CPU_KV_CACHE_BYTES = 256 << 20
 
-#: Scheduler sizes of a served engine (``mars serve``, test servers), every platform.
+#: Scheduler sizes of a served engine (test servers and callers that pass no sizes).
 SERVER_MAX_MODEL_LEN = 4096
 SERVER_MAX_NUM_SEQS = 64
 SERVER_MAX_NUM_BATCHED_TOKENS = 2048
+#: ``mars serve``'s context length on the CPU build when none is given (capped by the model's own and
+#: by the KV pool): the agent frontends' first prompts fit (tiny tokenizer: Codex ~11.5k tokens,
+#: OpenHands ~8.8k, OpenCode ~5.2k). On GPU ``mars serve`` passes no sizes: vLLM takes the model's
+#: own context length and its own batch sizing.
+CPU_SERVE_MAX_MODEL_LEN = 32768
 
 #: The driver's in-process engine (``mars replay``): sizes for the bundled workloads.
 DRIVER_MAX_MODEL_LEN = 2048
@@ -107,6 +112,37 @@ def check_policy_engine(policy: str, cpu: bool, engine_args: Mapping[str, Any]) 
                          "configured: add --engine-arg kv_offloading_size=<GiB of host memory>")
 
 
+def model_context_length(model: str) -> int | None:
+    """The context length a local model dir declares (config.json ``max_position_embeddings``, or
+    its ``text_config``'s); None when it cannot be read (a hub name, no such key)."""
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int):
+            return int(c["max_position_embeddings"])
+    return None
+
+
+def serve_sizes(model: str, cpu: bool, *, max_model_len: int | None = None, max_num_seqs: int | None = None,
+                num_blocks: int | None = None, block_size: int | None = None) -> dict[str, int | None]:
+    """``mars serve``'s scheduler sizes: what the user gave, else on GPU None (vLLM's own: the model's
+    context length, its batch sizing) and on the CPU build ``CPU_SERVE_MAX_MODEL_LEN`` capped by
+    the model's own length and by what ``num_blocks`` hold, with the server's batch sizes."""
+    if not cpu:
+        return {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": None}
+    if max_model_len is None:
+        caps = [CPU_SERVE_MAX_MODEL_LEN, model_context_length(model)]
+        if num_blocks:
+            caps.append((num_blocks - 1) * (block_size or CPU_BLOCK_SIZE))
+        max_model_len = min(c for c in caps if c)
+    return {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs or SERVER_MAX_NUM_SEQS,
+            "max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS}
+
+
 def resolve_num_blocks(num_blocks: int | None, cpu_default: int, cpu: bool) -> int | None:
     """None: ``cpu_default`` on the CPU build, vLLM's sizing (None) on GPU; 0: vLLM's sizing; n: n."""
     if num_blocks is None:
@@ -124,28 +160,34 @@ def kv_capacity_tokens(num_blocks: int | None, block_size: int | None, cpu: bool
 
 def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[str, Any] | None = None,
                   num_blocks: int | None = None, block_size: int | None = None, dtype: str | None = None,
-                  max_model_len: int = SERVER_MAX_MODEL_LEN, max_num_seqs: int = SERVER_MAX_NUM_SEQS,
-                  max_num_batched_tokens: int = SERVER_MAX_NUM_BATCHED_TOKENS,
+                  max_model_len: int | None = SERVER_MAX_MODEL_LEN, max_num_seqs: int | None = SERVER_MAX_NUM_SEQS,
+                  max_num_batched_tokens: int | None = SERVER_MAX_NUM_BATCHED_TOKENS,
                   kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                  seed: int = 0, cpu: bool | None = None, kv_events: bool = False,
+                  seed: int = 0, cpu: bool | None = None, kv_events: bool = False, scripted: str | None = None,
                   engine_args: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``EngineArgs`` / ``AsyncEngineArgs`` / ``LLM`` with MarsScheduler.
 
     ``num_blocks``, ``block_size``, ``dtype`` and ``kv_cache_memory_bytes`` left at None are the
     CPU defaults above on the CPU build and vLLM's own choice on GPU. ``engine_args`` (validated
     user arguments) override everything; ``extra`` is for the project's own callers.
+    ``max_model_len``, ``max_num_seqs`` or ``max_num_batched_tokens`` given as None are left to vLLM
+    (the model's own context length, vLLM's batch sizing; :func:`serve_sizes` chooses them).
     ``kv_events=True`` turns on vLLM's KV cache events (null publisher) so MarsScheduler can count
     block removals (``mars_stats()["kv_blocks_removed"]``); in-process engines only.
+    ``scripted`` (a task file with scripts) turns on the scripted model (:mod:`vllm_mars.engine.scripted`).
     """
     cpu = on_cpu() if cpu is None else cpu
     user = validate_engine_args(engine_args or {})
     check_policy_engine(policy, cpu, {**extra, **user})
     kw: dict[str, Any] = {
-        "model": model, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max(max_num_batched_tokens, max_num_seqs),
-        "enable_prefix_caching": enable_prefix_caching, "seed": seed, "scheduler_cls": SCHEDULER_CLS,
+        "model": model, "enable_prefix_caching": enable_prefix_caching, "seed": seed, "scheduler_cls": SCHEDULER_CLS,
         "additional_config": {"mars": {"policy": policy, **dict(policy_options or {})}},
     }
+    sizes = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+             "max_num_batched_tokens": max_num_batched_tokens}
+    if max_num_batched_tokens is not None and max_num_seqs is not None:
+        sizes["max_num_batched_tokens"] = max(max_num_batched_tokens, max_num_seqs)
+    kw.update({k: v for k, v in sizes.items() if v is not None})
     if cpu:
         kw.update(dtype=dtype or CPU_DTYPE, block_size=block_size or CPU_BLOCK_SIZE, enforce_eager=True,
                   kv_cache_memory_bytes=kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)
@@ -156,6 +198,14 @@ def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[s
                 kw[key] = value
     if num_blocks:
         kw["num_gpu_blocks_override"] = num_blocks
+    if scripted:
+        from pathlib import Path
+
+        from vllm_mars.engine.scripted import CONFIG_KEY, PROCESSOR, load_scripts
+
+        load_scripts(scripted)  # its errors name the file and line before vLLM starts
+        kw["additional_config"][CONFIG_KEY] = {"tasks": str(Path(scripted).resolve())}
+        kw["logits_processors"] = [PROCESSOR]
     if kv_events:
         from vllm.config import KVEventsConfig
 
@@ -181,6 +231,8 @@ def server_args(model: str, *, host: str = "127.0.0.1", port: int = 8000, served
                 args.append(flag)
             elif _engine_arg_defaults().get(key) is not False:  # off by default: nothing to say
                 args.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            args += [flag, *value]
         elif isinstance(value, (dict, list)):
             args += [flag, json.dumps(value)]
         else:
