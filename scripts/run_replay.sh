@@ -21,32 +21,16 @@
 #   BACKEND / URL        inprocess (default) | http with URL=http://host:port
 #   OUTPUT_DIR           run dir (default: runs/<timestamp>_<policy>)
 #   MARS_BIN             the mars executable (default: .venv/bin/mars, else mars on PATH)
+#   DRY_RUN=1            print the mars command instead of running it
+# The variable mapping is scripts/lib/seed_env.sh (shared with the launchers in experiments/scripts/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SEED_NAME=run_replay.sh
+source scripts/lib/seed_env.sh
 
-MARS_BIN=${MARS_BIN:-$( [[ -x .venv/bin/mars ]] && echo .venv/bin/mars || command -v mars )}
-case "${EMIT_MODE:-rps}" in
-  rps) ARRIVAL=fixed ;;
-  poisson|poison) ARRIVAL=poisson ;;
-  trace) ARRIVAL=trace ;;
-  *) echo "run_replay.sh: EMIT_MODE=${EMIT_MODE} unknown; allowed: rps, poisson, trace" >&2; exit 2 ;;
-esac
-
-ARGS=(replay --policy "${SCHEDULING_POLICY:-mars}" --rps "${RPS:-1.0}" --arrival "$ARRIVAL"
-      --tools "${TOOLS:-simulated}" --backend "${BACKEND:-inprocess}")
-[[ -n "${MODEL_PATH:-}" ]] && ARGS+=(--model "$MODEL_PATH")
-[[ -n "${TASKS_PATH:-}" ]] && ARGS+=(--workload "$TASKS_PATH")
-[[ -n "${NUM_REQUESTS:-}" ]] && ARGS+=(--num-workflows "$NUM_REQUESTS")
-[[ -n "${CPU_GPU:-}" ]] && ARGS+=(--cpu-gpu "$CPU_GPU")
-[[ -n "${CPU_TOOL:-}" ]] && ARGS+=(--cpu-tool "$CPU_TOOL")
-[[ -n "${NUM_BLOCKS:-}" ]] && ARGS+=(--num-blocks "$NUM_BLOCKS")
-[[ -n "${URL:-}" ]] && ARGS+=(--url "$URL")
-[[ -n "${TP:-}" ]] && ARGS+=(--engine-arg "tensor_parallel_size=$TP")
-[[ -n "${GPU_MEMORY_UTILIZATION:-}" ]] && ARGS+=(--engine-arg "gpu_memory_utilization=$GPU_MEMORY_UTILIZATION")
-[[ -n "${MAX_MODEL_LEN:-}" ]] && ARGS+=(--max-model-len "$MAX_MODEL_LEN")
-for kv in ${ENGINE_ARGS:-}; do ARGS+=(--engine-arg "$kv"); done
-[[ -n "${OUTPUT_DIR:-}" ]] && ARGS+=(--out "$OUTPUT_DIR")
-[[ -n "${CUDA_VISIBLE_DEVICES:-}" ]] && export CUDA_VISIBLE_DEVICES
-
-echo "+ $MARS_BIN ${ARGS[*]} $*" >&2
-exec "$MARS_BIN" "${ARGS[@]}" "$@"
+seed_mars
+seed_gpu
+seed_replay_args
+if [[ "${DRY_RUN:-0}" == 1 ]]; then seed_run "${MARS[@]}" "${SEED_ARGS[@]}" "$@"; exit 0; fi
+echo "+ ${MARS[*]} ${SEED_ARGS[*]} $*" >&2
+exec "${MARS[@]}" "${SEED_ARGS[@]}" "$@"

@@ -1,9 +1,10 @@
-"""``mars gen-workload``, ``mars convert weka|tracelab`` and ``mars workload-stats``."""
+"""``mars gen-workload``, ``mars convert weka|tracelab|codex|opencode|openhands`` and ``mars workload-stats``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 
@@ -28,6 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--max-tool-s", type=float, default=300.0,
                    help="cap of a gap between calls, seconds; longer gaps are a user away (default 300)")
     w.add_argument("--limit", type=int, help="convert only the first N traces (sorted by name)")
+    w.add_argument("--max-context", type=int,
+                   help="the replay model's context window (tokens, after --scale): a call that would pass it "
+                        "compacts first (system prompt and tools kept + a summary), as agents do at their "
+                        "limit (default: no limit; the trace's own compactions are always kept)")
+    w.add_argument("--summary-tokens", type=int,
+                   help="summary length of a compaction forced by --max-context (default max_context/10)")
     w.set_defaults(func=_convert_weka)
     t = csub.add_parser("tracelab", help="TraceLab per-round CSV (session_id, arrival_time, round_idx, ...)")
     t.add_argument("src", help="CSV file")
@@ -55,14 +62,33 @@ def _gen(args: argparse.Namespace) -> int:
 
 def _convert_weka(args: argparse.Namespace) -> int:
     from vllm_mars.workload.schema import write_workload
-    from vllm_mars.workload.weka import convert_dir
+    from vllm_mars.workload.weka import iter_convert_dir
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    wfs = convert_dir(args.src, scale=args.scale, max_tool_s=args.max_tool_s, limit=args.limit)
-    n = write_workload(args.output, wfs)
-    kids = sum(len(list(w.walk())) - 1 for w in wfs)
-    print(f"wrote {n} workflows ({kids} sub-agent children) to {args.output}")
+    if args.summary_tokens is not None and args.max_context is None:
+        raise ValueError("--summary-tokens needs --max-context")
+    counts = {"children": 0, "compactions": 0, "forced_compactions": 0, "truncated_inputs": 0}
+
+    def counted():  # streamed: one trace in memory at a time
+        for wf in iter_convert_dir(args.src, scale=args.scale, max_tool_s=args.max_tool_s, limit=args.limit,
+                                   max_context=args.max_context, summary_tokens=args.summary_tokens):
+            for w in wf.walk():
+                counts["children"] += w is not wf
+                for k in ("compactions", "forced_compactions", "truncated_inputs"):
+                    counts[k] += w.meta.get(k, 0)
+            yield wf
+
+    tmp = f"{args.output}.part"
+    try:
+        n = write_workload(tmp, counted())
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    print(f"wrote {n} workflows ({counts['children']} sub-agent children, {counts['compactions']} recorded "
+          f"compactions, {counts['forced_compactions']} forced by --max-context, {counts['truncated_inputs']} "
+          f"inputs truncated) to {args.output}")
     return 0
 
 

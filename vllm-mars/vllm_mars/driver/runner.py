@@ -287,7 +287,8 @@ def select_plans(plans: list, n: int | None) -> list:
 def check_context(plans: list, max_model_len: int) -> None:
     for root in plans:
         for p in root.walk():
-            need = p.final_prompt_tokens() + (p.turns[-1].output_tokens if p.turns else 0)
+            peak = getattr(p, "peak_context_tokens", None)  # token plans (compaction: not the last call)
+            need = peak() if peak else p.final_prompt_tokens() + (p.turns[-1].output_tokens if p.turns else 0)
             if need > max_model_len:
                 raise ValueError(f"workflow {p.workflow_id!r} reaches {need} tokens of context, above "
                                  f"max_model_len={max_model_len}; raise --max-model-len or scale the workload down")
@@ -543,6 +544,8 @@ class Replay:
                     await asyncio.gather(*waiting_kids)
                     waiting_kids = []
                 if k:
+                    if getattr(turn, "keep_tokens", None) is not None:  # schema v2 compaction: restart
+                        prompt = prompt[: turn.keep_tokens] + turn.summary_ids
                     prompt += turn.appended_ids
                 prev_tool = plan.turns[k - 1].tool_name if k else None
                 extra = {"mars_workflow": wid, "mars_root": root, "mars_turn": k, "mars_last_step": k == last,

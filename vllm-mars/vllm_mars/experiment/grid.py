@@ -79,7 +79,7 @@ def materialize(w: WorkloadSpec, seed: int, n: int | None, out: Path) -> Materia
     else:
         roots = load_workload(w.path)
     kept = [r for r in roots if w.max_context is None or max(
-        x.final_prompt_tokens() + x.turns[-1].output_tokens for x in r.walk()) <= w.max_context]
+        x.peak_context_tokens() for x in r.walk()) <= w.max_context]
     if not kept:
         raise ValueError(f"workload {w.name}: every root exceeds max_context={w.max_context}")
     write_workload(path, kept)

@@ -29,8 +29,12 @@ def ideal_time(plan: Any, cost: CostModel) -> float:
         if waits:  # the parent's next turn waits for its sub-agents
             t = max([t, *waits])
             waits = []
-        new = len(plan.initial_ids) if k == 0 else len(turn.appended_ids) + 1
-        cached = 0 if k == 0 else max(context - 1, 0)
+        keep = getattr(turn, "keep_tokens", None) if k else None
+        if keep is not None:  # a compaction: only the kept head is cached, the summary is new
+            new, cached = len(turn.summary_ids) + len(turn.appended_ids), min(keep, context)
+        else:
+            new = len(plan.initial_ids) if k == 0 else len(turn.appended_ids) + 1
+            cached = 0 if k == 0 else max(context - 1, 0)
         t += cost.call_s(new, turn.output_tokens, cached)
         context = cached + new + turn.output_tokens
         for after, child in children:

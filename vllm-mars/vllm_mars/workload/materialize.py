@@ -1,4 +1,4 @@
-"""Turn a schema-v1 workload into token-id plans the driver sends as prompts.
+"""Turn a schema-v1/v2 workload into token-id plans the driver sends as prompts.
 
 Token ids are drawn from ``[FIRST_TOKEN_ID, vocab_size)`` by a generator seeded from
 ``(seed, key)`` with a stable hash, so the same workload + seed gives the same ids on every
@@ -7,7 +7,10 @@ prefix-cache sharing in vLLM). Unkeyed segments are keyed by the workflow id and
 so they are unique to their workflow.
 
 The driver builds turn k's prompt as ``prompt_0 = initial_ids`` and
-``prompt_k = prompt_{k-1} + (actual output ids of call k-1) + turns[k].appended_ids``.
+``prompt_k = prompt_{k-1} + (actual output ids of call k-1) + turns[k].appended_ids``, or, when
+turn k compacts (schema v2), ``prompt_k = context[:keep] + turns[k].summary_ids +
+turns[k].appended_ids`` with ``context = prompt_{k-1} + output ids``: the kept head still hits the
+prefix cache, the summary (drawn per workflow and turn, so unique) misses, as a real compaction does.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ class TurnPlan:
     tool_name: str | None
     #: Shell command for real tool execution, if any.
     tool_cmd: str | None
+    #: Compaction before this call (schema v2): the prompt restarts as the first ``keep_tokens``
+    #: ids of the previous context + ``summary_ids`` (then ``appended_ids``). None: no compaction.
+    keep_tokens: int | None = None
+    summary_ids: list[int] = field(default_factory=list)
+
+    def next_prompt(self, context: list[int]) -> list[int]:
+        """This call's prompt from the previous call's context (its prompt + output ids)."""
+        if self.keep_tokens is None:
+            return context + self.appended_ids
+        return context[: self.keep_tokens] + self.summary_ids + self.appended_ids
 
 
 @dataclass(frozen=True)
@@ -78,13 +91,23 @@ class WorkflowPlan:
     def total_tool_s(self) -> float:
         return sum(t.tool_s for t in self.turns)
 
-    def final_prompt_tokens(self) -> int:
-        """Prompt length of the last call, assuming every call emits its full output_tokens."""
-        n = len(self.initial_ids)
+    def prompt_lengths(self) -> list[int]:
+        """Prompt length of every call, assuming every call emits its full output_tokens."""
+        n, out = len(self.initial_ids), []
         for k, t in enumerate(self.turns):
             if k:
-                n += self.turns[k - 1].output_tokens + len(t.appended_ids)
-        return n
+                n = (t.keep_tokens + len(t.summary_ids) if t.keep_tokens is not None
+                     else n + self.turns[k - 1].output_tokens) + len(t.appended_ids)
+            out.append(n)
+        return out
+
+    def final_prompt_tokens(self) -> int:
+        """Prompt length of the last call, assuming every call emits its full output_tokens."""
+        return self.prompt_lengths()[-1]
+
+    def peak_context_tokens(self) -> int:
+        """The most context any call needs (prompt + output): what must fit max_model_len."""
+        return max(p + t.output_tokens for p, t in zip(self.prompt_lengths(), self.turns, strict=True))
 
     def walk(self):
         """This plan and all descendants, depth first."""
@@ -133,6 +156,9 @@ def materialize(wf: Workflow, tokens: TokenSource, root_id: str | None = None,
             tool_s=float(t.tool_s),
             tool_name=t.tool,
             tool_cmd=t.tool_cmd,
+            keep_tokens=None if t.compact is None else t.compact.keep_tokens,
+            summary_ids=(tokens.ids(f"{wid}\x00summary{k}", t.compact.summary_tokens)
+                         if t.compact is not None and t.compact.summary_tokens else []),
         )
         for k, t in enumerate(wf.turns)
     ]
@@ -180,15 +206,16 @@ def check_context(path: str | Path, workflows: list[Workflow], max_model_len: in
     """Every call of every workflow must fit ``max_model_len`` (checked before any id is drawn)."""
     for root in workflows:
         for w in root.walk():
-            need = w.final_prompt_tokens() + w.turns[-1].output_tokens
+            need = w.peak_context_tokens()
             if need > max_model_len:
                 raise ValueError(f"{path}: workflow {w.workflow_id!r} reaches {need} tokens of context, above "
-                                 f"max_model_len={max_model_len}; raise --max-model-len or scale the workload down")
+                                 f"max_model_len={max_model_len}; raise --max-model-len, scale the workload "
+                                 f"down, or convert it with compaction (mars convert weka --max-context)")
 
 
 def load_plans(path: str | Path, vocab_size: int = 4096, seed: int = 0,
                max_model_len: int | None = None, num_workflows: int | None = None) -> list[WorkflowPlan]:
-    """Load a schema-v1 JSONL workload (errors name file, line, field) and materialize token ids;
+    """Load a schema-v1/v2 JSONL workload (errors name file, line, field) and materialize token ids;
     with ``max_model_len``, a workflow that cannot fit is an error before anything is materialised;
     with ``num_workflows``, the first that many roots (the file cycled, see ``cycle_workflows``)."""
     workflows = load_workload(path)

@@ -1,4 +1,4 @@
-"""Workload schema v1: one agent workflow per JSONL line, validated with pydantic.
+"""Workload schema v2 (reads v1): one agent workflow per JSONL line, validated with pydantic.
 
 A line looks like::
 
@@ -16,6 +16,12 @@ k-1's output + turn k's ``append_tokens`` (the tool output). Children are nested
 (sub-agents) that start after a parent turn; the parent's next turn waits for them when
 ``parent_waits`` (a sub-agent called as a tool), else runs concurrently.
 
+Schema v2 adds context compaction: a turn with ``"compact": {"keep_tokens": K, "summary_tokens": S}``
+restarts its prompt as the first K tokens of the previous context (turn k-1's prompt + output; what
+the prefix cache can still hit, e.g. the system prompt) + S new summary tokens + its
+``append_tokens``. A v1 line is read as before; a v1 line that uses ``compact`` is an error, and
+:func:`dump_line` writes v1 for a workflow that uses no v2 field (old readers keep working).
+
 Errors from :func:`load_workload` name the file, the line and the field
 (``w.jsonl:3: turns[2].output_tokens: Input should be greater than or equal to 1``).
 """
@@ -23,6 +29,8 @@ Errors from :func:`load_workload` name the file, the line and the field
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -32,8 +40,11 @@ from pydantic_core import PydanticCustomError
 
 from vllm_mars.workflow import MAX_ID_CHARS
 
-#: Value of the versioned ``schema`` field of every top-level line.
+#: Values of the versioned ``schema`` field of every top-level line: v2 adds ``turns[k].compact``.
 SCHEMA_V1 = "mars_workload_v1"
+SCHEMA_V2 = "mars_workload_v2"
+#: The workload schemas this reader accepts, oldest first.
+WORKLOAD_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
 #: The preview's live-agent task format (read by :mod:`vllm_mars.workload.mas_task`).
 MAS_TASK_V1 = "mas_task_v1"
 #: Sanity bounds, checked before anything is materialised: a token count above MAX_TOKENS, a tool
@@ -74,9 +85,22 @@ class Segment(_Strict):
                             description="sharing key; None makes the segment unique to its workflow")
 
 
+class Compact(_Strict):
+    """Context compaction before a turn (schema v2): the prompt restarts with a shorter summary."""
+
+    keep_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS,
+                             description="leading tokens of the previous context kept (the prefix cache "
+                                         "can hit them); at most turn k-1's prompt + output")
+    summary_tokens: int = Field(ge=0, le=MAX_TOKENS,
+                                description="new summary tokens after the kept ones (unique: a cache miss)")
+
+
 class Turn(_Strict):
     """One LLM call of a workflow and the tool that runs after it."""
 
+    compact: Compact | None = Field(default=None,
+                                    description="schema v2: restart the prompt (keep + summary) before "
+                                                "this call's append")
     append_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS,
                                description="tool-output tokens appended before this call (0 on turn 0)")
     output_tokens: int = Field(ge=1, le=MAX_TOKENS,
@@ -112,6 +136,24 @@ class Workflow(_Strict):
         if last.tool_s or last.tool or last.tool_cmd:
             raise _field_error(f"turns[{len(self.turns) - 1}]", "the last turn has no tool after it "
                                "(tool_s must be 0, tool and tool_cmd null)")
+        n = self.initial_tokens
+        for k, t in enumerate(self.turns):
+            if not k:
+                if t.compact is not None:
+                    raise _field_error("turns[0].compact", "turn 0 cannot compact (there is no earlier context)")
+                continue
+            before = n + self.turns[k - 1].output_tokens
+            if t.compact is not None:
+                if t.compact.keep_tokens > before:
+                    raise _field_error(f"turns[{k}].compact.keep_tokens",
+                                       f"{t.compact.keep_tokens} but the context before turn {k} has {before} "
+                                       f"tokens (allowed 0..{before})")
+                n = t.compact.keep_tokens + t.compact.summary_tokens + t.append_tokens
+                if n < 1:
+                    raise _field_error(f"turns[{k}]", "the compacted prompt is empty: keep_tokens + "
+                                       "summary_tokens + append_tokens must be >= 1")
+            else:
+                n = before + t.append_tokens
         for i, c in enumerate(self.children):
             if c.after_turn >= len(self.turns):
                 raise _field_error(f"children[{i}].after_turn",
@@ -130,13 +172,28 @@ class Workflow(_Strict):
         for c in self.children:
             yield from c.workflow.walk()
 
-    def final_prompt_tokens(self) -> int:
-        """Prompt length of the last call (initial + every earlier output + every append)."""
-        n = self.initial_tokens
+    def prompt_lengths(self) -> list[int]:
+        """Prompt length of every call: turn k-1's prompt + output + append, or after a compaction
+        keep + summary + append."""
+        n, out = self.initial_tokens, []
         for k, t in enumerate(self.turns):
             if k:
-                n += self.turns[k - 1].output_tokens + t.append_tokens
-        return n
+                n = (t.compact.keep_tokens + t.compact.summary_tokens if t.compact is not None
+                     else n + self.turns[k - 1].output_tokens) + t.append_tokens
+            out.append(n)
+        return out
+
+    def final_prompt_tokens(self) -> int:
+        """Prompt length of the last call."""
+        return self.prompt_lengths()[-1]
+
+    def peak_context_tokens(self) -> int:
+        """The most context any call needs (its prompt + its output): what must fit max_model_len."""
+        return max(p + t.output_tokens for p, t in zip(self.prompt_lengths(), self.turns, strict=True))
+
+    def uses_compaction(self) -> bool:
+        """Whether this workflow or a descendant uses schema v2's ``compact``."""
+        return any(t.compact is not None for w in self.walk() for t in w.turns)
 
 
 class Child(_Strict):
@@ -154,7 +211,18 @@ Workflow.model_rebuild()
 class WorkloadLine(Workflow):
     """A top-level line: a root workflow plus the versioned ``schema`` field."""
 
-    schema_: Literal["mars_workload_v1"] = Field(alias="schema")
+    schema_: Literal["mars_workload_v1", "mars_workload_v2"] = Field(alias="schema")
+
+    @model_validator(mode="after")
+    def _check_version(self) -> WorkloadLine:
+        if self.schema_ == SCHEMA_V1:
+            for w in self.walk():
+                for k, t in enumerate(w.turns):
+                    if t.compact is not None:
+                        where = "" if w is self else f"workflow {w.workflow_id!r}: "
+                        raise _field_error(f"turns[{k}].compact", f"{where}needs schema {SCHEMA_V2!r} "
+                                           f"(this line says {SCHEMA_V1!r})")
+        return self
 
 
 # ---------------------------------------------------------------------- errors and loading
@@ -220,6 +288,22 @@ def load_json(text: str, path: str | Path, line: int | None = None) -> Any:
                             f"invalid JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise WorkloadError(path, line, None, "JSON nested too deeply") from None
+    except ValueError as e:
+        # Python refuses to convert an integer literal of more than sys.get_int_max_str_digits()
+        # digits; json reports it without a position, so find the literal.
+        m = _LONG_INT.search(text)
+        if m is None:
+            raise WorkloadError(path, line, None, f"invalid JSON: {e}") from None
+        lineno = text.count("\n", 0, m.start()) + 1
+        col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+        raise WorkloadError(path, line if line is not None else lineno, None,
+                            f"invalid JSON: an integer of {m.end() - m.start()} digits at column {col} "
+                            f"(at most {_MAX_INT_DIGITS} allowed)") from None
+
+
+#: The longest integer literal Python converts (``sys.get_int_max_str_digits()``, 4300 by default).
+_MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
+_LONG_INT = re.compile(r"\d{%d,}" % (_MAX_INT_DIGITS + 1))
 
 
 def _depth(obj: dict[str, Any]) -> int:
@@ -242,10 +326,11 @@ def parse_line(obj: dict[str, Any], path: str | Path = "<memory>", line: int | N
                             "this is a mas_task_v1 (live-agent) task; load it with "
                             "vllm_mars.workload.mas_task.load_tasks")
     if schema is None:
-        raise WorkloadError(path, line, "schema", f"missing; expected {SCHEMA_V1!r}")
-    if schema != SCHEMA_V1:
+        raise WorkloadError(path, line, "schema", f"missing; expected {SCHEMA_V2!r} (or {SCHEMA_V1!r})")
+    if schema not in WORKLOAD_SCHEMAS:
         raise WorkloadError(path, line, "schema",
-                            f"unsupported schema {schema!r}; allowed: {SCHEMA_V1!r}, {MAS_TASK_V1!r}")
+                            f"unsupported schema {str(schema)[:80]!r}; allowed: {SCHEMA_V1!r}, {SCHEMA_V2!r}, "
+                            f"{MAS_TASK_V1!r}")
     if _depth(obj) > MAX_DEPTH:
         raise WorkloadError(path, line, "children", f"sub-agents nested more than {MAX_DEPTH} levels deep")
     try:
@@ -255,7 +340,7 @@ def parse_line(obj: dict[str, Any], path: str | Path = "<memory>", line: int | N
 
 
 def load_workload(path: str | Path) -> list[WorkloadLine]:
-    """Read and validate a schema-v1 JSONL file. Workflow ids must be unique (children included)."""
+    """Read and validate a schema-v1/v2 JSONL file. Workflow ids must be unique (children included)."""
     out: list[WorkloadLine] = []
     seen: dict[str, int] = {}
     for lineno, obj in iter_json_lines(path):
@@ -272,14 +357,17 @@ def load_workload(path: str | Path) -> list[WorkloadLine]:
 
 
 def dump_line(wf: Workflow) -> str:
-    """One JSONL line (with the ``schema`` field) for a workflow; defaults and nulls omitted."""
+    """One JSONL line (with the ``schema`` field) for a workflow; defaults and nulls omitted. The
+    schema is the oldest that expresses the workflow: v1 unless it (or a child) compacts."""
     data = wf.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude_none=True)
     data.pop("schema", None)
-    return json.dumps({"schema": SCHEMA_V1, **data}, separators=(",", ":"))
+    schema = SCHEMA_V2 if wf.uses_compaction() else SCHEMA_V1
+    return json.dumps({"schema": schema, **data}, separators=(",", ":"))
 
 
 def write_workload(path: str | Path, workflows: Iterable[Workflow]) -> int:
-    """Write workflows as schema-v1 JSONL; returns the number written."""
+    """Write workflows as schema-v1/v2 JSONL (streamed: one line per workflow as it comes);
+    returns the number written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
