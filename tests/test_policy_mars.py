@@ -227,23 +227,17 @@ def _chunks_beside_a_decode(options: dict) -> list[int]:
 
 
 def test_quanta_beside_running_decodes():
-    # A decoding call rides in every step a prefill chunk lengthens. "quantum": the work-conserving
-    # extension, which would delay that level-0 work for a level-1 prefill, waits until nothing
-    # decodes, so the quanta bind ...
-    sizes = _chunks_beside_a_decode({"quanta_beside_decodes": "quantum"})
-    assert sizes[:3] == [1024, 512, 256] and sum(sizes) == 3000, sizes
-    # ... "free" (the default): the chunk grows to the prefill tokens the step's fixed cost is worth
-    # (here 6 ms / 4 us = 1500 tokens: a GPU whose weight read hides them), never below the quantum ...
+    # A decoding call rides in every step a prefill chunk lengthens: the chunk grows only to the
+    # prefill tokens the step's fixed cost is worth (here 6 ms / 4 us = 1500 tokens: a GPU whose
+    # weight read hides them), never below the quantum, not to the 2047 tokens the decode leaves ...
     cost = {"prefill_s_per_token": 4e-6, "call_overhead_s": 6e-3, "source": "test"}
     assert CostModel.from_dict(cost).free_prefill_tokens() == 1500
     sizes = _chunks_beside_a_decode({"cost_model": cost})
     assert sizes[:2] == [1500, 1500] and sum(sizes) == 3000, sizes
     cpu = dict(cost, call_overhead_s=1e-3)  # 250 tokens: below every quantum, the quanta bind
     assert _chunks_beside_a_decode({"cost_model": cpu})[:3] == [1024, 512, 256]
-    # ... and "budget" takes the budget the decode leaves.
-    assert _chunks_beside_a_decode({"quanta_beside_decodes": "budget", "cost_model": cost})[:2] == [2047, 953]
-    with pytest.raises(ValueError, match="quanta_beside_decodes.*'budget' or 'free' or 'quantum', got 'yield'"):
-        MarsConfig(quanta_beside_decodes="yield")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['quanta_beside_decodes'\]"):
+        make_policy("mars", {"quanta_beside_decodes": "budget"})  # retired (docs/history.md)
 
 
 def _first_service_of_starved(aging_s: float, horizon_s: float, scaled: bool = False) -> float | None:
@@ -419,17 +413,12 @@ def _reserve_gate(options: dict, evicted: bool) -> bool:
     return may
 
 
-def test_prefill_reserve_off_only_where_the_pool_cannot_keep_contexts():
-    # reserve_when_evicted = false drops the reserve only while the evicted-order EMA says returning
-    # turns find their contexts gone (every context is rebuilt anyway); elsewhere it holds as before.
-    on, off = {"reserve_when_evicted": True}, {"reserve_when_evicted": False}
-    assert _reserve_gate(on, evicted=False) is False
-    assert _reserve_gate(on, evicted=True) is False
-    assert _reserve_gate(off, evicted=False) is False
-    assert _reserve_gate(off, evicted=True) is True
-    assert make_policy("mars").config.reserve_when_evicted is True  # the default
-    with pytest.raises(ValueError, match="reserve_when_evicted must be bool"):
-        make_policy("mars", {"reserve_when_evicted": 1})
+def test_prefill_reserve_holds_also_where_the_pool_cannot_keep_contexts():
+    # The reserve holds the short call whether or not the evicted-order EMA says returning turns
+    # find their contexts gone (without the reserve the scheduler does not ask: the gate is off).
+    assert _reserve_gate({}, evicted=False) is False
+    assert _reserve_gate({}, evicted=True) is False
+    assert make_policy("mars").gates is True and make_policy("mars", {"reserve_prefills": False}).gates is False
 
 
 def _held_shorts(options: dict) -> tuple[dict, int]:
@@ -773,12 +762,9 @@ def _a_turn_behind_b(s, clock: VirtualClock, a1) -> list[str]:
     return started
 
 
-def test_workflow_order_puts_an_earlier_workflows_turn_first():
-    assert _turn_after_newer_root({"workflow_order": True}) == ["A0", "A1", "B0"]
-    # Off: the call's own arrival decides, and the newer workflow's first call goes first.
-    assert _turn_after_newer_root({"workflow_order": False}) == ["A0", "B0", "A1"]
-    with pytest.raises(ValueError, match="workflow_order must be bool"):
-        make_policy("mars", {"workflow_order": "yes"})
+def test_ties_go_by_the_calls_own_arrival():
+    # The newer workflow's first call arrived before the older workflow's second turn: it goes first.
+    assert _turn_after_newer_root({}) == ["A0", "B0", "A1"]
 
 
 def _order_after_evictions(options: dict, kept: bool = False) -> tuple[bool, list[str]]:
@@ -844,13 +830,11 @@ def test_evicted_order_finishes_earlier_workflows_when_contexts_are_not_kept():
         make_policy("mars", {"evicted_ema_weight": 0})
 
 
-def test_evicted_band_switches_on_only_below_its_lower_edge():
+def test_evicted_order_switches_below_its_threshold():
     # Eight returns that found nothing leave the EMA at 1/9 = 0.11: below a threshold of 0.15 ...
     assert _order_after_evictions({"evicted_share": 0.15}) == (True, ["A1", "B0"])
-    # ... but not below its band's lower edge (0.15 - 0.05), so the MLFQ order stays.
-    assert _order_after_evictions({"evicted_share": 0.15, "evicted_band": 0.05}) == (False, ["B0", "A1"])
-    with pytest.raises(ValueError, match="evicted_band"):
-        make_policy("mars", {"evicted_band": 0.5})
+    # ... not below one of 0.1.
+    assert _order_after_evictions({"evicted_share": 0.1}) == (False, ["B0", "A1"])
 
 
 def test_evicted_warmup_sees_a_pool_that_cannot_keep_contexts_after_a_few_returns():

@@ -1,7 +1,7 @@
 """The online cost fit's prefill knee against the one a profile measures.
 
 `mars serve` without ``--cost-model`` prices with ``OnlineCostFit``, a linear least-squares fit of
-the engine's own step times; ``quanta_beside_decodes = "free"`` reads its knee
+the engine's own step times; the mars work-conserving quanta beside decodes read its knee
 (``CostModel.free_prefill_tokens``: the prefill tokens a step's fixed cost is worth). A linear fit
 has no knee of its own, only its overhead over its cost per token, so this script measures how far
 that lands from the knee ``CostModel.from_profile`` measures (the line through a 32-token and a

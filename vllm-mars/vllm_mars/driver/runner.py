@@ -729,7 +729,7 @@ async def _calibrate_apart(cfg: ReplayConfig, backend: Any, clock: Any, schedule
 
     Calibrating on the run's own engine left its prompts in the prefix cache (and, in the sim, its
     calls in the policy's learned state), so the one run of a comparison that calibrated (the first)
-    started from another state than the others: in the first cell of ``experiments/queue_wait.toml``
+    started from another state than the others: in the first cell of ``experiments/queue_wait.toml`` (37ca66c)
     that alone moved mars from 285.02 s to 285.52 s. The sim calibrates on an engine of its own
     (free in virtual time); the in-process engine calibrates on itself and then empties its prefix
     cache; a server behind ``--backend http`` keeps the calibration prompts in its cache."""
