@@ -1,8 +1,8 @@
-"""What the task driver asks of an engine: the ``Backend`` protocol, the ``CallResult`` of one call,
-and engine readings as :class:`~vllm_mars.admission.base.Telemetry`.
+"""What the task driver asks of an engine: the ``Backend`` protocol and the ``CallResult`` of one call.
 
 A ground-floor module: the driver's engines (``driver.backends``: in-process vLLM, an HTTP server)
 and the simulator's (``sim.engine.SimBackend``) both implement it, and neither imports the other.
+Their readings of a MarsScheduler: :func:`vllm_mars.admission.telemetry.scheduler_sample`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-from vllm_mars.admission.base import Telemetry
 
 
 @dataclass
@@ -24,24 +22,6 @@ class CallResult:
     first_token_ts: float | None
     end_ts: float
     finish_reason: str | None = None
-
-
-def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
-    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
-    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
-    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
-
-
-def scheduler_sample(s: Any, ts: float) -> tuple[Telemetry, dict[str, Any]]:
-    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
-    telemetry, read straight from the scheduler."""
-    st = s.mars_stats()
-    free, total = st["free_blocks"], st["num_blocks"]
-    return EngineSample(
-        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
-        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
-        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
-        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
 
 
 class Backend(Protocol):
@@ -61,8 +41,9 @@ class Backend(Protocol):
         out); a no-op for a request that already finished. ``generate`` calls it when cancelled."""
         ...
 
-    def sample(self) -> Telemetry:
-        """The latest engine state (cheap; called by the telemetry loop). ``ts`` is when it was read
+    def sample(self) -> Any:
+        """The latest engine state as :class:`vllm_mars.admission.base.Telemetry` (cheap; called by the
+        telemetry loop; this ground-floor module does not import the admission package). ``ts`` is when it was read
         from the engine, so a reader can tell a stale sample (a stuck or dead engine) from a fresh one."""
         ...
 

@@ -27,8 +27,15 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_mars.admission.base import Telemetry
-from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
-from vllm_mars.backend import CallResult, EngineSample, scheduler_sample
+from vllm_mars.admission.telemetry import (
+    EngineSample,
+    MetricsError,
+    metric_sum,
+    parse_prometheus,
+    scheduler_sample,
+    telemetry_from_metrics,
+)
+from vllm_mars.backend import CallResult
 from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
