@@ -36,7 +36,12 @@ from vllm_mars.admission.telemetry import (
     telemetry_from_metrics,
 )
 from vllm_mars.backend import CallResult
-from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
+from vllm_mars.engine.local import (
+    DRIVER_MAX_MODEL_LEN,
+    DRIVER_MAX_NUM_BATCHED_TOKENS,
+    DRIVER_MAX_NUM_SEQS,
+    engine_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +82,10 @@ class InProcessBackend:
     async def start(self) -> None:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vllm is imported here, not at the top: only an engine that starts pays for it (seconds), and
+        # only after VLLM_ENABLE_V1_MULTIPROCESSING=0 is set above (vllm reads it at import)
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
-
-        from vllm_mars.engine.local import engine_kwargs
 
         kw = engine_kwargs(self.model, disable_log_stats=True, kv_events=True, **self.kwargs)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
@@ -90,7 +95,7 @@ class InProcessBackend:
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
         if self.step_times is not None:
-            from vllm_mars.engine.steps import StepRecorder
+            from vllm_mars.engine.steps import StepRecorder  # imports vllm (through engine.rig)
 
             self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
@@ -101,7 +106,7 @@ class InProcessBackend:
 
     # -- the stepper thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # vllm: see start()
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
@@ -279,7 +284,7 @@ class HTTPBackend:
         self._hit_counters: tuple[float, float] | None = None
 
     async def start(self) -> None:
-        import httpx
+        import httpx  # not a dependency of the package (vllm's, and the dev extra's): only http runs need it
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers,
@@ -304,7 +309,7 @@ class HTTPBackend:
         self._poller = asyncio.create_task(self._poll())
 
     async def _poll_once(self) -> None:
-        import httpx
+        import httpx  # see start()
 
         try:
             r = await self._client.get("/metrics")
