@@ -251,14 +251,53 @@ def test_mars_report_recomputes_a_compare_dir(compared, capsys):
 
 def test_compare_defaults_point_at_the_bundled_workload():
     from vllm_mars.cli import build_parser
+    from vllm_mars.commands.driver import compare_config
+    from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS, on_cpu
 
     args = build_parser().parse_args(["compare"])
-    assert Path(args.workload) == REPO / "benchmark" / "workloads" / "compact.jsonl"
-    assert Path(args.workload).is_file()
-    assert {"mars", "fcfs"} <= set(args.policies.split(","))
-    from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
+    cfg, policies = compare_config(args)
+    assert Path(cfg.workload) == REPO / "benchmark" / "workloads" / "compact.jsonl"
+    assert Path(cfg.workload).is_file()
+    assert {"mars", "fcfs"} <= set(policies)
+    assert COMPARE_CPU_NUM_BLOCKS <= 64  # small on CPU; vLLM's sizing on GPU
+    assert cfg.num_blocks == (COMPARE_CPU_NUM_BLOCKS if on_cpu() else None)
 
-    assert args.num_blocks is None and COMPARE_CPU_NUM_BLOCKS <= 64  # small on CPU; vLLM's sizing on GPU
+
+def test_cli_flags_are_the_config_fields_and_their_defaults(monkeypatch):
+    """One flag per ReplayConfig field, its default the dataclass's: a command line without flags is
+    ReplayConfig(); every flag lands in its field; an environment variable overrides a default."""
+    import dataclasses
+
+    from vllm_mars.cli import build_parser
+    from vllm_mars.commands.driver import config_from_args
+    from vllm_mars.driver.config import ReplayConfig
+
+    for var in ("RPS", "SCHEDULING_POLICY", "CPU_TOOL", "CPU_GPU"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = config_from_args(build_parser().parse_args(["replay"]))
+    assert dataclasses.replace(cfg, progress=True) == ReplayConfig()
+    given = config_from_args(build_parser().parse_args([
+        "replay", "--tool-timeout", "5", "--call-timeout", "9", "--sample-interval", "2", "--no-plots",
+        "--no-calibrate", "--record-steps", "--engine-arg", "max_num_seqs=4", "--policy-option", "retention=false",
+        "--admission-option", "window_max=3", "--tool-net-allow", "80", "--tool-net-allow", "81",
+        "--num-workflows", "2", "--max-model-len", "1000", "--arrival", "poisson"]))
+    assert (given.tool_timeout_s, given.call_timeout_s, given.sample_interval_s) == (5.0, 9.0, 2.0)
+    assert not given.plots and not given.calibrate and given.record_steps
+    assert given.engine_args == {"max_num_seqs": 4} and given.policy_options == {"retention": False}
+    assert given.admission_options == {"window_max": 3} and given.tool_net_allow == [80, 81]
+    assert (given.num_workflows, given.max_model_len, given.arrival) == (2, 1000, "poisson")
+    monkeypatch.setenv("RPS", "2.5")
+    monkeypatch.setenv("SCHEDULING_POLICY", "mars")
+    env = config_from_args(build_parser().parse_args(["replay"]))
+    assert (env.rps, env.policy) == (2.5, "mars")
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("replay", "compare"):
+        dests = {a.dest for a in sub.choices[command]._actions}
+        own = {"policy", "rps", "url"} if command == "compare" else set()
+        assert {f.name for f in dataclasses.fields(ReplayConfig)} - own <= dests, command
 
 
 # -- HTTP backend against the real server ------------------------------------------------------------

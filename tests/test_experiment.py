@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -236,10 +237,12 @@ def test_shipped_experiment_files_are_valid_and_cover_every_policy():
     from vllm_mars.driver.control import driver_policy_names
     from vllm_mars.experiment.spec import load_experiment
 
-    files = sorted((REPO / "experiments").glob("*.toml"))
+    files = sorted((REPO / "experiments" / "studies").glob("*.toml"))
     assert {f.name for f in files} >= {"paper_grid.toml", "paper_grid_seeds.toml", "paper_grid_ablations.toml",
                                        "h100_qwen3_32b.toml", "weka_traces.toml"}
-    exps = {f.stem: load_experiment(f) for f in files}
+    raws = {f.stem: tomllib.loads(f.read_text()) for f in files}
+    assert all(r.get("status") for r in raws.values()), "every study says its status"
+    exps = {f.stem: load_experiment(f) for f in files if not raws[f.stem]["status"].startswith("retired")}
     paper = exps["paper_grid"]
     assert [w.name for w in paper.workloads] == ["ILR-1", "ILR-2", "ILR-3", "ILR-4"]
     assert all(len(w.rps) == 5 for w in paper.workloads) and paper.seeds == (0,)
@@ -249,11 +252,46 @@ def test_shipped_experiment_files_are_valid_and_cover_every_policy():
     in_files = set(paper.policies) | set(seeds.policies) | set(abl.policies)
     in_files |= {p for w in abl.workloads for p in (w.policies or ())}
     assert set(driver_policy_names()) <= in_files | cut
-    text = (REPO / "experiments" / "paper_grid.toml").read_text()
+    text = (REPO / "experiments" / "studies" / "paper_grid.toml").read_text()
     assert all(f"{c} (" in text for c in cut)
     assert seeds.seeds == (1, 2) and {"mars", "mars-no-admission"} <= set(seeds.policies)
     assert abl.seeds == (0,) and {v["policy"] for v in abl.variants.values()} == {"mars"}
     assert exps["weka_traces"].workloads[0].weka and exps["weka_traces"].workloads[0].scale in (None, 1.0)
+
+
+def test_status_is_checked_and_a_retired_experiment_does_not_run(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    assert load_experiment(write(tmp_path, 'status = "ablation"\n' + GRID)).name == "two-cells"
+    bad = write(tmp_path, 'status = "old"\n' + GRID, "bad.toml")
+    with pytest.raises(ExperimentError, match=r"bad.toml: status: 'old': expected canonical, ablation or 'retired COMMIT'"):
+        load_experiment(bad)
+    # a retired study refuses before its settings are read (they may name options that are gone)
+    gone = write(tmp_path, 'status = "retired 9c2977a"\n' + GRID.replace("max_retention_s", "no_such_option"),
+                 "gone.toml")
+    with pytest.raises(ExperimentError, match="status: retired 9c2977a: this experiment no longer runs"):
+        load_experiment(gone)
+    assert main(["experiment", "run", str(gone), "--out", str(tmp_path / "o")]) == 2
+    assert "git show 9c2977a:experiments/results/gone/table.md" in capsys.readouterr().err
+
+
+def test_experiments_readme_table_is_generated_from_the_headers(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.readme import BEGIN, END, update_readme
+
+    assert not update_readme(REPO / "experiments", check=True), "run `mars experiment readme`"
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "results" / "two-cells").mkdir(parents=True)
+    write(tmp_path / "studies", 'status = "canonical"\n' + GRID, "a.toml")
+    (tmp_path / "README.md").write_text(f"# E\n\n{BEGIN}\nstale\n{END}\n\nprose\n")
+    assert main(["experiment", "readme", str(tmp_path), "--check"]) == 1
+    assert main(["experiment", "readme", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "| `studies/a.toml` | canonical | compact x 2 rps on the sim | `results/two-cells/` |" in text
+    assert "stale" not in text and text.endswith("\n\nprose\n")
+    assert main(["experiment", "readme", str(tmp_path), "--check"]) == 0
+    capsys.readouterr()
 
 
 @pytest.mark.slow

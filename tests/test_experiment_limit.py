@@ -97,13 +97,13 @@ def test_a_bad_limit_in_the_file_is_a_one_line_error(tmp_path, capsys, value, te
     from vllm_mars.cli import main
     from vllm_mars.experiment.spec import ExperimentError, load_experiment
 
-    src = (REPO / "experiments" / "paper_grid_nothrash.toml").read_text()
+    src = (REPO / "experiments" / "studies" / "paper_grid_nothrash.toml").read_text()
     path = tmp_path / "exp.toml"
     path.write_text(f"limit = {value}\n" + src)
     with pytest.raises(ExperimentError) as e:
         load_experiment(path)
     assert str(e.value).startswith(f"{path}: limit: ") and text in str(e.value) and "\n" not in str(e.value)
-    assert main(["experiment", "run", str(REPO / "experiments" / "paper_grid_nothrash.toml"), "--limit",
+    assert main(["experiment", "run", str(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml"), "--limit",
                  str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
     assert "--limit: " in capsys.readouterr().err and not (tmp_path / "o").exists()
 
@@ -111,8 +111,8 @@ def test_a_bad_limit_in_the_file_is_a_one_line_error(tmp_path, capsys, value, te
 def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed():
     from vllm_mars.experiment.spec import load_experiment
 
-    paper = load_experiment(REPO / "experiments" / "paper_grid.toml")
-    nothrash = load_experiment(REPO / "experiments" / "paper_grid_nothrash.toml")
+    paper = load_experiment(REPO / "experiments" / "studies" / "paper_grid.toml")
+    nothrash = load_experiment(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml")
     assert paper.limit == (REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json").resolve()
     assert nothrash.policies == ("fcfs",) and nothrash.base.kv_scale == 10.0 and nothrash.seeds == (0, 1, 2)
     seed0 = {c.key for c in nothrash.cells() if c.seed == 0}
@@ -137,14 +137,14 @@ def test_the_experiment_report_carries_the_limit_section(tmp_path):
     from vllm_mars.experiment.results import write_results
     from vllm_mars.experiment.spec import load_experiment
 
-    exp = load_experiment(REPO / "experiments" / "paper_grid_nothrash.toml")
+    exp = load_experiment(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml")
     lim_path = REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json"
     lim = load_limit(lim_path)
     record = write_results(replace(exp, limit=lim_path), tmp_path, lim["cells"], None)
     assert [r["key"] for r in record["limit"]["cells"]] == [c["key"] for c in lim["cells"]]
-    assert record["limit"]["file"] == "results/paper_grid_nothrash/results.json"
+    assert record["limit"]["file"] == "../results/paper_grid_nothrash/results.json"  # relative to the file
     table = (tmp_path / "table.md").read_text()
-    assert "## Gap to the no-thrash limit" in table and "`results/paper_grid_nothrash/results.json`" in table
+    assert "## Gap to the no-thrash limit" in table and "`../results/paper_grid_nothrash/results.json`" in table
     assert "No `mars` run in this experiment" in table and not (tmp_path / "speedup_heatmap.png").exists()
     assert json.loads((tmp_path / "results.json").read_text())["limit"]["cells"][0]["limit_policy"] == "fcfs"
 

@@ -111,10 +111,10 @@ def test_engine_args_reach_the_server_command():
 
 
 def test_driver_passes_engine_args_to_the_in_process_engine():
-    from vllm_mars.driver.runner import make_backend
+    from vllm_mars.driver.config import RunPlan
 
     cfg = ReplayConfig(model="m", num_blocks=64, engine_args={"kv_offloading_size": 4, "max_num_seqs": 8})
-    backend = make_backend(cfg, lambda: 0.0, "fcfs")
+    backend = RunPlan.of(cfg).make_backend(lambda: 0.0)
     kw = local.engine_kwargs(backend.model, **backend.kwargs)
     assert kw["kv_offloading_size"] == 4 and kw["max_num_seqs"] == 8  # user arguments win
     assert kw["num_gpu_blocks_override"] == 64

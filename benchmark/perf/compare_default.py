@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(["compare", "--no-progress", *argv])
     _quiet_engine(args)
     cfg, policies = compare_config(args)
-    out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
+    out, record = run_compare(cfg, policies, _floats(args.rps_list, "--rps"), cfg.out)
     table = format_table(record)
     print(table)
     record.update({

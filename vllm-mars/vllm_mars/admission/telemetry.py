@@ -71,6 +71,24 @@ class InProcessTelemetry:
             tool_queue_wait_s=ts.ema_queue_wait_s if ts else None)
 
 
+def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
+    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
+    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
+    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
+
+
+def scheduler_sample(s: Any, ts: float) -> tuple[Telemetry, dict[str, Any]]:
+    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
+    telemetry, read straight from the scheduler."""
+    st = s.mars_stats()
+    free, total = st["free_blocks"], st["num_blocks"]
+    return EngineSample(
+        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
+        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
+        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
+        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
+
+
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 

@@ -1,13 +1,33 @@
-"""``mars replay``, ``mars compare`` and ``mars report``: the task driver's commands."""
+"""``mars replay``, ``mars compare`` and ``mars report``: the task driver's commands.
+
+Their flags are built from :class:`~vllm_mars.driver.config.ReplayConfig`'s fields (help, flag,
+choices and environment variable in each field's metadata; defaults from the dataclass): a flag not
+given leaves the field's default, so every default is written once, in the dataclass.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+from vllm_mars.config import check_rps
+from vllm_mars.driver.compare import DEFAULT_POLICIES, DEFAULT_RPS
+from vllm_mars.driver.config import ReplayConfig
+from vllm_mars.driver.control import check_policy
+from vllm_mars.engine import local
+
+#: fields each command sets itself (replay: --policy, --rps as one value; compare: lists of them)
+_COMPARE_OWN = ("policy", "rps", "backend", "url")
+#: engine-shape fields: the sim takes them from its profile (only the pool may change)
+_SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 
 
 def _kv(items: list[str] | None, flag: str) -> dict:
@@ -31,8 +51,6 @@ def _floats(s: str, flag: str) -> list[float]:
     if not vals:
         raise ValueError(f"{flag} {s!r}: expected positive numbers")
     if flag == "--rps":
-        from vllm_mars.config import check_rps
-
         for v in vals:
             check_rps(flag, v)
     elif any(not v > 0 or not math.isfinite(v) for v in vals):
@@ -40,93 +58,69 @@ def _floats(s: str, flag: str) -> list[float]:
     return vals
 
 
-def _common(p: argparse.ArgumentParser, compare: bool) -> None:
-    from vllm_mars.driver.runner import DEFAULT_WORKLOAD, SIM_MAX_KV_BLOCKS, ReplayConfig
+def _scalar(tp: Any) -> type:
+    """The CLI type of a field annotation (``int | None`` -> int)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    base = args[0]
+    return base if base in (int, float, str, bool) else str
 
-    d = ReplayConfig()  # the one place the driver's engine and tool defaults live
 
-    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
-                   help="schema-v1 JSONL workload (default: the bundled benchmark/workloads/compact.jsonl)")
-    p.add_argument("--num-workflows", type=int, default=None,
-                   help="root workflows to run (default: all in the file; more cycles the file, each "
-                        "repeat with its own task and turn tokens)")
-    p.add_argument("--arrival", choices=("fixed", "poisson", "trace"), default="fixed",
-                   help="arrival process: fixed i/rps, poisson at rate rps, or the workload's arrival_s")
-    p.add_argument("--seed", type=int, default=0, help="token-id and Poisson seed (default 0)")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny CPU model); for --backend http "
-                                                  "the served model name (default: the server's first)")
-    p.add_argument("--profile", default=None,
-                   help="step-time profile for --backend sim (shipped name, e.g. h200-qwen3-coder-30b-a3b, or a "
-                        "profile file); it sets the KV pool and the engine limits below")
-    from vllm_mars.engine import local
+def _flag(f: dataclasses.Field) -> str:
+    if f.metadata.get("flag"):
+        return f.metadata["flag"]
+    name = f.name.replace("_", "-")
+    return f"--no-{name}" if f.default is True else f"--{name}"
 
-    cpu_blocks = local.COMPARE_CPU_NUM_BLOCKS if compare else local.DRIVER_CPU_NUM_BLOCKS
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help=f"KV blocks of the in-process engine (default: {cpu_blocks} on the CPU build, small = KV "
-                        "pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing); with --backend sim: the KV "
-                        "pool instead of the profile's, with the profile's step times")
-    p.add_argument("--kv-scale", type=float, default=None,
-                   help="--backend sim: the KV pool = this x the profile's blocks, step times unchanged (e.g. 10 "
-                        "for the no-thrash limit of a workload; at most "
-                        f"{SIM_MAX_KV_BLOCKS:,} blocks)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help=f"context limit (lowered to what the KV holds; default {local.DRIVER_MAX_MODEL_LEN})")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"engine batch limit (default {local.DRIVER_MAX_NUM_SEQS})")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"token budget per step (default {local.DRIVER_MAX_NUM_BATCHED_TOKENS})")
-    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
-                   help="a vLLM engine argument for the in-process engine (repeatable; an EngineArgs field, "
-                        "value JSON or text), e.g. --engine-arg kv_offloading_size=4 --engine-arg "
-                        "tensor_parallel_size=2")
-    p.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
-                   help="scheduler policy option (repeatable; see `mars policies`)")
-    p.add_argument("--admission-option", action="append", metavar="KEY=VALUE",
-                   help="admission controller option (repeatable), e.g. window_max=16")
-    p.add_argument("--tools", choices=("simulated", "real"), default="simulated",
-                   help="simulated: sleep the recorded tool time (default); real: run tool commands in a sandbox")
-    p.add_argument("--cpu-tool", default=os.environ.get("CPU_TOOL"),
-                   help="tool cores, e.g. 0-3 (env CPU_TOOL); real tools pin one call per core")
-    p.add_argument("--cpu-gpu", default=os.environ.get("CPU_GPU"),
-                   help="cores for the driver and engine, e.g. 4-7 (env CPU_GPU)")
-    p.add_argument("--tool-timeout", type=float, default=d.tool_timeout_s,
-                   help="real tool timeout in seconds (default %(default)s)")
-    p.add_argument("--sandbox", choices=("auto", "bwrap", "landlock", "none"), default="auto",
-                   help="real-tool sandbox: writes to the workspace only, reads to it and system dirs, no "
-                        "network (default auto: bwrap, else Landlock)")
-    p.add_argument("--tool-net-allow", action="append", type=int, default=[], metavar="PORT",
-                   help="TCP port real tools may connect to (repeatable; Landlock sandbox; default: none)")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="skip the cost-model calibration (no T_ideal, so no goodput)")
-    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    p.add_argument("--record-steps", action="store_true",
-                   help="in-process engine: time every engine step and write steps.jsonl in the run dir "
-                        "(fit a sim profile to it with `mars profile --from-steps`)")
-    p.add_argument("--out", default=None, help="output dir (default: runs/<timestamp>_...)")
+
+def add_config_flags(p: argparse.ArgumentParser, skip: Iterable[str] = (),
+                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """One flag per ``ReplayConfig`` field (but ``skip``), from the field's metadata; ``overrides``
+    replace argparse keywords of a field's flag (e.g. a narrower ``choices``). A flag that is not
+    given leaves the attribute unset (``argparse.SUPPRESS``) unless its environment variable is set."""
+    hints = typing.get_type_hints(ReplayConfig)
+    for f in dataclasses.fields(ReplayConfig):
+        meta = f.metadata
+        if f.name in skip or not meta.get("cli", True) or "help" not in meta:
+            continue
+        tp = hints[f.name]
+        origin = typing.get_origin(tp)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        helptext = meta["help"]
+        if tp is bool:
+            kw["action"] = "store_false" if default else "store_true"
+            if default:
+                helptext = f"turn off: {helptext}"
+        elif origin in (dict, list):
+            kw["action"] = "append"
+            if origin is list:
+                kw["type"] = typing.get_args(tp)[0]
+        else:
+            kw["type"] = meta.get("parse") or _scalar(tp)
+            if default is not None and "(default" not in helptext:
+                helptext += f" (default {default})"
+        if meta.get("choices"):
+            kw["choices"] = meta["choices"]
+        if meta.get("metavar"):
+            kw["metavar"] = meta["metavar"]
+        elif "type" in kw and "choices" not in kw:
+            kw["metavar"] = _flag(f).lstrip("-").upper().replace("-", "_")
+        env = meta.get("env")
+        if env:
+            helptext += f"; env {env}"
+            if os.environ.get(env) is not None:
+                kw["default"] = kw["type"](os.environ[env])
+        kw["help"] = helptext.replace("%", "%%")
+        kw.update((overrides or {}).get(f.name, {}))
+        p.add_argument(_flag(f), **kw)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from vllm_mars.config import rps_arg
-
     p = sub.add_parser("replay", help="replay a workload through the engine with one policy; writes a run dir",
                        description="Replay agent workflows (token-id prompts growing turn by turn, recorded "
                                    "output lengths, simulated or real tools) through vLLM with one policy. "
                                    "Writes run_config.json, events.jsonl, traces.jsonl, summary.json, report.md.")
-    _common(p, compare=False)
-    p.add_argument("--policy", default=os.environ.get("SCHEDULING_POLICY", "fcfs"),
-                   help="scheduler policy, or mars (MARS admission + mars), concur (CONCUR + fcfs), "
-                        "mars-no-admission (env SCHEDULING_POLICY; default fcfs)")
-    p.add_argument("--rps", type=rps_arg, default=rps_arg(os.environ.get("RPS", "1.0")),
-                   help="root arrivals per second (env RPS; default 1.0)")
-    p.add_argument("--backend", choices=("inprocess", "http", "sim"), default="inprocess",
-                   help="inprocess: vLLM in this process; http: an OpenAI-compatible server at --url (its own "
-                        "scheduler policy applies; --policy then selects only the driver-side admission "
-                        "controller: against `mars serve` or the sidecar, which admit on their own, use a "
-                        "policy without admission such as fcfs); sim: the virtual-time engine (vLLM's scheduler "
-                        "with the step times of --profile, no model; hours of agent time in seconds)")
-    p.add_argument("--url", default=None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
+    add_config_flags(p)
     p.set_defaults(func=_replay)
 
     p = sub.add_parser("compare", help="run several policies on the same workload; prints the comparison table",
@@ -134,15 +128,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "another in this process. Prints the speedup of mars's mean E2E over the "
                                    "fastest baseline per rps and goodput per policy; writes compare.json and "
                                    "report.md. With no arguments: the bundled compact workload, tiny CPU model, "
-                                   "48 KV blocks, 4 roots/s, mars vs mars-no-admission vs fcfs.")
-    _common(p, compare=True)
-    from vllm_mars.driver.compare import DEFAULT_POLICIES, DEFAULT_RPS
-
+                                   f"{local.COMPARE_CPU_NUM_BLOCKS} KV blocks, 4 roots/s, mars vs "
+                                   "mars-no-admission vs fcfs.")
+    add_config_flags(p, skip=("policy", "rps", "url"), overrides={
+        "backend": {"choices": ("inprocess", "sim"),
+                    "help": "inprocess: vLLM in this process (default); sim: the virtual-time engine with --profile"},
+        "num_blocks": {"help": f"KV blocks of the in-process engine (default: {local.COMPARE_CPU_NUM_BLOCKS} on the "
+                               "CPU build, small = KV pressure; vLLM's own sizing on GPU; 0 = vLLM's own sizing); "
+                               "with --backend sim: the KV pool instead of the profile's"}})
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policies (default %(default)s)")
-    p.add_argument("--backend", choices=("inprocess", "sim"), default="inprocess",
-                   help="inprocess: vLLM in this process (default); sim: the virtual-time engine with --profile")
-    p.add_argument("--rps", default=",".join(f"{r:g}" for r in DEFAULT_RPS),
+    p.add_argument("--rps", dest="rps_list", default=",".join(f"{r:g}" for r in DEFAULT_RPS),
                    help="comma-separated arrival rates (default %(default)s)")
     p.set_defaults(func=_compare)
 
@@ -151,61 +147,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
-_SHAPE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The ReplayConfig fields given on the command line (or by their environment variables)."""
+    names = {f.name for f in dataclasses.fields(ReplayConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
 
 
-def _engine_shape(args: argparse.Namespace, backend: str, num_blocks: int | None) -> dict:
-    """The engine-shape flags: the in-process engine's defaults, or for the sim only the KV pool
-    (--num-blocks or --kv-scale: its profile sets the rest, and the flags may not override it)."""
-    given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+def _check_shape(given: Mapping[str, Any], backend: str) -> None:
+    """The sim takes its engine shape from --profile (only its KV pool may change); --profile and
+    --kv-scale apply to the sim only."""
     if backend == "sim":
-        if not args.profile:
+        if not given.get("profile"):
             raise ValueError("--backend sim needs --profile (a step-time profile name or file)")
-        given.pop("num_blocks", None)
-        if given:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {args.profile} "
+        shape = [k for k in _SHAPE_FLAGS if k != "num_blocks" and k in given]
+        if shape:
+            flags = ", ".join("--" + k.replace("_", "-") for k in shape)
+            raise ValueError(f"{flags}: the sim backend takes the engine shape from --profile {given['profile']} "
                              f"(only its KV pool may change: --num-blocks or --kv-scale)")
-        return {"num_blocks": args.num_blocks, "kv_scale": args.kv_scale}
-    if args.profile:
+        return
+    if given.get("profile"):
         raise ValueError("--profile applies to --backend sim only")
-    if args.kv_scale is not None:
+    if given.get("kv_scale") is not None:
         raise ValueError("--kv-scale scales the sim profile's KV pool: it applies to --backend sim only")
-    from vllm_mars.engine import local
-
-    return {"num_blocks": args.num_blocks if num_blocks is None else num_blocks, "block_size": args.block_size,
-            "max_model_len": given.get("max_model_len", local.DRIVER_MAX_MODEL_LEN),
-            "max_num_seqs": given.get("max_num_seqs", local.DRIVER_MAX_NUM_SEQS),
-            "max_num_batched_tokens": given.get("max_num_batched_tokens", local.DRIVER_MAX_NUM_BATCHED_TOKENS)}
 
 
-def _config(args: argparse.Namespace, num_blocks: int | None = None, **kw):
-    from vllm_mars.driver.runner import ReplayConfig
-    from vllm_mars.engine.local import parse_engine_arg_items
-
-    backend = kw.get("backend", getattr(args, "backend", "inprocess"))
-    kw.setdefault("backend", backend)
-    return ReplayConfig(
-        workload=args.workload, num_workflows=args.num_workflows, arrival=args.arrival, seed=args.seed,
-        model=args.model, profile=args.profile, **_engine_shape(args, backend, num_blocks),
-        engine_args=parse_engine_arg_items(args.engine_arg), record_steps=args.record_steps,
-        policy_options=_kv(args.policy_option, "--policy-option"),
-        admission_options=_kv(args.admission_option, "--admission-option"), tools=args.tools,
-        cpu_tool=args.cpu_tool, cpu_gpu=args.cpu_gpu, tool_timeout_s=args.tool_timeout, sandbox=args.sandbox,
-        tool_net_allow=args.tool_net_allow,
-        calibrate=not args.no_calibrate, progress=not args.no_progress and sys.stderr.isatty(), out=args.out,
-        **kw)
+def config_from_args(args: argparse.Namespace, **kw: Any) -> ReplayConfig:
+    """The ReplayConfig of parsed ``mars replay`` / ``mars compare`` arguments (``kw`` overrides)."""
+    given = {**_given(args), **kw}
+    _check_shape(given, given.get("backend", "inprocess"))
+    for name, flag in (("policy_options", "--policy-option"), ("admission_options", "--admission-option")):
+        if name in given:
+            given[name] = _kv(given[name], flag)
+    if "engine_args" in given:
+        given["engine_args"] = local.parse_engine_arg_items(given["engine_args"])
+    given["progress"] = given.get("progress", True) and sys.stderr.isatty()
+    return ReplayConfig(**given)
 
 
-def _check_engine(cfg, policies: list[str]) -> None:
+def _check_engine(cfg: ReplayConfig, policies: list[str]) -> None:
     """Refuse, before anything starts, a policy the in-process engine cannot serve as configured."""
     if cfg.backend != "inprocess":
         return
-    from vllm_mars.driver.control import check_policy
-    from vllm_mars.engine.local import check_policy_engine, on_cpu
-
     for name in policies:
-        check_policy_engine(check_policy(name).scheduler_policy, on_cpu(), cfg.engine_args)
+        local.check_policy_engine(check_policy(name).scheduler_policy, local.on_cpu(), cfg.engine_args)
 
 
 def _check_workload(path: str) -> None:
@@ -224,27 +208,28 @@ def _quiet_engine(args: argparse.Namespace) -> None:
 
 def _replay(args: argparse.Namespace) -> int:
     _quiet_engine(args)
-    from vllm_mars.driver.runner import run_replay
+    from vllm_mars.driver.runner import run_replay  # imports the engine stack: after _quiet_engine
     from vllm_mars.metrics.report import summary_table
 
-    _check_workload(args.workload)
-    cfg = _config(args, policy=args.policy, rps=args.rps, backend=args.backend, url=args.url)
-    _check_engine(cfg, [args.policy])
+    cfg = config_from_args(args)
+    _check_workload(cfg.workload)
+    _check_engine(cfg, [cfg.policy])
     out, _ = run_replay(cfg)
     summary = json.loads((out / "summary.json").read_text())
-    print(summary_table([(args.policy, summary)]))
+    print(summary_table([(cfg.policy, summary)]))
     print(f"\nrun dir: {out}")
     return 0 if summary.get("errors", 0) == 0 else 1
 
 
-def compare_config(args: argparse.Namespace):
+def compare_config(args: argparse.Namespace) -> tuple[ReplayConfig, list[str]]:
     """(ReplayConfig, policies) of ``mars compare`` from its parsed arguments (also used by
     benchmark/perf/compare_default.py, so the recorded run is exactly the command's)."""
-    _check_workload(args.workload)
-    from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS, on_cpu
-
+    kw = {}
+    if getattr(args, "backend", "inprocess") == "inprocess" and "num_blocks" not in args and local.on_cpu():
+        kw["num_blocks"] = local.COMPARE_CPU_NUM_BLOCKS
+    cfg = config_from_args(args, **kw)
+    _check_workload(cfg.workload)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    cfg = _config(args, num_blocks=COMPARE_CPU_NUM_BLOCKS if args.num_blocks is None and on_cpu() else None)
     _check_engine(cfg, policies)
     return cfg, policies
 
@@ -255,7 +240,7 @@ def _compare(args: argparse.Namespace) -> int:
     from vllm_mars.metrics.compare import format_table
 
     cfg, policies = compare_config(args)
-    out, record = run_compare(cfg, policies, _floats(args.rps, "--rps"), args.out)
+    out, record = run_compare(cfg, policies, _floats(args.rps_list, "--rps"), cfg.out)
     print(format_table(record))
     print(f"\nT_ideal: {(record.get('cost_model') or {}).get('source', 'none')}; wall {record['wall_s']:.0f} s; "
           f"report: {out / 'report.md'}")

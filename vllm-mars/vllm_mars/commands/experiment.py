@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+from vllm_mars.commands.driver import _quiet_engine
+from vllm_mars.experiment.grid import cell_dir, is_finished, run_experiment, select_cells
+from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
+from vllm_mars.experiment.readme import update_readme
+from vllm_mars.experiment.spec import check_limit, load_experiment
+from vllm_mars.experiment.summary import (
+    format_policy_summary,
+    format_seed_groups,
+    merge_records,
+    policy_summary,
+)
+
+#: the repository's experiments folder
+EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("experiment", help="run an experiment grid from a TOML file (experiments/*.toml)")
+    p = sub.add_parser("experiment", help="run an experiment grid from a TOML file (experiments/**/*.toml)")
     esub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = esub.add_parser("run", help="run every unfinished cell; write results.json, table.md and plots",
                         description="Each cell (workload, rps, seed) runs every policy of the file through the "
@@ -68,6 +84,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "fastest baseline, the 95%% interval over its seeds and the verdict (behind, within "
                         "noise, ahead)")
     s.set_defaults(func=_summary)
+    m = esub.add_parser("readme", help="regenerate the table of experiments in experiments/README.md from the "
+                                       "TOML headers (name, status, description)")
+    m.add_argument("dir", nargs="?", default=str(EXPERIMENTS), help="the experiments folder (default %(default)s)")
+    m.add_argument("--check", action="store_true", help="write nothing; exit 1 when the table is out of date")
+    m.set_defaults(func=_readme)
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -76,22 +97,12 @@ def _csv(value: str | None) -> list[str] | None:
 
 
 def _gap(args: argparse.Namespace) -> int:
-    from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
-
     rows, notes = limit_rows(load_limit(args.results), load_limit(args.limit))
     print("\n".join(format_limit(rows, notes, f"`{args.limit}`")))
     return 0
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from vllm_mars.experiment.limit import load_limit
-    from vllm_mars.experiment.summary import (
-        format_policy_summary,
-        format_seed_groups,
-        merge_records,
-        policy_summary,
-    )
-
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
     records, notes = [load_limit(f) for f in args.results], []
@@ -108,18 +119,20 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    from vllm_mars.commands.driver import _quiet_engine
-    from vllm_mars.experiment.grid import cell_dir, is_finished, run_experiment, select_cells
-    from vllm_mars.experiment.spec import load_experiment
+def _readme(args: argparse.Namespace) -> int:
+    changed = update_readme(Path(args.dir), check=args.check)
+    readme = Path(args.dir) / "README.md"
+    if args.check:
+        print(f"{readme}: {'out of date: run mars experiment readme' if changed else 'up to date'}")
+        return 1 if changed else 0
+    print(f"{readme}: {'written' if changed else 'unchanged'}")
+    return 0
 
+
+def _run(args: argparse.Namespace) -> int:
     _quiet_engine(args)
     exp = load_experiment(args.file)
     if args.limit:
-        from dataclasses import replace
-
-        from vllm_mars.experiment.spec import check_limit
-
         check_limit(Path(args.limit), "--limit")
         exp = replace(exp, limit=Path(args.limit).resolve())
     if args.jobs < 1:

@@ -1,4 +1,4 @@
-"""Engines behind one ``Backend`` protocol: the in-process vLLM engine and an OpenAI HTTP server.
+"""Engines behind the ``Backend`` protocol (:mod:`vllm_mars.backend`): the in-process vLLM engine and an OpenAI HTTP server.
 
 Both take token-id prompts (so lengths are exact and shared prefixes really are shared), generate
 exactly ``max_tokens`` tokens (``ignore_eos``), carry the workflow metadata as ``extra_args`` /
@@ -23,71 +23,27 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from vllm_mars.admission.base import Telemetry
-from vllm_mars.admission.telemetry import MetricsError, metric_sum, parse_prometheus, telemetry_from_metrics
-from vllm_mars.engine.local import DRIVER_MAX_MODEL_LEN, DRIVER_MAX_NUM_BATCHED_TOKENS, DRIVER_MAX_NUM_SEQS
+from vllm_mars.admission.telemetry import (
+    EngineSample,
+    MetricsError,
+    metric_sum,
+    parse_prometheus,
+    scheduler_sample,
+    telemetry_from_metrics,
+)
+from vllm_mars.backend import CallResult
+from vllm_mars.engine.local import (
+    DRIVER_MAX_MODEL_LEN,
+    DRIVER_MAX_NUM_BATCHED_TOKENS,
+    DRIVER_MAX_NUM_SEQS,
+    engine_kwargs,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CallResult:
-    output_ids: list[int]
-    prompt_tokens: int
-    cached_tokens: int | None
-    first_token_ts: float | None
-    end_ts: float
-    finish_reason: str | None = None
-
-
-def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Telemetry:
-    """An engine reading as the one :class:`~vllm_mars.admission.base.Telemetry` (the engine calls
-    the pool's size ``num_blocks``; Telemetry ``total_blocks``)."""
-    return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
-
-
-def scheduler_sample(s: Any, ts: float) -> tuple[EngineSample, dict[str, Any]]:
-    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
-    telemetry, read straight from the scheduler."""
-    st = s.mars_stats()
-    free, total = st["free_blocks"], st["num_blocks"]
-    return EngineSample(
-        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
-        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
-        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
-        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
-
-
-class Backend(Protocol):
-    name: str
-    #: tokenizer vocabulary size (token ids in prompts must be below it); None until started
-    vocab_size: int | None
-
-    async def start(self) -> None: ...
-
-    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       extra_args: Mapping[str, Any], ignore_eos: bool = True) -> CallResult:
-        """Replays pass ``ignore_eos`` (exact output lengths); live agents let the model stop."""
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop ``request_id`` in the engine and free its KV (a call the driver gave up on, e.g. timed
-        out); a no-op for a request that already finished. ``generate`` calls it when cancelled."""
-        ...
-
-    def sample(self) -> Telemetry:
-        """The latest engine state (cheap; called by the telemetry loop). ``ts`` is when it was read
-        from the engine, so a reader can tell a stale sample (a stuck or dead engine) from a fresh one."""
-        ...
-
-    def engine_stats(self) -> dict[str, Any]:
-        """Counters for the summary (policy, preemptions, recomputed tokens, retention)."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class InProcessBackend:
@@ -126,10 +82,10 @@ class InProcessBackend:
     async def start(self) -> None:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vllm is imported here, not at the top: only an engine that starts pays for it (seconds), and
+        # only after VLLM_ENABLE_V1_MULTIPROCESSING=0 is set above (vllm reads it at import)
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
-
-        from vllm_mars.engine.local import engine_kwargs
 
         kw = engine_kwargs(self.model, disable_log_stats=True, kv_events=True, **self.kwargs)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
@@ -139,7 +95,7 @@ class InProcessBackend:
                                "is imported (the engine core runs in another process)")
         self.scheduler = core.scheduler
         if self.step_times is not None:
-            from vllm_mars.engine.steps import StepRecorder
+            from vllm_mars.engine.steps import StepRecorder  # imports vllm (through engine.rig)
 
             self._recorder = StepRecorder(self.scheduler)
         self.vocab_size = self.engine.model_config.get_vocab_size()
@@ -150,7 +106,7 @@ class InProcessBackend:
 
     # -- the stepper thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # vllm: see start()
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.engine
@@ -328,7 +284,7 @@ class HTTPBackend:
         self._hit_counters: tuple[float, float] | None = None
 
     async def start(self) -> None:
-        import httpx
+        import httpx  # not a dependency of the package (vllm's, and the dev extra's): only http runs need it
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers,
@@ -353,7 +309,7 @@ class HTTPBackend:
         self._poller = asyncio.create_task(self._poll())
 
     async def _poll_once(self) -> None:
-        import httpx
+        import httpx  # see start()
 
         try:
             r = await self._client.get("/metrics")

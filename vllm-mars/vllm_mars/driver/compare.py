@@ -14,9 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.driver.config import ReplayConfig, RunPlan
 from vllm_mars.driver.control import check_policy
-from vllm_mars.driver.runner import ReplayConfig, run_replay
+from vllm_mars.driver.runner import run_replay
 from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
+from vllm_mars.metrics.compare import compare_record, write_compare_report
 from vllm_mars.metrics.ideal import CostModel
 
 logger = logging.getLogger(__name__)
@@ -64,14 +66,11 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
                 out: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Run each (rps, policy); returns (compare dir, the compare record). T_ideal uses one cost
     model for every run, calibrated on the first engine."""
-    from vllm_mars.metrics.compare import compare_record, write_compare_report
-
     if not policies:
         raise ValueError("no policies to compare")
     for p in policies:
         check_policy(p)
-    base.validate()
-    base = base.with_profile()
+    base = RunPlan.of(base).cfg
     out = Path(out) if out else Path("runs") / f"compare_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     cost = None

@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_mars.driver.control import update_root_progress
 from vllm_mars.workload.mas_task import Action, MasTask, ParseFailure, load_tasks, parse_action
 
 SYSTEM_PROMPT = (
@@ -121,7 +120,7 @@ async def run_live(replay: Any, plan: LivePlan, tokenizer: Any, opts: LiveOption
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(f.content)
     prompt = list(plan.initial_ids)
-    max_len = replay.cfg.effective_max_model_len()
+    max_len = replay.plan.max_model_len
     failures = rounds = 0
     outcome = "max_rounds"
     for k in range(opts.max_rounds):
@@ -135,7 +134,7 @@ async def run_live(replay: Any, plan: LivePlan, tokenizer: Any, opts: LiveOption
                  "mars_last_step": k == opts.max_rounds - 1, "mars_prefill_tokens": len(prompt)}
         submit = replay.clock()
         if k:
-            update_root_progress(replay.ctrl, wid, len(prompt), submit)
+            replay.ctrl.update_estimate(wid, len(prompt), submit)
         ev.emit("call_submit", ts=submit, workflow=wid, root=wid, turn=k, request_id=rid,
                 prompt_tokens=len(prompt), max_tokens=opts.max_tokens)
         res = await asyncio.wait_for(replay.backend.generate(rid, prompt, opts.max_tokens, extra, ignore_eos=False),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_mars.admission.base import ToolStats
+from vllm_mars.driver._sandbox_exec import MARKER, SYSTEM_READ_DIRS, describe, landlock_abi
 from vllm_mars.workflow import safe_dirname
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,6 @@ def detect_sandbox() -> str:
         if probe.returncode == 0:
             return "bwrap"
         logger.debug("bwrap present but unusable: %s", probe.stderr.decode(errors="replace")[-300:])
-    from vllm_mars.driver._sandbox_exec import landlock_abi
-
     if landlock_abi() >= 1:
         return "landlock"
     return "none"
@@ -139,8 +138,6 @@ def _port(p: object) -> int:
 
 def _strip_marker(err: bytes) -> str:
     """The tool's stderr without the sandbox's ``MARS_SANDBOX {...}`` line."""
-    from vllm_mars.driver._sandbox_exec import MARKER
-
     text = err.decode(errors="replace")
     if text.startswith(MARKER):
         text = text.split("\n", 1)[1] if "\n" in text else ""
@@ -187,8 +184,6 @@ class RealTools(_Plane):
         #: Extra read-only dirs: by default the Python environment, so tools can run python/pytest.
         self.read_paths = [str(Path(p).resolve()) for p in (
             read_paths if read_paths is not None else dict.fromkeys((sys.base_prefix, sys.prefix)))]
-        from vllm_mars.driver._sandbox_exec import SYSTEM_READ_DIRS, describe
-
         self.protections = describe(self.sandbox, [str(self.root.resolve() / "<workflow>")],
                                     [*SYSTEM_READ_DIRS, *self.read_paths], network, self.net_allow)
         self._free = asyncio.Queue()

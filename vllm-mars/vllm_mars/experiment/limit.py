@@ -1,7 +1,7 @@
 """The no-thrash limit of an experiment: how much of the gap between the fastest baseline and the
 same workload on an unbounded KV pool mars closes.
 
-The limit is another experiment's ``results.json`` (e.g. ``experiments/paper_grid_nothrash.toml``:
+The limit is another experiment's ``results.json`` (e.g. ``experiments/studies/paper_grid_nothrash.toml``:
 the thrash cells with fcfs on a pool scaled so that nothing is ever evicted). Per cell present in
 both (same ``WORKLOAD/rpsR/seedS`` key and the same workload definition), the limit's mean E2E is
 the fastest of its policies that completed every workflow, and
@@ -21,6 +21,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from vllm_mars.metrics.report import _fmt
 
 #: Workload fields (results.json ``config.workloads``) that must agree for two cells to be the same
 #: workload; ``num_workflows`` and ``arrival`` fall back to the experiment's ``config.replay``.
@@ -123,8 +125,6 @@ def limit_rows(record: Mapping[str, Any], limit: Mapping[str, Any]) -> tuple[lis
 
 def format_limit(rows: Sequence[Mapping[str, Any]], notes: Sequence[str], source: str) -> list[str]:
     """The table.md section (markdown lines)."""
-    from vllm_mars.metrics.report import _fmt
-
     lines = ["## Gap to the no-thrash limit", "",
              (f"The limit: the same cell (workload, workflows, arrivals, seed, step times) on an effectively "
               f"unbounded KV pool ({source}), its fastest policy. Gap closed = (baseline - mars) / (baseline - "

@@ -6,7 +6,8 @@ the field (``ExperimentError``, a ValueError: the CLI exits 2).
 
 Keys (top level): ``name``, ``description``, ``backend``, ``profile``, ``arrival``, ``seeds``,
 ``num_workflows``, ``policies``, ``[variants.LABEL]`` (``policy``, ``policy_options``,
-``admission_options``), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
+``admission_options``), ``status`` (``canonical``, ``ablation``, or ``retired COMMIT``: it no longer runs, COMMIT last ran
+it), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
 one of ``preset`` / ``path`` / ``weka``, ``rps``, and optionally ``num_workflows``, ``scale``,
 ``arrival``, ``max_context``, ``max_tool_s``, ``policies``: a subset of the top-level list run on this
 workload only), ``limit`` (another experiment's results.json: the no-thrash limit the report compares
@@ -23,9 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.driver.runner import ReplayConfig
+from vllm_mars.admission.base import make_controller
+from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES
+from vllm_mars.driver.config import BACKENDS, ReplayConfig
+from vllm_mars.driver.control import check_policy
+from vllm_mars.experiment.limit import load_limit
+from vllm_mars.policies import make_policy
+from vllm_mars.sim.engine import get_profile
+from vllm_mars.workload.ilr import load_preset
 
-TOP_KEYS = ("name", "description", "backend", "profile", "arrival", "seeds", "num_workflows", "policies",
+TOP_KEYS = ("name", "description", "status", "backend", "profile", "arrival", "seeds", "num_workflows", "policies",
             "variants", "replay", "workloads", "limit")
 WORKLOAD_KEYS = ("name", "preset", "path", "weka", "rps", "num_workflows", "scale", "arrival", "max_context",
                  "max_tool_s", "policies")
@@ -34,6 +42,8 @@ VARIANT_KEYS = ("policy", "policy_options", "admission_options")
 GRID_FIELDS = ("workload", "policy", "rps", "seed", "out", "progress", "arrival", "num_workflows", "backend",
                "profile", "policy_options", "admission_options")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: ``status = "retired COMMIT"``: the experiment no longer runs; COMMIT last ran it
+_RETIRED = re.compile(r"^retired ([0-9a-f]{7,40})$")
 
 
 class ExperimentError(ValueError):
@@ -146,8 +156,6 @@ def _rps(path: Path, where: str, v: Any) -> tuple[float, ...]:
 
 
 def _policies(path: Path, raw: dict, variants: dict[str, dict]) -> tuple[str, ...]:
-    from vllm_mars.driver.control import check_policy
-
     v = raw.get("policies")
     if not isinstance(v, list) or not v:
         raise _err(path, "policies", f"expected a non-empty list of policy names, got {v!r}")
@@ -166,9 +174,6 @@ def _policies(path: Path, raw: dict, variants: dict[str, dict]) -> tuple[str, ..
 
 
 def _variants(path: Path, raw: dict) -> dict[str, dict]:
-    from vllm_mars.driver.control import check_policy, make_controller
-    from vllm_mars.policies import make_policy
-
     table = raw.get("variants", {})
     if not isinstance(table, dict):
         raise _err(path, "variants", "expected a table of [variants.LABEL] tables")
@@ -219,8 +224,6 @@ def _workload(path: Path, i: int, w: Any, arrivals: tuple[str, ...], policies: t
     src = sources[0]
     val = _str(path, f"{where}.{src}", w[src])
     if src == "preset":
-        from vllm_mars.workload.ilr import load_preset
-
         p = path.parent / val
         try:
             load_preset(p if p.suffix == ".toml" else val)
@@ -281,14 +284,9 @@ def _base(path: Path, raw: dict) -> ReplayConfig:
             if key not in fields:
                 raise _err(path, key, f"this build's replay has no {key!r} setting (is the sim backend merged?)")
             kw[key] = _str(path, key, raw[key])
-    from vllm_mars.driver import runner
-
-    backends = getattr(runner, "BACKENDS", ("inprocess", "http"))
-    if kw.get("backend", "inprocess") not in backends:
-        raise _err(path, "backend", f"{kw['backend']!r} unknown; allowed: {', '.join(backends)}")
+    if kw.get("backend", "inprocess") not in BACKENDS:
+        raise _err(path, "backend", f"{kw['backend']!r} unknown; allowed: {', '.join(BACKENDS)}")
     if "profile" in kw:
-        from vllm_mars.sim.engine import get_profile
-
         prof = kw["profile"]
         if not Path(prof).is_absolute() and (path.parent / prof).is_file():
             kw["profile"] = prof = str((path.parent / prof).resolve())
@@ -315,8 +313,6 @@ def _base(path: Path, raw: dict) -> ReplayConfig:
 
 def load_experiment(path: str | Path) -> Experiment:
     """Parse and validate an experiment file; raises ExperimentError (one line) or FileNotFoundError."""
-    from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"experiment file {path} not found")
@@ -325,6 +321,10 @@ def load_experiment(path: str | Path) -> Experiment:
     except tomllib.TOMLDecodeError as e:
         raise ExperimentError(f"{path}: invalid TOML: {e}") from None
     _unknown(path, "", raw, TOP_KEYS)
+    status = check_status(path, raw)
+    if status.startswith("retired"):
+        raise _err(path, "status", f"{status}: this experiment no longer runs on this code; its last results are "
+                   f"in git history (git show {status.split()[1]}:experiments/results/{path.stem}/table.md)")
     name = _str(path, "name", raw.get("name", path.stem))
     if not _LABEL.match(name):
         raise _err(path, "name", "letters, digits, '.', '_' or '-' only")
@@ -358,10 +358,17 @@ def load_experiment(path: str | Path) -> Experiment:
                       variants=variants, workloads=workloads, seeds=seeds, base=base, raw=raw, limit=limit)
 
 
+def check_status(path: Path, raw: dict[str, Any]) -> str:
+    """The file's ``status`` (``canonical`` when not given), else ExperimentError naming the allowed values."""
+    v = raw.get("status", "canonical")
+    if not isinstance(v, str) or not (v in ("canonical", "ablation") or _RETIRED.match(v)):
+        raise _err(path, "status", f"{v!r}: expected canonical, ablation or 'retired COMMIT' (the commit that "
+                   "last ran it)")
+    return v
+
+
 def check_limit(path: Path, where: str) -> None:
     """A limit results.json that the report can read, else ExperimentError ``WHERE: what is wrong``."""
-    from vllm_mars.experiment.limit import load_limit
-
     try:
         load_limit(path)
     except ValueError as e:

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.driver.backends import CallResult, EngineSample, scheduler_sample
+from vllm_mars.admission.telemetry import EngineSample, scheduler_sample
+from vllm_mars.backend import CallResult
 from vllm_mars.sim.loop import LoopClock, is_virtual
 
 logger = logging.getLogger(__name__)
