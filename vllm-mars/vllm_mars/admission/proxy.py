@@ -232,7 +232,7 @@ class Forwarder:
                 self._backend_failed(b, str(e))
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._still_current(r):
-                    self._end_root(r.root)
+                    self._end_root(r.root, rule="backend_failed")
                     raise HTTPError(503, f"backend unreachable: {e}", self._retry_after()) from None
                 logger.warning("backend %s unreachable for workflow %s; waiting for a live backend", b.url, r.root)
                 try:
@@ -319,7 +319,7 @@ class Forwarder:
         logger.warning("backend %s failed %s for workflow %s: %s", b.url,
                        "mid-response" if started else "before answering", r.root, msg)
         self._backend_failed(b, msg)
-        self._end_root(r.root)
+        self._end_root(r.root, rule="backend_failed")
         if not started:
             raise HTTPError(502, f"backend {b.url} failed: {msg}")
         return False

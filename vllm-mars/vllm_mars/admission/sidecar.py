@@ -437,7 +437,7 @@ class Sidecar:
             elif (m := _FINISH.match(path)) is not None:
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST")
-                ended = self.lifecycle.finish(tenant + m.group(1))
+                ended = self.lifecycle.finish(tenant + m.group(1), rule="finish_route")
                 await self._json(send, 200, {"workflow": m.group(1), "ended": ended})
             elif path == "/health":
                 up = [b.url for b in self.backends if b.up]
@@ -585,7 +585,7 @@ class Sidecar:
             r = await self._admit(ident, call, est)
             if est is not None:
                 self.lifecycle.prompt_seen(r, est)
-            turn = self.lifecycle.call_started(r, ident)
+            turn = self.lifecycle.call_started(r, ident, agent)
             started = True
             self.in_flight += 1
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
@@ -603,7 +603,8 @@ class Sidecar:
             watcher.cancel()
             if started and r is not None:
                 self.in_flight -= 1
-                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call)
+                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call,
+                                          finish_tool=scan is not None and scan.finish_called)
 
     def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int | None]:
         """Prefix continuity of a generic session id (may rename the workflow; events say why),
