@@ -70,7 +70,7 @@ from vllm_mars.admission.proxy import (
     upstream_headers,
 )
 from vllm_mars.admission.roots import RootState, RootTable
-from vllm_mars.admission.serving import SidecarThread, run_sidecar
+from vllm_mars.admission.serving import ServerThread, serve_app
 from vllm_mars.admission.telemetry import TelemetryState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.clock import Clock, MonotonicClock
@@ -700,3 +700,15 @@ class Sidecar:
 
 def config_dict(cfg: SidecarConfig) -> dict:
     return asdict(cfg)
+
+
+def run_sidecar(config: SidecarConfig) -> None:
+    """Serve until interrupted (the ``mars sidecar`` command)."""
+    serve_app(Sidecar(config))
+
+
+class SidecarThread(ServerThread):
+    """A sidecar on a background thread (tests, notebooks): ``with SidecarThread(cfg) as sc: sc.url``."""
+
+    def __init__(self, config: SidecarConfig, controller: AdmissionController | None = None) -> None:
+        super().__init__(Sidecar(config, controller))
