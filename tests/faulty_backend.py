@@ -3,7 +3,9 @@ made to produce on demand (close before the response head, a truncated body, a s
 HTTP table). ``GET /metrics`` answers a well-formed vLLM page so the sidecar sees it as up; a
 ``POST`` behaves as its ``X-Fault`` header says: ``close`` (read the request, close without a
 byte), ``truncate`` (a 200 JSON head with Content-Length 100, 10 body bytes, close), ``status999``
-(a complete answer with status 999), anything else a valid chat completion.
+(a complete answer with status 999), ``finish`` (a chat completion that calls the ``finish`` tool), ``hang`` (no answer until
+the caller hangs up),
+anything else a valid chat completion.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ METRICS = (
     'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 0.0\n'
 )
 MODELS = '{"object": "list", "data": [{"id": "tiny", "object": "model"}]}'
+#: an answer that calls the ``finish`` tool (how an OpenHands conversation ends), as vLLM writes it
+FINISH_BODY = (b'{"id":"f","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",'
+               b'"content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"finish",'
+               b'"arguments":"{\\"message\\": \\"done\\"}"}}]},"finish_reason":"tool_calls"}],'
+               b'"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}')
 OK_BODY = (b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",'
            b'"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,'
            b'"total_tokens":4}}')
@@ -39,6 +46,7 @@ class FaultyBackend:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -47,6 +55,7 @@ class FaultyBackend:
         self._loop.run_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -66,18 +75,23 @@ class FaultyBackend:
                 fault = hdrs.get("x-fault", "")
                 if fault == "close":
                     break
+                if fault == "hang":  # never answers; ends when the caller hangs up
+                    await reader.read()
+                    break
                 if fault == "truncate":
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
                                  + OK_BODY[:10])
                     await writer.drain()
                     break
                 status = b"999 Strange" if fault == "status999" else b"200 OK"
+                body = FINISH_BODY if fault == "finish" else OK_BODY
                 writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(OK_BODY)).encode() + b"\r\n\r\n" + OK_BODY)
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     def __enter__(self) -> Self:
@@ -86,9 +100,11 @@ class FaultyBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
+        async def stop() -> None:  # like a killed process: the port and every open connection close
             assert self._server is not None
             self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -330,3 +330,15 @@ def test_body_deadline_and_cap_slots_go_to_new_clients(fake):
         for c in idle + tricklers:
             c.close()
         assert_no_leak(s)
+
+
+# -- issue 34: no import circle between the sidecar and its serving module ---------------------------
+def test_serving_does_not_import_the_sidecar():
+    import ast
+
+    import vllm_mars.admission.serving as serving
+
+    tree = ast.parse(Path(serving.__file__).read_text())
+    names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in names if m and m.startswith("vllm_mars.admission.sidecar")], names  # even lazily

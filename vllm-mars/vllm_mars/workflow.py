@@ -8,6 +8,7 @@ is its own one-call workflow (plain chat traffic mixes with agents), identified 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,7 @@ def workflow_from_extra_args(extra_args: Mapping[str, Any] | None, request_id: s
 #: characters an id keeps as they are when encoded (RFC 3986 unreserved: safe in a header value,
 #: a URL path segment and a file name)
 _SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_SAFE_RUN = re.compile(r"[A-Za-z0-9._~-]+")
 #: longest directory name :func:`safe_dirname` returns (file systems allow 255 bytes)
 DIRNAME_CHARS = 120
 
@@ -162,7 +164,7 @@ def safe_id(v: str) -> str:
     ``..`` become ``%2E`` and ``%2E%2E``. The mapping is one to one
     (``urllib.parse.unquote(safe_id(v)) == v``), so an id that is not safe as is gets encoded,
     never collapsed onto another; it is the URL-path form of the id (the finish route takes it)."""
-    if v and all(c in _SAFE_CHARS for c in v):
+    if _SAFE_RUN.fullmatch(v):
         return v if v not in (".", "..") else "%2E" * len(v)
     out = []
     for c in v:

@@ -161,24 +161,33 @@ class Continuity:
 #: a tool call in a chat answer (message or delta) or a Responses output item
 _TOOL_CALL = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{|"type"\s*:\s*"(?:function_call|custom_tool_call|'
                         rb'local_shell_call|mcp_call)"')
-_CARRY = 96
+#: a call of the ``finish`` tool (OpenHands ends a conversation with it): a chat tool call's
+#: function, or a Responses ``function_call`` item (its fields in either order; never the echoed
+#: ``tools`` list, whose items are of type ``function``)
+_FINISH_CALL = re.compile(rb'"function"\s*:\s*\{\s*"name"\s*:\s*"finish"|"type"\s*:\s*"function_call"[^{}]*?"name"'
+                          rb'\s*:\s*"finish"|"name"\s*:\s*"finish"[^{}]*?"type"\s*:\s*"function_call"')
+_CARRY = 160
 
 
 class ToolCallScan:
-    """Feed a response's chunks; ``saw_tool_call`` once any contained a tool call."""
+    """Feed a response's chunks; ``saw_tool_call`` once any contained a tool call, ``finish_called``
+    once one called the ``finish`` tool."""
 
-    __slots__ = ("_tail", "saw_tool_call")
+    __slots__ = ("_tail", "finish_called", "saw_tool_call")
 
     def __init__(self) -> None:
         self.saw_tool_call = False
+        self.finish_called = False
         self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
-        if self.saw_tool_call:
+        if self.finish_called:
             return
         data = self._tail + chunk
-        if _TOOL_CALL.search(data):
+        if not self.saw_tool_call and _TOOL_CALL.search(data):
             self.saw_tool_call = True
+        if self.saw_tool_call and b'"finish"' in data and _FINISH_CALL.search(data):
+            self.finish_called = True
         self._tail = data[-_CARRY:]
 
 

@@ -219,20 +219,21 @@ class Forwarder:
         return [(b"retry-after", str(self.config.retry_after_s).encode())]
 
     async def forward_with_wait(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
-                                send: Any) -> bool:
+                                send: Any, extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
         """Forward; when the root's backend cannot be connected to (nothing was sent), mark it
         down, wait up to ``backend_wait_s`` for a live backend (the root keeps its slot) and retry
-        there. True when the answer was a success."""
+        there. True when the answer was a success. ``extra``: response headers added for the client;
+        ``scan``: fed every answer chunk (a :class:`~vllm_mars.admission.continuity.ToolCallScan`)."""
         deadline = time.monotonic() + self.config.backend_wait_s
         while True:
             try:
-                return await self.forward(r, path, body, headers, send)
+                return await self.forward(r, path, body, headers, send, extra, scan)
             except Unreachable as e:
                 b = r.backend
                 self._backend_failed(b, str(e))
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._still_current(r):
-                    self._end_root(r.root)
+                    self._end_root(r.root, rule="backend_failed")
                     raise HTTPError(503, f"backend unreachable: {e}", self._retry_after()) from None
                 logger.warning("backend %s unreachable for workflow %s; waiting for a live backend", b.url, r.root)
                 try:
@@ -243,7 +244,7 @@ class Forwarder:
                 r.backend = self.placement.place(r.root)
 
     async def forward(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
-                      send: Any) -> bool:
+                      send: Any, extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
         """Send the call to the root's backend and answer the client. True on success."""
         b: Backend = r.backend
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -258,8 +259,8 @@ class Forwarder:
             self.counters["upstream_errors"] += 1
             raise HTTPError(502, f"backend {b.url} answered with HTTP status {resp.status}")
         if not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
-            return await self._whole(r, b, resp, send)
-        return await self._stream(r, b, resp, send)
+            return await self._whole(r, b, resp, send, extra, scan)
+        return await self._stream(r, b, resp, send, extra, scan)
 
     def _note_tokens(self, r: RootState, tail: bytes) -> None:
         # usage sits at the end of a response (and in the last SSE event with include_usage)
@@ -271,7 +272,7 @@ class Forwarder:
             if c:
                 r.cached = int(c[-1])
 
-    async def _whole(self, r: RootState, b: Backend, resp: Any, send: Any) -> bool:
+    async def _whole(self, r: RootState, b: Backend, resp: Any, send: Any, extra: Any, scan: Any) -> bool:
         try:
             payload = b"".join([c async for c in resp.chunks(self.config.read_timeout_s)])
         except UpstreamBroken as e:
@@ -280,21 +281,48 @@ class Forwarder:
         resp.release()
         if resp.status == 400 and b"maximum context length is" in payload:
             payload = _context_hint(payload)
+        if scan is not None:
+            scan.feed(payload)
         await send({"type": "http.response.start", "status": resp.status,
-                    "headers": [*down_headers(resp.headers), (b"content-length", str(len(payload)).encode())]})
+                    "headers": [*down_headers(resp.headers), *extra, (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
         self._note_tokens(r, payload[-4096:])
         return resp.status < 400
 
-    async def _stream(self, r: RootState, b: Backend, resp: Any, send: Any) -> bool:
+    async def _stream(self, r: RootState, b: Backend, resp: Any, send: Any, extra: Any, scan: Any) -> bool:
+        """Pass an SSE answer through chunk by chunk (the hot path: one wait and one send per
+        chunk, whatever arrived meanwhile joined into one)."""
         done = False
+        c = resp._conn
+        timeout = self.config.read_timeout_s
+        loop = asyncio.get_running_loop()
         try:
-            await send({"type": "http.response.start", "status": resp.status, "headers": down_headers(resp.headers)})
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": [*down_headers(resp.headers), *extra]})
             prev = last = b""
             try:
-                async for chunk in resp.chunks(self.config.read_timeout_s):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    prev, last = last, chunk
+                while True:
+                    if c._body:
+                        chunk = c._take()
+                        if scan is not None:
+                            scan.feed(chunk)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        prev, last = last, chunk
+                        continue
+                    if c._done:
+                        break
+                    if c._error is not None:
+                        raise c._error
+                    c._waiter = w = loop.create_future()
+                    try:
+                        if timeout is None:
+                            await w
+                        else:
+                            await asyncio.wait_for(w, timeout)
+                    except TimeoutError:
+                        raise UpstreamBroken(f"no data for {timeout} s") from None
+                    finally:
+                        c._waiter = None
             except UpstreamBroken as e:
                 self._broken(r, b, str(e), started=True)
                 err = err_body(502, f"backend {b.url} failed mid-stream: {e}")
@@ -319,7 +347,7 @@ class Forwarder:
         logger.warning("backend %s failed %s for workflow %s: %s", b.url,
                        "mid-response" if started else "before answering", r.root, msg)
         self._backend_failed(b, msg)
-        self._end_root(r.root)
+        self._end_root(r.root, rule="backend_failed")
         if not started:
             raise HTTPError(502, f"backend {b.url} failed: {msg}")
         return False

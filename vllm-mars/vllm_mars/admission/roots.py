@@ -14,8 +14,15 @@ admitted when the controller says so (``on_admit``), then placed on a backend. I
 * the last call waiting for its admission left (cancelled while queued).
 
 Ends the sidecar infers (issue 12) are *soft*: an agent call of the root session that offered tools
-and got an answer without a tool call (its final answer: the turn loop is over), and the idle
-timeouts. The slot is released, but the workflow is remembered (dormant): when the session comes
+and got an answer without a tool call (its final answer: the turn loop is over), or one whose answer
+calls the ``finish`` tool (OpenHands ends a conversation so), and the idle timeouts. A session
+that never offered tools (a plain chat client: kv-cache-tester's replayer) has no turn loop to
+watch, so it ends on a shorter learned gap of its own (``PLAIN_MAX_IDLE_S`` at most) rather than the
+agents' ``idle_timeout_s``; explicit ``X-MARS-Workflow`` / ``vllm_xargs`` workflows keep the
+agents' timeout (a replay's recorded tool times can be long). Every end is an event that names its
+rule: ``workflow_end`` (``finish_route``, ``last_step``, ``one_call``, ``backend_failed``) or
+``workflow_end_inferred`` (``final_answer``, ``finish_tool``, ``idle_timeout``,
+``idle_timeout_no_tools``, ``failed_idle_timeout``). The slot is released, but the workflow is remembered (dormant): when the session comes
 back it continues as the same workflow, re-offered ahead of new roots with the size it had. The
 idle timeout adapts to the observed return gaps (:class:`~vllm_mars.admission.continuity.GapModel`:
 a high percentile times a margin, at most ``idle_timeout_s``). Each inferred end and each return
@@ -42,12 +49,18 @@ from vllm_mars.clock import Clock
 
 logger = logging.getLogger(__name__)
 
+#: the longest a session that never offered tools waits without calls before it ends (s)
+PLAIN_MAX_IDLE_S = 60.0
+#: identity sources that name workflows explicitly (their idle timeout is always the agents')
+EXPLICIT_SOURCES = frozenset({"mars", "vllm_xargs"})
+
 
 class RootState:
     """One root workflow known to the sidecar."""
 
-    __slots__ = ("admitted", "backend", "blocks", "cached", "failed", "final_seen", "first_call", "in_flight",
-                 "last_activity", "last_end", "prompt_max", "returning", "root", "tokens", "waiter", "waiters")
+    __slots__ = ("admitted", "backend", "blocks", "cached", "end_rule", "failed", "first_call", "in_flight",
+                 "last_activity", "last_end", "plain", "prompt_max", "returning", "root", "tokens", "tools_seen",
+                 "waiter", "waiters")
 
     def __init__(self, root: str, now: float) -> None:
         self.root = root
@@ -72,8 +85,13 @@ class RootState:
         self.prompt_max = 0
         #: a dormant workflow that came back
         self.returning = False
-        #: its root session's last agent call was a final answer (ends it once nothing is in flight)
-        self.final_seen = False
+        #: its root session's last agent call ended the turn loop (``final_answer`` / ``finish_tool``):
+        #: the rule that ends it once nothing is in flight
+        self.end_rule: str | None = None
+        #: a session whose calls never offered tools (ends on the shorter plain-session gap)
+        self.plain = False
+        #: some call of its root session offered tools
+        self.tools_seen = False
         #: its root session's first call is in flight (what it finds cached is KV shared with others)
         self.first_call = False
         #: prompt tokens the latest response reported cached (None: the server does not say)
@@ -107,6 +125,8 @@ class RootTable:
         self.live = True
         #: the idle timeout, learned from return gaps
         self.gaps = gaps if gaps is not None else GapModel(max_s=idle_timeout_s, min_s=min(10.0, idle_timeout_s))
+        #: the idle timeout of sessions that never offered tools, learned from their own gaps
+        self.plain_gaps = GapModel(max_s=min(PLAIN_MAX_IDLE_S, idle_timeout_s), min_s=min(2.0, idle_timeout_s))
         #: softly ended workflows: root -> (ended at, last call end, tokens, largest prompt)
         self.dormant: OrderedDict[str, tuple[float, float | None, int, int]] = OrderedDict()
         self.dormant_capacity = dormant_capacity
@@ -179,24 +199,30 @@ class RootTable:
             self.tick()
 
     # -- calls ------------------------------------------------------------------------------------
-    def call_started(self, r: RootState, ident: Identity) -> int:
-        """Count a call in flight; returns its turn number within its session."""
-        if r.in_flight == 0 and r.last_end is not None:
-            self.gaps.observe(self.clock.now() - r.last_end)  # how long the agent was away (its tool time)
+    def call_started(self, r: RootState, ident: Identity, agent: bool | None = None) -> int:
+        """Count a call in flight; returns its turn number within its session. ``agent``: the call
+        offered tools (None: not known; the root then keeps the agents' idle timeout)."""
+        if agent:
+            r.tools_seen, r.plain = True, False
+        elif agent is False and not r.tools_seen and ident.is_root and ident.source not in EXPLICIT_SOURCES:
+            r.plain = True  # no call of this session has offered tools so far
+        if r.in_flight == 0 and r.last_end is not None:  # how long the client was away (its tool time)
+            (self.plain_gaps if r.plain else self.gaps).observe(self.clock.now() - r.last_end)
         r.in_flight += 1
         if ident.is_root:
-            r.final_seen = False
+            r.end_rule = None
         turn = self.turns.get(ident.workflow, 0)
         self.turns[ident.workflow] = turn + 1
         if turn == 0 and ident.is_root and not ident.anonymous and not r.returning:
             r.first_call, r.cached = True, None
         return turn
 
-    def call_ended(self, r: RootState, ident: Identity, ok: bool, final_answer: bool = False) -> None:
+    def call_ended(self, r: RootState, ident: Identity, ok: bool, final_answer: bool = False,
+                   finish_tool: bool = False) -> None:
         """A call of ``r`` ended; ``ok`` False for an error status, a broken upstream or a client
         that went away. Ends the root when the call was its last step or a one-call workflow, and
         softly when it was the root session's final answer (an agent call answered without a tool
-        call) and nothing else of the root is in flight."""
+        call) or called the ``finish`` tool, and nothing else of the root is in flight."""
         r.in_flight -= 1
         r.last_activity = r.last_end = self.clock.now()
         r.failed = not ok
@@ -208,12 +234,13 @@ class RootTable:
         if ident.anonymous:
             self.turns.pop(ident.workflow, None)
         if self.roots.get(ident.root) is r and (ident.anonymous or (ident.last_step and ident.is_root)):
-            self.finish(ident.root)
+            self.finish(ident.root, rule="one_call" if ident.anonymous else "last_step")
         else:
-            if ok and final_answer and ident.is_root:
-                r.final_seen = True  # a side call still in flight (a title) does not keep the slot
-            if r.final_seen and r.in_flight == 0 and self.roots.get(ident.root) is r:
-                self.soft_end(ident.root, "final_answer")
+            if ok and (final_answer or finish_tool) and ident.is_root:
+                # a side call still in flight (a title) does not keep the slot
+                r.end_rule = "finish_tool" if finish_tool else "final_answer"
+            if r.end_rule is not None and r.in_flight == 0 and self.roots.get(ident.root) is r:
+                self.soft_end(ident.root, r.end_rule)
 
     def prompt_seen(self, r: RootState, prompt_tokens: int) -> None:
         """An agent call of ``r`` with this prompt size: re-estimate its footprint when it grew."""
@@ -237,9 +264,10 @@ class RootTable:
         turns = self.turns.get(root)
         self.counters["inferred_ends"] += 1
         # the event goes first: ending flushes the event log (on_end)
-        self.emit("workflow_end_inferred", {"workflow": root, "reason": reason, "turns": turns,
-                                            "tokens": tokens or None, "idle_timeout_s": round(self.gaps.timeout_s(), 3),
-                                            "gap_samples": self.gaps.samples, **data})
+        gaps = self.plain_gaps if r.plain else self.gaps
+        self.emit("workflow_end_inferred", {"workflow": root, "rule": reason, "reason": reason, "turns": turns,
+                                            "tokens": tokens or None, "idle_timeout_s": round(gaps.timeout_s(), 3),
+                                            "gap_samples": gaps.samples, **data})
         self._finish(root, keep_sessions=True)
         self.dormant[root] = (now, last_end, tokens, prompt_max)
         self.dormant.move_to_end(root)
@@ -255,8 +283,11 @@ class RootTable:
         """Record a lifecycle event (drained by :meth:`take_events`)."""
         self._events.append(AdmissionEvent(self.clock.now(), event, data))
 
-    def finish(self, root: str, final_tokens: int | None = None) -> bool:
-        """End ``root`` (admitted, queued or dormant); False when it is not known."""
+    def finish(self, root: str, final_tokens: int | None = None, rule: str = "finish_route") -> bool:
+        """End ``root`` (admitted, queued or dormant) by ``rule`` (named in its ``workflow_end``
+        event); False when it is not known."""
+        if root in self.roots:
+            self.emit("workflow_end", {"workflow": root, "rule": rule, "turns": self.turns.get(root)})
         if self._finish(root, final_tokens):
             self.dormant.pop(root, None)
             return True
@@ -289,14 +320,15 @@ class RootTable:
         """End (softly) admitted roots idle past the learned idle timeout; returns them."""
         now = self.clock.now()
         timeout = self.gaps.timeout_s()
+        plain_timeout = self.plain_gaps.timeout_s()
         out = []
         for r in list(self.roots.values()):
             if not r.admitted or r.in_flight:
                 continue
             idle = now - r.last_activity
-            if idle > timeout:
+            if idle > (plain_timeout if r.plain else timeout):
                 self.counters["idle_finished"] += 1
-                reason = "idle_timeout"
+                reason = "idle_timeout_no_tools" if r.plain else "idle_timeout"
             elif r.failed and idle > self.failed_idle_timeout_s:
                 self.counters["failed_finished"] += 1
                 reason = "failed_idle_timeout"

@@ -1,5 +1,7 @@
 """Serving the sidecar: uvicorn (with uvloop and httptools, as vLLM runs it) behind a connection
-guard, :func:`run_sidecar` for the CLI and :class:`SidecarThread` for tests and notebooks.
+guard, :func:`serve_app` for the CLI and :class:`ServerThread` for tests and notebooks. It takes
+the app as an argument and imports nothing of :mod:`~vllm_mars.admission.sidecar` (which imports
+this module: one direction, no import circle).
 
 The guard (a subclass of uvicorn's httptools protocol) bounds what one client can hold:
 
@@ -183,28 +185,25 @@ def sidecar_server(app: Any) -> Any:
     return SidecarServer(uvicorn_config(app))
 
 
-def run_sidecar(config: Any) -> None:
-    """Serve until interrupted (the ``mars sidecar`` command)."""
-    from vllm_mars.admission.sidecar import Sidecar
-
-    app = Sidecar(config)
-    logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", config.host, config.port,
-                   ", ".join(config.backends), config.controller)
+def serve_app(app: Any) -> None:
+    """Serve ``app`` (a :class:`~vllm_mars.admission.sidecar.Sidecar`) until interrupted."""
+    cfg = app.config
+    logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", cfg.host, cfg.port,
+                   ", ".join(cfg.backends), cfg.controller)
     sidecar_server(app).run()
 
 
-class SidecarThread:
-    """A sidecar on a background thread (tests, notebooks): ``with SidecarThread(cfg) as sc: sc.url``."""
+class ServerThread:
+    """An app served on a background thread (tests, notebooks): ``with ServerThread(app) as t: t.url``.
+    (This module takes the app; it imports nothing of the sidecar.)"""
 
-    def __init__(self, config: Any, controller: Any = None) -> None:
-        from vllm_mars.admission.sidecar import Sidecar
-
-        self.app = Sidecar(config, controller)
-        self.url = f"http://{config.host}:{config.port}"
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.url = f"http://{app.config.host}:{app.config.port}"
         self.server = sidecar_server(self.app)
         self.thread = threading.Thread(target=self.server.run, name="mars-sidecar", daemon=True)
 
-    def start(self, timeout: float = 30.0) -> SidecarThread:
+    def start(self, timeout: float = 30.0) -> Self:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

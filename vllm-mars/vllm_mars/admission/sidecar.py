@@ -34,7 +34,7 @@ is one ``send``). Upstream calls go through :mod:`vllm_mars.admission.upstream`,
 HTTP/1.1 client on asyncio protocols with **httptools** (llhttp) parsing: in
 ``benchmark/perf/sidecar_overhead.py`` it cut the sidecar's CPU per proxied streaming request by a
 third against aiohttp's client (0.96 -> 0.65 ms for 16 chunks), and the proxy's CPU per chunk is what
-limits it. **aiohttp** (mature, maintained) still does the low-rate /metrics polls.
+limits it. The /metrics polls go through the same pooled client.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from vllm_mars.admission.proxy import (
     upstream_headers,
 )
 from vllm_mars.admission.roots import RootState, RootTable
-from vllm_mars.admission.serving import SidecarThread, run_sidecar
+from vllm_mars.admission.serving import ServerThread, serve_app
 from vllm_mars.admission.telemetry import TelemetryState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.clock import Clock, MonotonicClock
@@ -239,24 +239,14 @@ def check_paths(spill_dir: str | None, events_path: str | None) -> None:
 
 
 
-def _observed(send: Any, ident: Identity, scan: ToolCallScan | None, tenant: str = "") -> Any:
-    """``send`` that tells the client the workflow it was assigned (``x-mars-workflow`` and
-    ``x-mars-root`` response headers: the ids as :func:`~vllm_mars.workflow.safe_id` encodes them,
-    safe in a header whatever the client sent, and the form the finish route's path takes) and, for
-    an agent call, scans the answer for a tool call. Built before the call is forwarded, so nothing
-    about the ids can fail once the engine has run it."""
+def _id_headers(ident: Identity, tenant: str = "") -> list[tuple[bytes, bytes]]:
+    """The ``x-mars-workflow`` and ``x-mars-root`` response headers that tell the client the
+    workflow it was assigned: the ids as :func:`~vllm_mars.workflow.safe_id` encodes them, safe in a
+    header whatever the client sent, and the form the finish route's path takes. Built before the
+    call is forwarded, so nothing about the ids can fail once the engine has run it."""
     n = len(tenant)
-    extra = [(b"x-mars-workflow", safe_id(ident.workflow[n:]).encode("ascii")),
-             (b"x-mars-root", safe_id(ident.root[n:]).encode("ascii"))]
-
-    async def observed(msg: dict) -> None:
-        if msg["type"] == "http.response.start":
-            msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
-        elif scan is not None and msg["type"] == "http.response.body":
-            scan.feed(msg.get("body", b""))
-        await send(msg)
-
-    return observed
+    return [(b"x-mars-workflow", safe_id(ident.workflow[n:]).encode("ascii")),
+            (b"x-mars-root", safe_id(ident.root[n:]).encode("ascii"))]
 
 
 def _header_text(v: bytes) -> str:
@@ -298,7 +288,6 @@ class Sidecar:
         self.draining = False
         #: the last admission events, newest last (the full stream goes to ``events_path``)
         self.recent_events: deque[AdmissionEvent] = deque(maxlen=1000)
-        self._session: Any = None
         self._tasks: list[asyncio.Task] = []
         self._events_file: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -311,18 +300,12 @@ class Sidecar:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def startup(self) -> None:
-        import aiohttp
-
         self._loop = asyncio.get_running_loop()
         cfg = self.config
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s),
-            auto_decompress=False)
         if cfg.events_path:
             self._events_file = open(cfg.events_path, "a", buffering=1)  # noqa: SIM115, ASYNC230 (once)
         self._up_event = asyncio.Event()
-        await asyncio.gather(*(b.telemetry.poll_async(self._session) for b in self.backends))
+        await asyncio.gather(*(b.telemetry.poll_upstream(b.pool) for b in self.backends))
         self._observe()
         self._tasks = [asyncio.create_task(self._ticker(), name="mars-ticker")]
         self._tasks += [asyncio.create_task(self._poller(b), name=f"mars-poll-{b.url}") for b in self.backends]
@@ -343,8 +326,6 @@ class Sidecar:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.drain()
-        if self._session is not None:
-            await self._session.close()
         for b in self.backends:
             b.pool.close()
         if self._events_file is not None:
@@ -354,7 +335,7 @@ class Sidecar:
     async def _poller(self, b: Backend) -> None:
         while True:
             await asyncio.sleep(self.config.telemetry_interval_s)
-            await b.telemetry.poll_async(self._session)
+            await b.telemetry.poll_upstream(b.pool)
             self._observe()
 
     def _update_up(self) -> bool:
@@ -437,7 +418,7 @@ class Sidecar:
             elif (m := _FINISH.match(path)) is not None:
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST")
-                ended = self.lifecycle.finish(tenant + m.group(1))
+                ended = self.lifecycle.finish(tenant + m.group(1), rule="finish_route")
                 await self._json(send, 200, {"workflow": m.group(1), "ended": ended})
             elif path == "/health":
                 up = [b.url for b in self.backends if b.up]
@@ -585,7 +566,7 @@ class Sidecar:
             r = await self._admit(ident, call, est)
             if est is not None:
                 self.lifecycle.prompt_seen(r, est)
-            turn = self.lifecycle.call_started(r, ident)
+            turn = self.lifecycle.call_started(r, ident, agent)
             started = True
             self.in_flight += 1
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
@@ -593,8 +574,8 @@ class Sidecar:
             apply_to_body(body, ident, turn)
             if cfg.default_max_tokens is not None:
                 set_default_max_tokens(body, path, cfg.default_max_tokens)
-            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope),
-                                                        _observed(send, ident, scan, tenant))
+            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope), send,
+                                                        _id_headers(ident, tenant), scan)
         except asyncio.CancelledError:
             if not disconnected:
                 raise
@@ -603,7 +584,8 @@ class Sidecar:
             watcher.cancel()
             if started and r is not None:
                 self.in_flight -= 1
-                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call)
+                self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call,
+                                          finish_tool=scan is not None and scan.finish_called)
 
     def _infer(self, ident: Identity, body: dict) -> tuple[Identity, bool, bool, int | None]:
         """Prefix continuity of a generic session id (may rename the workflow; events say why),
@@ -718,3 +700,15 @@ class Sidecar:
 
 def config_dict(cfg: SidecarConfig) -> dict:
     return asdict(cfg)
+
+
+def run_sidecar(config: SidecarConfig) -> None:
+    """Serve until interrupted (the ``mars sidecar`` command)."""
+    serve_app(Sidecar(config))
+
+
+class SidecarThread(ServerThread):
+    """A sidecar on a background thread (tests, notebooks): ``with SidecarThread(cfg) as sc: sc.url``."""
+
+    def __init__(self, config: SidecarConfig, controller: AdmissionController | None = None) -> None:
+        super().__init__(Sidecar(config, controller))

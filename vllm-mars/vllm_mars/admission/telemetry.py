@@ -166,8 +166,8 @@ def telemetry_from_metrics(text: str | dict, ts: float,
 
 
 class HttpTelemetry:
-    """Polls one vLLM server's /metrics. ``poll_async`` with a shared aiohttp session (the
-    sidecar), ``poll`` with the standard library (scripts and the driver)."""
+    """Polls one vLLM server's /metrics. ``poll_upstream`` with the sidecar's pooled upstream
+    client, ``poll`` with the standard library (scripts and the driver)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, stale_s: float = 2.0,
                  clock: Clock | None = None, headers: dict[str, str] | None = None) -> None:
@@ -185,6 +185,7 @@ class HttpTelemetry:
         self.error: str | None = None
         self.failures = 0
         self._counters: tuple[float, float] | None = None
+        self._head: list[tuple[bytes, bytes]] | None = None
 
     def _ingest(self, text: str, ts: float) -> Telemetry:
         tel, self._counters = telemetry_from_metrics(text, ts, self._counters)
@@ -206,19 +207,30 @@ class HttpTelemetry:
             self._fail(e)
         return self.status()
 
-    async def poll_async(self, session: Any) -> TelemetryStatus:
-        """Poll with an ``aiohttp.ClientSession``."""
-        import aiohttp
+    async def poll_upstream(self, pool: Any) -> TelemetryStatus:
+        """Poll through the sidecar's pooled upstream client
+        (:class:`~vllm_mars.admission.upstream.UpstreamPool`: kept-alive connections, the same lean
+        client its proxied calls use); ``timeout_s`` bounds the whole poll."""
+        import asyncio
+
+        from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 
         ts = self.clock.now()
+        if self._head is None:
+            self._head = [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        resp = None
         try:
-            async with session.get(self.url, headers=self.headers,
-                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                if r.status != 200:
-                    raise MetricsError(f"GET {self.url} -> HTTP {r.status}")
-                self._ingest(await r.text(), ts)
-        except (aiohttp.ClientError, OSError, TimeoutError, MetricsError, ValueError) as e:
-            self._fail(e)
+            async with asyncio.timeout(self.timeout_s):
+                resp = await pool.request("GET", "/metrics", self._head)
+                body = b"".join([c async for c in resp.chunks()])
+            resp.release()
+            if resp.status != 200:
+                raise MetricsError(f"GET {self.url} -> HTTP {resp.status}")
+            self._ingest(body.decode("utf-8", "replace"), ts)
+        except (UpstreamUnreachable, UpstreamBroken, OSError, TimeoutError, MetricsError, ValueError) as e:
+            if resp is not None:
+                resp.close()
+            self._fail(e if not isinstance(e, TimeoutError) else f"no answer within {self.timeout_s} s")
         return self.status()
 
     def status(self) -> TelemetryStatus:
