@@ -154,14 +154,13 @@ def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(polic
         backend = SimBackend(prof, loop.time, policy=policy, policy_options=options)
         await backend.start()
         steps, sched = [], backend.scheduler
-        schedule = sched.schedule
+        end_step = sched._mars_end_step
 
-        def recording_schedule(*a, **k):
-            so = schedule(*a, **k)
-            steps.append(dict(so.num_scheduled_tokens))
-            return so
+        def recording_end_step(out, now):  # every step's end: schedule()'s and the decode fast-forward's
+            steps.append(dict(out.num_scheduled_tokens))
+            return end_step(out, now)
 
-        sched.schedule = recording_schedule
+        sched._mars_end_step = recording_end_step
         done: list[str] = []
 
         async def call(rid, ids, n, extra):
@@ -281,6 +280,7 @@ def test_skipping_the_loop_between_steps_changes_nothing(tmp_path, linear_profil
     fast, _ = run_replay(_sim_cfg(tmp_path, "fast"))
     assert sum(inline) > 100, "most steps of this run pass while everything else sleeps"
     monkeypatch.setattr(VirtualTimeLoop, "advance_if_idle", lambda self, dt: False)
+    monkeypatch.setattr(VirtualTimeLoop, "idle_for", lambda self, dt: False)  # (no decode fast-forward either)
     slow, _ = run_replay(_sim_cfg(tmp_path, "slow"))
     assert (fast / "events.jsonl").read_bytes() == (slow / "events.jsonl").read_bytes()
 

@@ -15,6 +15,13 @@ of vLLM, our engine adapter, policies, driver, admission, metrics, sim, asyncio.
     .venv/bin/python benchmark/perf/sim_speed.py --record                 # writes results/sim_speed.json
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 30 --policy fcfs --rps 0.08 --kv-scale 10
 
+``--workflows`` takes a list (``20,200,400``): one run per size, in one process, so growth with scale
+is visible; ``--baseline`` runs each size a second time with the sim's decode fast-forward off
+(``SimBackend.fast_forward = False``: every step through vLLM's schedule/update), side by side, and
+checks that both runs wrote byte-identical ``summary.json`` and ``events.jsonl``.
+
+    .venv/bin/python benchmark/perf/sim_speed.py --workflows 20,200,400 --rps 0.16 --baseline 20,200 --record
+
 ``--kv-scale`` runs on a pool that many times the profile's (the step times stay the profile's): the
 cost of a huge pool (``max_rss_mb`` is the process's peak resident memory, vLLM's import included).
 """
@@ -50,12 +57,63 @@ def grouped(stats: pstats.Stats) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
+    """One replay; its speed record and its output dir."""
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+    from vllm_mars.sim.engine import SimBackend
+    from vllm_mars.workload.ilr import generate, load_preset
+    from vllm_mars.workload.schema import write_workload
+
+    wl = tmp / f"{args.preset.lower()}-{workflows}.jsonl"
+    if not wl.exists():
+        write_workload(wl, generate(load_preset(args.preset, num_workflows=workflows, seed=args.seed)))
+    cfg = ReplayConfig(workload=str(wl), policy=args.policy, rps=args.rps, backend="sim", profile=args.profile,
+                       seed=args.seed, kv_scale=args.kv_scale, progress=False,
+                       out=str(tmp / f"run-{workflows}-{'ff' if fast else 'noff'}"))
+    SimBackend.fast_forward = fast
+    prof = cProfile.Profile() if args.cprofile else None
+    load0 = os.getloadavg()[0]
+    t, c = time.monotonic(), time.process_time()
+    if prof:
+        prof.enable()
+    try:
+        out, _ = run_replay(cfg)
+    finally:
+        if prof:
+            prof.disable()
+        SimBackend.fast_forward = True
+    wall, cpu = time.monotonic() - t, time.process_time() - c
+    summary = json.loads((out / "summary.json").read_text())
+    virtual = summary["wall_s"]  # the run's duration on its (virtual) clock
+    rec = {
+        "workflows": workflows, "fast_forward": fast, "load_avg_start": round(load0, 1),
+        "load_avg_end": round(os.getloadavg()[0], 1), "num_blocks": summary["engine"]["num_blocks"],
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "virtual_s": round(virtual, 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+        "virtual_per_wall": round(virtual / wall, 1), "virtual_per_cpu": round(virtual / cpu, 1),
+        "completed": summary["completed"], "steps": summary["engine"]["steps"],
+        "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
+        "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
+    }
+    if prof:
+        stats = pstats.Stats(prof)
+        rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
+        stats.sort_stats("tottime").print_stats(25)
+    print(json.dumps(rec), flush=True)
+    return rec, out
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workflows", type=int, default=200)
+    ap.add_argument("--workflows", default="200", help="workflows per run; a comma list runs each size")
+    ap.add_argument("--baseline", default="", help="sizes to run again with the fast-forward off (comma list)")
     ap.add_argument("--preset", default="ILR-3")
     ap.add_argument("--policy", default="mars")
-    ap.add_argument("--rps", type=float, default=0.1)
+    ap.add_argument("--rps", type=float, default=0.16, help="roots/s (0.16: the paper grid's heaviest ILR-3 load)")
     ap.add_argument("--profile", default="h200-qwen3-coder-30b-a3b")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-scale", type=float, default=None, help="KV pool = this x the profile's (default: the profile's)")
@@ -65,52 +123,40 @@ def main() -> None:
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from vllm_mars.driver.runner import ReplayConfig, run_replay
-    from vllm_mars.workload.ilr import generate, load_preset
-    from vllm_mars.workload.schema import write_workload
-
-    tmp = Path(tempfile.mkdtemp(prefix="mars-sim-speed-"))
-    wl = tmp / f"{args.preset.lower()}-{args.workflows}.jsonl"
-    write_workload(wl, generate(load_preset(args.preset, num_workflows=args.workflows, seed=args.seed)))
-    cfg = ReplayConfig(workload=str(wl), policy=args.policy, rps=args.rps, backend="sim", profile=args.profile,
-                       seed=args.seed, kv_scale=args.kv_scale, progress=False, out=str(tmp / "run"))
     import vllm_mars.engine.rig  # noqa: F401 - vLLM's import (seconds) is start-up, not simulation
 
-    prof = cProfile.Profile() if args.cprofile else None
-    load0 = os.getloadavg()[0]
-    t, c = time.monotonic(), time.process_time()
-    if prof:
-        prof.enable()
-    out, _ = run_replay(cfg)
-    if prof:
-        prof.disable()
-    wall, cpu = time.monotonic() - t, time.process_time() - c
-    summary = json.loads((out / "summary.json").read_text())
-    virtual = summary["wall_s"]  # the run's duration on its (virtual) clock
-    rec = {
+    tmp = Path(tempfile.mkdtemp(prefix="mars-sim-speed-"))
+    baseline = set(_sizes(args.baseline))
+    runs, identical = [], {}
+    for n in _sizes(args.workflows):
+        rec, out = run_one(args, n, True, tmp)
+        runs.append(rec)
+        if n in baseline:
+            base, base_out = run_one(args, n, False, tmp)
+            runs.append(base)
+            identical[n] = all((out / f).read_bytes() == (base_out / f).read_bytes()
+                               for f in ("summary.json", "events.jsonl"))
+            rec["speedup_cpu_vs_no_fast_forward"] = round(base["cpu_s"] / rec["cpu_s"], 2)
+            rec["identical_to_no_fast_forward"] = identical[n]
+    record = {
         "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
-        "load_avg_start": round(load0, 1), "load_avg_end": round(os.getloadavg()[0], 1),
-        "preset": args.preset, "workflows": args.workflows, "policy": args.policy, "rps": args.rps,
-        "profile": args.profile, "kv_scale": args.kv_scale, "num_blocks": summary["engine"]["num_blocks"],
-        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "virtual_s": round(virtual, 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
-        "virtual_per_wall": round(virtual / wall, 1), "virtual_per_cpu": round(virtual / cpu, 1),
-        "completed": summary["completed"], "steps": summary["engine"]["steps"],
-        "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
-        "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
+        "preset": args.preset, "policy": args.policy, "rps": args.rps, "profile": args.profile,
+        "kv_scale": args.kv_scale, "seed": args.seed,
+        "virtual_per_cpu": {str(r["workflows"]): r["virtual_per_cpu"] for r in runs if r["fast_forward"]},
+        "runs": runs,
         "note": "wall time on a 2-core VM shared with other jobs (load avg given); cpu_s is the run's own CPU "
-                "time (one thread), about the wall time of a quiet box",
+                "time (one thread), about the wall time of a quiet box; fast_forward false = the sim's decode "
+                "fast-forward off (the baseline), run in the same process right after",
         "command": "python benchmark/perf/sim_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k in ("workflows", "policy", "rps", "profile", "preset", "kv_scale") and v is not None),
+            if k in ("workflows", "baseline", "policy", "rps", "profile", "preset", "kv_scale") and v not in (None, "")),
     }
-    if prof:
-        stats = pstats.Stats(prof)
-        rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
-        stats.sort_stats("tottime").print_stats(25)
-    print(json.dumps(rec, indent=2))
+    print(json.dumps({k: v for k, v in record.items() if k != "runs"}, indent=2))
     if args.record:
-        Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
+    if not all(identical.values()):
+        raise SystemExit(f"fast-forward on and off differ: {identical}")
 
 
 if __name__ == "__main__":

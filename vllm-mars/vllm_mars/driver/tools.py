@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,25 +97,61 @@ class _Plane:
 
 
 class SimulatedTools(_Plane):
-    """Sleep for the recorded tool time. Calls never queue (the recording already holds any wait);
-    ``workers`` is only reported to the admission controller as the tool host's size."""
+    """Sleep for the recorded tool time on one of ``workers`` tool cores (``CPU_TOOL``).
+
+    Without ``workers`` calls never queue (the recording already holds any wait). With them, a call
+    holds one core for its recorded time, and calls beyond the cores wait for one in arrival order,
+    as on a tool host with that many cores (``RealTools``' one call per core): when tools, not KV,
+    are oversubscribed, calls queue, and the wait is in the result and in the plane's telemetry
+    (``in_flight`` counts the queued calls too: the tools the host is asked to run)."""
 
     mode = "simulated"
 
     def __init__(self, clock: Callable[[], float], workers: int | None = None) -> None:
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"simulated tools: workers must be a positive integer or None, got {workers!r}")
         super().__init__(clock, workers)
+        self._free = workers
+        self._queue: deque[asyncio.Future] = deque()
 
     async def run(self, workflow: str, turn: int, tool: str | None, cmd: str | None,
                   tool_s: float) -> ToolResult:
         t = self.clock()
         self.in_flight += 1
+        held = False
         try:
-            self._note_wait(0.0)
+            if self.workers is not None:
+                if self._free > 0 and not self._queue:
+                    self._free -= 1
+                else:
+                    fut = asyncio.get_running_loop().create_future()
+                    self._queue.append(fut)
+                    try:
+                        await fut  # a finishing call hands its core straight to this one
+                    except asyncio.CancelledError:
+                        if fut.done() and not fut.cancelled():
+                            self._release()  # handed a core while being cancelled: pass it on
+                        else:
+                            self._queue.remove(fut)
+                        raise
+                held = True
+            start = self.clock()
+            self._note_wait(start - t)
             if tool_s > 0:
                 await asyncio.sleep(tool_s)
         finally:
             self.in_flight -= 1
-        return ToolResult(tool, t, t, self.clock())
+            if held:
+                self._release()
+        return ToolResult(tool, t, start, self.clock())
+
+    def _release(self) -> None:
+        while self._queue:
+            fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
 
 
 def detect_sandbox() -> str:

@@ -415,8 +415,16 @@ class MarsSchedulerMixin:
                        short_id(request.request_id), short_id(workflow), why)
 
     def schedule(self, throttle_prefills: bool = False):
-        policy = self.mars_policy
         now = self.clock.now()
+        self._mars_begin_step(now)
+        out = super().schedule(throttle_prefills)
+        self._mars_end_step(out, now)
+        return out
+
+    def _mars_begin_step(self, now: float) -> None:
+        """The policy's part of a step before vLLM's ``schedule()`` (the simulator's decode
+        fast-forward runs it for the steps it takes without ``schedule()``)."""
+        policy = self.mars_policy
         if self.retention:
             self.retention.release_expired(now)
         if policy.orders or policy.caps_chunks:
@@ -427,7 +435,11 @@ class MarsSchedulerMixin:
             self.kv_holding_waiting.mark_dirty()
         # A gate without ordering keeps the static arrival order: nothing to re-sort; the gate
         # itself is asked afresh every time vLLM looks at the queue.
-        out = super().schedule(throttle_prefills)
+
+    def _mars_end_step(self, out: Any, now: float) -> None:
+        """The policy's part of a step after vLLM's ``schedule()`` returned ``out`` (reads its
+        ``scheduled_new_reqs``, ``num_scheduled_tokens`` and ``total_num_scheduled_tokens``)."""
+        policy = self.mars_policy
         calls = self._calls
         for new in out.scheduled_new_reqs:
             call = calls.get(new.req_id)
@@ -448,7 +460,6 @@ class MarsSchedulerMixin:
             self._record_step_work(out)
         if self._cost_warning_due and out.total_num_scheduled_tokens and not self._cost_warning_deferred:
             self._warn_if_uncalibrated()
-        return out
 
     def _order_running(self) -> None:
         calls = self._calls

@@ -13,6 +13,17 @@ KV pool, with no model executor and no KV tensors (the pool is bookkeeping only)
    lengths come from ``ignore_eos`` + ``max_tokens``), and hand first tokens and finished calls to
    the waiting driver coroutines, stamped at the virtual end of the step.
 
+Decode fast-forward (``SimBackend.fast_forward``, on by default). While every running request is
+decoding, nothing waits and nothing else on the loop is due before the step ends, a step's outcome
+is known without vLLM's ``schedule()``/``update_from_output()``: every request computes one token,
+and the only KV work is at block boundaries. Such steps run here directly: the scheduler's policy
+hooks (``MarsScheduler._mars_begin_step``/``_mars_end_step``, at the step's virtual start), vLLM's
+``allocate_slots`` for exactly the requests whose step starts or fills a block (in running order,
+as ``schedule()`` calls it), one computed token and vLLM's ``append_output_token_ids`` per request,
+the step's time from the profile, and the clock advanced as ``advance_if_idle`` would. Any step
+that could differ (an arrival, a finish, a prefill, a possible preemption, a timer due, an abort)
+runs the full path. Results are identical with it off (tests/test_sim_fast_forward.py).
+
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
@@ -30,6 +41,13 @@ from typing import Any
 from vllm_mars.admission.telemetry import EngineSample, scheduler_sample
 from vllm_mars.backend import CallResult
 from vllm_mars.sim.loop import LoopClock, is_virtual
+
+try:
+    from vllm.v1.request import RequestStatus
+
+    _RUNNING = RequestStatus.RUNNING
+except ImportError:  # pragma: no cover - the sim needs vLLM anyway
+    _RUNNING = None
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +77,46 @@ def config_vocab_size(model_dir: str) -> int:
     return vocab
 
 
+_NO_PREFILL: tuple = ()
+
+
+class _StepOut:
+    """What ``MarsScheduler._mars_end_step`` reads of a fast-forwarded decode step's output."""
+
+    __slots__ = ("num_scheduled_tokens", "total_num_scheduled_tokens")
+    scheduled_new_reqs = ()
+
+    def __init__(self) -> None:
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.total_num_scheduled_tokens = 0
+
+
+def _ff_supported(s: Any) -> bool:
+    """Whether the scheduler's configuration lets decode steps be fast-forwarded at all: ours, sync,
+    no connector, speculation, LoRA, pause, deferred frees or online cost fit in play."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    return (hasattr(s, "_mars_begin_step") and not isinstance(s, AsyncScheduler)
+            and s.connector is None and getattr(s, "ec_connector", None) is None
+            and not s.defer_block_free and s.vllm_config.speculative_config is None
+            and s.lora_config is None and not getattr(s, "need_mamba_block_aligned_split", False)
+            and getattr(s, "_cost_fit", None) is None and s.num_lookahead_tokens == 0)
+
+
+def _decode_ready(r: Any, step: int) -> bool:
+    """Whether running request ``r`` decodes exactly one plain token in the next step: its prompt is
+    computed, nothing speculative, structured, multimodal, pooled or stale about it, and the token the
+    sim samples cannot stop it (only its length can)."""
+    sp = r.sampling_params
+    return (r.num_computed_tokens == r.num_tokens - 1 and r.status == _RUNNING and not r.spec_token_ids
+            and not r.num_output_placeholders and not r.num_in_flight_tokens
+            and not r.num_stale_output_tokens and not r.has_encoder_inputs and r.pooling_params is None
+            and r.structured_output_request is None and sp is not None
+            and sp.eos_token_id != SIM_TOKEN and SIM_TOKEN not in (sp.stop_token_ids or ())
+            and sp.repetition_detection is None and r.num_output_tokens >= sp.min_tokens
+            and getattr(r, "next_decode_eligible_step", 0) <= step + 1)
+
+
 class _Call:
     __slots__ = ("cached", "first", "future", "ids", "last_step", "prompt_tokens", "request", "workflow")
 
@@ -77,6 +135,8 @@ class SimBackend:
     """The driver's Backend over the virtual-time engine (see the module docstring)."""
 
     name = "sim"
+    #: Decode fast-forward (module docstring). Off only to show that results do not depend on it.
+    fast_forward = True
 
     def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, seed: int = 0,
@@ -107,6 +167,8 @@ class SimBackend:
         self.steps = 0
         self.busy_s = 0.0
         self.idle_steps = 0
+        #: of ``steps``, those the decode fast-forward ran
+        self.ff_steps = 0
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
@@ -156,6 +218,7 @@ class SimBackend:
         profile = self.profile
         block_size = self.profile.block_size
         advance = loop.advance_if_idle
+        ff = self._fast_forward if self.fast_forward and _ff_supported(s) else None
         try:
             while True:
                 if self._aborts:
@@ -179,6 +242,8 @@ class SimBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                if ff is not None:
+                    ff()
                 so = s.schedule()
                 prefill, decode = batch_shape(s, so)
                 if prefill or decode:
@@ -211,6 +276,99 @@ class SimBackend:
                     call.future.set_exception(RuntimeError(f"sim engine failed: {e!r}"))
             self._calls.clear()
             raise
+
+    def _fast_forward(self) -> None:
+        """Run the decode-only steps that are due now without vLLM's schedule/update (module
+        docstring). Returns before the first step that needs the full path; that step runs next."""
+        s = self.scheduler
+        running = s.running
+        n = len(running)
+        if (not n or self._incoming or self._aborts or len(s.waiting) or len(s.kv_holding_waiting)
+                or n > s.max_num_scheduled_tokens or n > s.scheduler_config.max_num_batched_tokens):
+            return
+        # How many steps every running request decodes without finishing (the finishing step and
+        # the one at the model-length limit run the full path).
+        bs = s.block_size
+        max_len = s.max_model_len
+        step0 = s.current_step
+        horizon = None
+        for r in running:
+            c = r.num_computed_tokens
+            if not _decode_ready(r, step0):
+                return
+            left = min(r.max_tokens - r.num_output_tokens, max_len - c - 2)
+            if horizon is None or left < horizon:
+                horizon = left
+        horizon -= 1
+        if horizon <= 0:
+            return
+        loop = self._loop
+        profile = self.profile
+        kvm = s.kv_cache_manager
+        pool = kvm.block_pool
+        lookahead = s.num_lookahead_tokens
+        begin, end = s._mars_begin_step, s._mars_end_step
+        idle, advance = loop.idle_for, loop.advance_if_idle
+        token = SIM_TOKEN
+        # Requests whose step starts a block (needs one) or fills one (caches it), by step mod bs.
+        starts: list[list] = [[] for _ in range(bs)]
+        fills: list[list] = [[] for _ in range(bs)]
+        for r in running:
+            c = r.num_computed_tokens
+            starts[-c % bs].append(r)
+            fills[(bs - 1 - c) % bs].append(r)
+        done = 0
+        out = _StepOut()
+        while done < horizon:
+            decode = [r.num_computed_tokens for r in running]
+            dt = profile.step_seconds(_NO_PREFILL, decode)
+            if not dt > 0 or not idle(dt):
+                break
+            k = done % bs
+            new = starts[k]
+            if new and len(new) > pool.get_num_free_blocks():
+                break  # an allocation could fail: vLLM preempts; the full path runs it
+            now = loop.time()
+            begin(now)
+            # schedule(): one token each, allocate_slots where a block starts or fills
+            s.current_step += 1
+            kvm.new_step_starts()
+            events = new + fills[k]
+            if events:
+                if len(events) > 1:
+                    index = {id(r): i for i, r in enumerate(running)}
+                    events.sort(key=lambda r: index[id(r)])
+                for r in events:
+                    if kvm.allocate_slots(r, 1, num_lookahead_tokens=lookahead) is None:
+                        raise RuntimeError(f"sim fast-forward: allocation failed for {r.request_id}")
+                kvm.take_new_block_ids()
+            s.finished_req_ids = set()
+            s.reset_preempted_req_ids = set()
+            out.num_scheduled_tokens = scheduled = {}
+            for r in running:
+                r.num_computed_tokens += 1
+                scheduled[r.request_id] = 1
+            out.total_num_scheduled_tokens = n
+            end(out, now)
+            # the step runs: clock, counters; update_from_output(): one sampled token each
+            if not advance(dt):
+                raise RuntimeError("sim fast-forward: the loop stopped being idle during a step")
+            self.steps += 1
+            self.busy_s += dt
+            for r in running:
+                r.append_output_token_ids(token)
+            done += 1
+        if not done:
+            return
+        if not s.use_v2_model_runner:
+            s.prev_step_scheduled_req_ids.clear()
+            s.prev_step_scheduled_req_ids.update(r.request_id for r in running)
+        calls = self._calls
+        for r in running:
+            call = calls.get(r.request_id)
+            if call is not None:
+                call.ids.extend([token] * done)
+        self.ff_steps += done
 
     def _deliver(self, o: Any, now: float) -> None:
         call = self._calls.get(o.request_id)

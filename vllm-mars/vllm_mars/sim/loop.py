@@ -76,13 +76,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         value (``time() + dt``) after a trip through the loop; the simulated engine uses this to
         skip the trip for consecutive steps while the rest of the run sleeps.
         """
-        t = self._virtual_now + dt
-        if self._ready or (self._scheduled and self._scheduled[0]._when <= t):
+        if not self.idle_for(dt):
             return False
-        if self._selector.get_map() and super(_VirtualSelector, self._selector).select(0):
-            return False
-        self._virtual_now = t
+        self._virtual_now += dt
         return True
+
+    def idle_for(self, dt: float) -> bool:
+        """True when nothing would run before ``time() + dt``: no callback ready, no timer due by
+        then, no I/O (what :meth:`advance_if_idle` checks before it advances)."""
+        if self._ready or (self._scheduled and self._scheduled[0]._when <= self._virtual_now + dt):
+            return False
+        return not (self._selector.get_map() and super(_VirtualSelector, self._selector).select(0))
 
 
 class LoopClock:

@@ -1,0 +1,88 @@
+"""The sim's decode fast-forward changes nothing: byte-identical ``summary.json`` and ``events.jsonl``
+with it on and off, across policies, on a pool small enough that calls queue, are preempted, and
+evict each other's prefixes (each run ends with the sim's leak check). It must also run most steps,
+or the speed it buys is not there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_mars.driver.runner import ReplayConfig, run_replay
+from vllm_mars.sim import engine as sim_engine
+
+PROFILE = "h200-qwen3-coder-30b-a3b"
+
+
+def _workload(path: Path, n: int = 10) -> Path:
+    """``n`` workflows, 3-4 turns of 30-260 output tokens around 0.3-4 s tools, a shared prefix, one
+    child: contexts of 1-3k tokens against a 5k-token pool."""
+    lines = []
+    for i in range(n):
+        turns = [{"output_tokens": 60 + 23 * i, "tool_s": 0.3 + 0.4 * (i % 5), "tool": "bash"},
+                 {"append_tokens": 200 + 40 * i, "output_tokens": 30 + 11 * (i % 4), "tool_s": 2.0 + 0.5 * (i % 3),
+                  "tool": "read"},
+                 {"append_tokens": 64, "output_tokens": 260 - 13 * i}]
+        if i % 3 == 0:
+            turns.insert(2, {"append_tokens": 500, "output_tokens": 45, "tool_s": 4.0, "tool": "test"})
+        wf = {"schema": "mars_workload_v1", "workflow_id": f"w{i}", "prefix": [{"tokens": 512, "key": "sys"}],
+              "prompt_tokens": 900 + 97 * i, "turns": turns}
+        if i == 2:
+            wf["children"] = [{"after_turn": 0, "workflow": {
+                "workflow_id": "w2.c0", "prompt_tokens": 300,
+                "turns": [{"output_tokens": 70, "tool_s": 1.0, "tool": "bash"},
+                          {"append_tokens": 40, "output_tokens": 25}]}}]
+        lines.append(json.dumps(wf))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(tmp_path: Path, policy: str, fast: bool, monkeypatch) -> tuple[Path, list]:
+    monkeypatch.setattr(sim_engine.SimBackend, "fast_forward", fast)
+    backends = []
+    start = sim_engine.SimBackend.start
+
+    async def recording_start(self):
+        backends.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(sim_engine.SimBackend, "start", recording_start)
+    wl = tmp_path / "wl.jsonl"
+    if not wl.exists():
+        _workload(wl)
+    out, _ = run_replay(ReplayConfig(workload=str(wl), policy=policy, rps=1.5, backend="sim", profile=PROFILE,
+                                     num_blocks=330, progress=False, out=str(tmp_path / f"{policy}-{fast}")))
+    return out, backends
+
+
+@pytest.mark.parametrize("policy", ["mars", "fcfs", "continuum", "infercept", "autellix", "lightllm",
+                                    "mars-no-admission"])
+def test_fast_forward_gives_byte_identical_runs(tmp_path, monkeypatch, policy):
+    on, backends = _run(tmp_path, policy, True, monkeypatch)
+    off, off_backends = _run(tmp_path, policy, False, monkeypatch)
+    assert (on / "summary.json").read_bytes() == (off / "summary.json").read_bytes()
+    assert (on / "events.jsonl").read_bytes() == (off / "events.jsonl").read_bytes()
+    summary = json.loads((on / "summary.json").read_text())
+    assert summary["completed"] == 10 and summary["errors"] == 0
+    assert summary["engine"]["leak_check"] == "ok"
+    # the cell is not trivial: the pool evicts prefixes (and, without admission, preempts)
+    assert summary["engine"]["kv_blocks_removed"] > 0
+    run = max(backends, key=lambda b: b.steps)  # the replay's engine (not a calibration engine)
+    assert run.ff_steps > run.steps / 3, f"fast-forward ran {run.ff_steps} of {run.steps} steps"
+    off_run = max(off_backends, key=lambda b: b.steps)
+    assert off_run.ff_steps == 0 and off_run.steps == run.steps
+
+
+def test_a_preempting_cell_is_identical_too(tmp_path, monkeypatch):
+    """fcfs on an even smaller pool: preemptions happen, and runs stay identical."""
+    wl = _workload(tmp_path / "wl.jsonl")
+    outs = []
+    for fast in (True, False):
+        monkeypatch.setattr(sim_engine.SimBackend, "fast_forward", fast)
+        out, _ = run_replay(ReplayConfig(workload=str(wl), policy="fcfs", rps=4.0, backend="sim", profile=PROFILE,
+                                         num_blocks=260, progress=False, out=str(tmp_path / f"p{fast}")))
+        outs.append(out)
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()
+    assert json.loads((outs[0] / "summary.json").read_text())["preemptions"] > 0
