@@ -2,9 +2,9 @@
 scripts/setup_agents.sh, driven by ``mars agents run`` against the tiny model.
 
 The tiny model's answers are junk text with no tool call, so each CLI turn is one call (OpenCode adds
-its title call) and the session ends there; the server caps answers at 8 tokens
-(``--override-generation-config``: Codex sends no output limit). The CLI tests skip only when the
-CLIs are not installed; the sandbox test needs bubblewrap.
+its title call) and the session ends there; calls that send no output limit (Codex) get 8 tokens
+(``--default-max-tokens``). The CLI tests skip only when the CLIs are not installed; the sandbox
+test needs bubblewrap. Sessions that do real work (the scripted model): tests/test_agents_live.py.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ class MarsServe(ServerProcess):
              "--engine-port", str(engine_port), "--served-model-name", "tiny", "--device", "cpu",
              "--num-blocks", "2048", "--max-model-len", "32768", "--max-num-seqs", "8",
              "--telemetry-interval", "0.1", "--events", str(self.events), "--engine-log", str(tmp / "engine.log"),
-             "--vllm-args", "--override-generation-config '{\"max_new_tokens\": 8}'"],
+             "--default-max-tokens", "8"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MARS_SCHED_LOG": str(self.sched_log)})
 
