@@ -177,6 +177,34 @@ def test_bad_agents_run_arguments_exit_2(tmp_path, capsys):
     assert "no.txt" in err or "setup_agents.sh" in err
     assert main([*base, "--frontend", "codex", "--server", "127.0.0.1:9"]) == 2
     assert "http://" in capsys.readouterr().err
+    assert main([*base, "--frontend", "codex", "--rps", "0"]) == 2
+    assert "--rps must be > 0" in capsys.readouterr().err
+    assert main([*base, "--frontend", "codex,nope"]) == 2
+    assert "'nope' unknown; allowed: codex, opencode, openhands" in capsys.readouterr().err
+    assert main(["agents", "run", "--tasks", str(tasks), "--frontend", "codex"]) == 2
+    assert "--model-path" in capsys.readouterr().err
+    assert main(["agents", "compare", "--policies", "mars,nosuch", "--tasks", str(tasks), "--frontend", "codex",
+                 "--model-path", "m"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+def test_session_plan_mixes_frontends_and_arrives_open_loop(tmp_path):
+    from vllm_mars.agents.runner import plan_sessions
+
+    tasks = load_agent_tasks(Path(__file__).resolve().parents[1] / "benchmark" / "tasks" / "coding.jsonl")
+    cfg = AgentRunConfig(frontend="openhands,codex,opencode", tasks="t", model_path="m", rps=2.0, max_requests=16)
+    plan = plan_sessions(cfg, tasks)
+    assert len(plan) == 16 and len({s.key for s in plan}) == 16
+    assert [s.frontend for s in plan[:4]] == ["openhands", "codex", "opencode", "openhands"]
+    assert [s.task.task_id for s in plan[11:14]] == [tasks[11].task_id, tasks[0].task_id, tasks[1].task_id]
+    assert [s.offset for s in plan[:3]] == [0.0, 0.5, 1.0]  # fixed: i / rps
+    poisson = plan_sessions(AgentRunConfig(frontend="codex", tasks="t", server="http://x", rps=2.0,
+                                           arrival="poisson", max_requests=5, seed=3), tasks)
+    offs = [s.offset for s in poisson]
+    assert offs[0] == 0.0 and offs == sorted(offs) and len(set(offs)) == 5
+    # one frontend, one session per task: the session is named as its task
+    assert [s.key for s in plan_sessions(AgentRunConfig(frontend="codex", tasks="t", server="http://x"), tasks)] \
+        == [t.task_id for t in tasks]
 
 
 # -- the sandbox --------------------------------------------------------------------------------------

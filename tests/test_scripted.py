@@ -152,7 +152,7 @@ def test_serve_sizes_cpu_fits_the_frontends_first_prompts_and_gpu_is_vllms(tiny_
     from vllm_mars.engine import local
 
     cpu = local.serve_sizes(tiny_model, True)
-    assert cpu["max_model_len"] == 32768 >= 11_500  # Codex's first prompt with the tiny tokenizer
+    assert cpu["max_model_len"] == 32768  # Codex's first prompt (~11.5k tokens with the tiny tokenizer) fits
     assert local.serve_sizes(tiny_model, True, num_blocks=101)["max_model_len"] == 100 * 32  # what KV holds
     assert local.serve_sizes(tiny_model, True, max_model_len=4096)["max_model_len"] == 4096  # the user's
     gpu = local.serve_sizes(tiny_model, False)
