@@ -72,7 +72,7 @@ def test_a_real_session_solves_its_task_through_mars_serve(scripted_serve, tmp_p
     srv = scripted_serve
     out = run_agents(AgentRunConfig(frontend=frontend, tasks=str(_one_task(tmp_path, task)), server=srv.url,
                                     session_timeout_s=600, unsandboxed=not _bwrap_ok(), max_output_tokens=1024,
-                                    out=str(tmp_path / "run")))
+                                    scripted=str(TASKS), out=str(tmp_path / "run")))
     (t,) = [json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines()]
     assert t["error"] is None, t["cli"]
     assert t["tool_calls"] >= 3, t["cli"]  # the frontend really ran tools the model asked for
@@ -100,4 +100,7 @@ def test_a_real_session_solves_its_task_through_mars_serve(scripted_serve, tmp_p
     assert ends, "the session's workflow never ended"
     assert ends[0]["ts"] - last <= 1.0, (ends[0], last)
     report = (out / "report.md").read_text()
-    assert "## Sessions" in report
+    assert "## Sessions" in report and "The model was scripted" in report and "Task completion: 1/1" in report
+    # what happened, as a replayable workload: one workflow, a turn per agent call
+    (w,) = [json.loads(x) for x in (out / "workload.jsonl").read_text().splitlines()]
+    assert len(w["turns"]) == len(agent) and w["meta"]["frontend"] == frontend

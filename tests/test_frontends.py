@@ -188,6 +188,28 @@ def test_bad_agents_run_arguments_exit_2(tmp_path, capsys):
     assert "nosuch" in capsys.readouterr().err
 
 
+def test_a_live_session_becomes_a_replayable_workflow(tmp_path):
+    from vllm_mars.agents.runner import session_workflow, write_workload
+    from vllm_mars.workload.schema import WorkloadLine
+
+    def call(t, prompt, out, tools=True):
+        return {"has_tools": tools, "prompt_tokens": prompt, "output_tokens": out, "submit_ts": t, "end_ts": t + 1}
+
+    trace = {"task": "s1", "task_id": "calc-add", "frontend": "codex", "start_ts": 5.0, "client_session": "c",
+             "solved": True, "side_calls": 1,
+             "calls": [call(5, 100, 10, tools=False), call(6, 1000, 20), call(9, 1100, 30), call(12, 400, 5)]}
+    w = session_workflow(trace)
+    assert w["prompt_tokens"] == 1000 and w["schema"] == "mars_workload_v2"  # the side call is left out
+    assert w["turns"][0] == {"output_tokens": 20, "tool_s": 2.0}  # the gap to the next call: tool time
+    assert w["turns"][1] == {"output_tokens": 30, "append_tokens": 80, "tool_s": 2.0}  # 1100 - (1000 + 20)
+    assert w["turns"][2] == {"output_tokens": 5, "compact": {"keep_tokens": 400, "summary_tokens": 0}}
+    assert WorkloadLine.model_validate(w).prompt_lengths() == [1000, 1100, 400]
+    later = {**trace, "task": "s2", "start_ts": 8.0}
+    assert write_workload([later, trace, {**trace, "task": "none", "calls": []}], tmp_path / "w.jsonl") == 2
+    rows = [json.loads(x) for x in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [(r["workflow_id"], r["arrival_s"]) for r in rows] == [("s1", 0.0), ("s2", 3.0)]
+
+
 def test_session_plan_mixes_frontends_and_arrives_open_loop(tmp_path):
     from vllm_mars.agents.runner import plan_sessions
 

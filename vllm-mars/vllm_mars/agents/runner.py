@@ -543,6 +543,7 @@ def run_agents(cfg: AgentRunConfig) -> Path:
     summary["solved"] = sum(1 for t in checked if t["solved"])
     summary["tool_calls"] = sum(t.get("tool_calls") or 0 for t in traces)
     summary["scripted"] = cfg.scripted  # the task file whose scripts the server plays (--scripted)
+    summary["workload"] = {"path": "workload.jsonl", "workflows": write_workload(traces, out / "workload.jsonl")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_run_report(out, summary)
     with open(report, "a") as f:
@@ -591,6 +592,51 @@ def compare_agents(cfg: AgentRunConfig, policies: list[str]) -> tuple[Path, dict
     record["wall_s"] = time.monotonic() - t0
     write_compare_report(out, record, {rps: summaries})
     return out, record
+
+
+def session_workflow(trace: dict[str, Any]) -> dict[str, Any] | None:
+    """One session's agent calls as a ``mars_workload`` workflow line: the first call's prompt, per
+    later call the tokens its prompt grew by beyond the previous call's prompt and output (a prompt
+    that shrank restarts it: schema v2 ``compact``), each call's output tokens, and the gap until the
+    next call as its tool time. Side calls (no tools) are left out. None without an agent call."""
+    calls = [c for c in trace["calls"] if c.get("has_tools") and c.get("prompt_tokens")]
+    if not calls:
+        return None
+    turns: list[dict[str, Any]] = []
+    prev_ctx = 0
+    for k, c in enumerate(calls):
+        t: dict[str, Any] = {"output_tokens": max(int(c.get("output_tokens") or 0), 1)}
+        if k:
+            grow = int(c["prompt_tokens"]) - prev_ctx
+            if grow >= 0:
+                t["append_tokens"] = grow
+            else:
+                t["compact"] = {"keep_tokens": int(c["prompt_tokens"]), "summary_tokens": 0}
+            prev = calls[k - 1]
+            turns[-1]["tool_s"] = round(max(c["submit_ts"] - (prev.get("end_ts") or prev["submit_ts"]), 0.0), 6)
+        prev_ctx = int(c["prompt_tokens"]) + t["output_tokens"]
+        turns.append(t)
+    schema = "mars_workload_v2" if any("compact" in t for t in turns) else "mars_workload_v1"
+    return {"schema": schema, "workflow_id": str(trace["task"]), "arrival_s": round(float(trace["start_ts"]), 6),
+            "prompt_tokens": int(calls[0]["prompt_tokens"]), "turns": turns, "source": "mars agents run",
+            "meta": {"frontend": trace.get("frontend"), "task": trace.get("task_id"),
+                     "client_session": trace.get("client_session"), "solved": trace.get("solved"),
+                     "side_calls": trace.get("side_calls")}}
+
+
+def write_workload(traces: list[dict[str, Any]], path: Path) -> int:
+    """What the run did as a replayable workload (``mars replay --workload PATH``); validated by the
+    workload schema. Returns the number of workflows written."""
+    from vllm_mars.workload.schema import WorkloadLine
+
+    rows = [w for w in (session_workflow(t) for t in sorted(traces, key=lambda t: t["start_ts"])) if w]
+    base = min((w["arrival_s"] for w in rows), default=0.0)
+    with open(path, "w") as f:
+        for w in rows:
+            w["arrival_s"] = round(w["arrival_s"] - base, 6)
+            WorkloadLine.model_validate(w)
+            f.write(json.dumps(w, separators=(",", ":")) + "\n")
+    return len(rows)
 
 
 def sessions_table(traces: list[dict[str, Any]]) -> str:
