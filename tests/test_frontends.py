@@ -2,9 +2,9 @@
 scripts/setup_agents.sh, driven by ``mars agents run`` against the tiny model.
 
 The tiny model's answers are junk text with no tool call, so each CLI turn is one call (OpenCode adds
-its title call) and the session ends there; the server caps answers at 8 tokens
-(``--override-generation-config``: Codex sends no output limit). The CLI tests skip only when the
-CLIs are not installed; the sandbox test needs bubblewrap.
+its title call) and the session ends there; calls that send no output limit (Codex) get 8 tokens
+(``--default-max-tokens``). The CLI tests skip only when the CLIs are not installed; the sandbox
+test needs bubblewrap. Sessions that do real work (the scripted model): tests/test_agents_live.py.
 """
 
 from __future__ import annotations
@@ -177,6 +177,56 @@ def test_bad_agents_run_arguments_exit_2(tmp_path, capsys):
     assert "no.txt" in err or "setup_agents.sh" in err
     assert main([*base, "--frontend", "codex", "--server", "127.0.0.1:9"]) == 2
     assert "http://" in capsys.readouterr().err
+    assert main([*base, "--frontend", "codex", "--rps", "0"]) == 2
+    assert "--rps must be > 0" in capsys.readouterr().err
+    assert main([*base, "--frontend", "codex,nope"]) == 2
+    assert "'nope' unknown; allowed: codex, opencode, openhands" in capsys.readouterr().err
+    assert main(["agents", "run", "--tasks", str(tasks), "--frontend", "codex"]) == 2
+    assert "--model-path" in capsys.readouterr().err
+    assert main(["agents", "compare", "--policies", "mars,nosuch", "--tasks", str(tasks), "--frontend", "codex",
+                 "--model-path", "m"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+def test_a_live_session_becomes_a_replayable_workflow(tmp_path):
+    from vllm_mars.agents.runner import session_workflow, write_workload
+    from vllm_mars.workload.schema import WorkloadLine
+
+    def call(t, prompt, out, tools=True):
+        return {"has_tools": tools, "prompt_tokens": prompt, "output_tokens": out, "submit_ts": t, "end_ts": t + 1}
+
+    trace = {"task": "s1", "task_id": "calc-add", "frontend": "codex", "start_ts": 5.0, "client_session": "c",
+             "solved": True, "side_calls": 1,
+             "calls": [call(5, 100, 10, tools=False), call(6, 1000, 20), call(9, 1100, 30), call(12, 400, 5)]}
+    w = session_workflow(trace)
+    assert w["prompt_tokens"] == 1000 and w["schema"] == "mars_workload_v2"  # the side call is left out
+    assert w["turns"][0] == {"output_tokens": 20, "tool_s": 2.0}  # the gap to the next call: tool time
+    assert w["turns"][1] == {"output_tokens": 30, "append_tokens": 80, "tool_s": 2.0}  # 1100 - (1000 + 20)
+    assert w["turns"][2] == {"output_tokens": 5, "compact": {"keep_tokens": 400, "summary_tokens": 0}}
+    assert WorkloadLine.model_validate(w).prompt_lengths() == [1000, 1100, 400]
+    later = {**trace, "task": "s2", "start_ts": 8.0}
+    assert write_workload([later, trace, {**trace, "task": "none", "calls": []}], tmp_path / "w.jsonl") == 2
+    rows = [json.loads(x) for x in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [(r["workflow_id"], r["arrival_s"]) for r in rows] == [("s1", 0.0), ("s2", 3.0)]
+
+
+def test_session_plan_mixes_frontends_and_arrives_open_loop(tmp_path):
+    from vllm_mars.agents.runner import plan_sessions
+
+    tasks = load_agent_tasks(Path(__file__).resolve().parents[1] / "benchmark" / "tasks" / "coding.jsonl")
+    cfg = AgentRunConfig(frontend="openhands,codex,opencode", tasks="t", model_path="m", rps=2.0, max_requests=16)
+    plan = plan_sessions(cfg, tasks)
+    assert len(plan) == 16 and len({s.key for s in plan}) == 16
+    assert [s.frontend for s in plan[:4]] == ["openhands", "codex", "opencode", "openhands"]
+    assert [s.task.task_id for s in plan[11:14]] == [tasks[11].task_id, tasks[0].task_id, tasks[1].task_id]
+    assert [s.offset for s in plan[:3]] == [0.0, 0.5, 1.0]  # fixed: i / rps
+    poisson = plan_sessions(AgentRunConfig(frontend="codex", tasks="t", server="http://x", rps=2.0,
+                                           arrival="poisson", max_requests=5, seed=3), tasks)
+    offs = [s.offset for s in poisson]
+    assert offs[0] == 0.0 and offs == sorted(offs) and len(set(offs)) == 5
+    # one frontend, one session per task: the session is named as its task
+    assert [s.key for s in plan_sessions(AgentRunConfig(frontend="codex", tasks="t", server="http://x"), tasks)] \
+        == [t.task_id for t in tasks]
 
 
 # -- the sandbox --------------------------------------------------------------------------------------
@@ -265,7 +315,7 @@ class MarsServe(ServerProcess):
              "--engine-port", str(engine_port), "--served-model-name", "tiny", "--device", "cpu",
              "--num-blocks", "2048", "--max-model-len", "32768", "--max-num-seqs", "8",
              "--telemetry-interval", "0.1", "--events", str(self.events), "--engine-log", str(tmp / "engine.log"),
-             "--vllm-args", "--override-generation-config '{\"max_new_tokens\": 8}'"],
+             "--default-max-tokens", "8"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MARS_SCHED_LOG": str(self.sched_log)})
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mars.costmodel import CostModel
+from vllm_mars.options import check_value
 from vllm_mars.policies import config_fields, get_policy_class, make_policy
 
 ENV_POLICY = "MARS_POLICY"

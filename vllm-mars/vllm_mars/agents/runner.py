@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,11 +51,31 @@ _TAIL = 2000
 class AgentRunConfig:
     """Everything ``mars agents run`` reads (flags map 1:1)."""
 
+    #: one frontend, or a comma list: a mix (session i uses the (i mod n)-th)
     frontend: str
     tasks: str
-    #: the server's base URL (``mars serve`` / the sidecar, or any OpenAI-compatible server)
-    server: str
-    concurrency: int = 1
+    #: the server's base URL (``mars serve`` / the sidecar, or any OpenAI-compatible server); None:
+    #: ``mars serve --model-path ...`` is started for the run (and stopped after it)
+    server: str | None = None
+    #: sessions at once (None: as many as there are; with --rps, open-loop arrivals)
+    concurrency: int | None = 1
+    #: open-loop session arrivals per second (None: all at the start)
+    rps: float | None = None
+    #: ``fixed`` (i / rps) or ``poisson``
+    arrival: str = "fixed"
+    #: sessions in all (tasks are reused in order; default: one per task)
+    max_requests: int | None = None
+    seed: int = 0
+    #: when ``server`` is None: the model ``mars serve`` serves, its policy, KV blocks, scripted task
+    #: file and extra ``mars serve`` arguments
+    model_path: str | None = None
+    policy: str = "mars"
+    num_blocks: int | None = None
+    scripted: str | None = None
+    serve_args: tuple[str, ...] = ()
+    #: cores for the started server and for the agents (``taskset -c`` lists; default $CPU_SERVER, $CPU_AGENT)
+    cpu_server: str | None = None
+    cpu_agent: str | None = None
     #: served model name (default: the server's first in /v1/models)
     model: str | None = None
     session_timeout_s: float = 600.0
@@ -71,21 +92,36 @@ class AgentRunConfig:
     sample_interval_s: float = 0.5
     out: str | None = None
 
+    @property
+    def frontends(self) -> list[str]:
+        return [f.strip() for f in self.frontend.split(",") if f.strip()]
+
     def validate(self) -> None:
-        get_frontend(self.frontend)
-        if self.concurrency < 1:
+        if not self.frontends:
+            raise ValueError("--frontend: name one of codex, opencode, openhands (or a comma list)")
+        for f in self.frontends:
+            get_frontend(f)
+        if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.session_timeout_s <= 0:
             raise ValueError(f"--session-timeout must be > 0, got {self.session_timeout_s}")
-        if not self.server.startswith(("http://", "https://")):
+        if self.server is None and not self.model_path:
+            raise ValueError("give --server URL (a running server) or --model-path MODEL (mars serve is started)")
+        if self.server is not None and not self.server.startswith(("http://", "https://")):
             raise ValueError(f"--server {self.server!r} must start with http:// or https://")
+        if self.rps is not None and not self.rps > 0:
+            raise ValueError(f"--rps must be > 0, got {self.rps}")
+        if self.arrival not in ("fixed", "poisson"):
+            raise ValueError(f"--arrival {self.arrival!r} unknown; allowed: fixed, poisson")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
         if self.context_window < 1 or (self.max_output_tokens is not None and self.max_output_tokens < 1):
             raise ValueError("--context-window and --max-output-tokens must be >= 1")
 
     @property
     def server_root(self) -> str:
         """The server URL without a trailing /v1."""
-        s = self.server.rstrip("/")
+        s = (self.server or "").rstrip("/")
         return s.removesuffix("/v1")
 
 
@@ -151,13 +187,39 @@ def _cli_env(fe: Frontend, paths: SessionPaths, settings: CliSettings) -> dict[s
     return {**keep, **fe.env(paths, settings)}
 
 
+@dataclass(frozen=True)
+class Session:
+    """One planned session: its workflow key, task, frontend and arrival offset (s)."""
+
+    key: str
+    task: AgentTask
+    frontend: str
+    offset: float = 0.0
+
+
+def plan_sessions(cfg: AgentRunConfig, tasks: list[AgentTask]) -> list[Session]:
+    """``max_requests`` sessions (default: one per task): session i runs task i mod len(tasks) with
+    frontend i mod len(frontends), arriving at the i-th offset of the arrival process."""
+    from vllm_mars.driver.arrivals import arrival_times
+
+    fes = cfg.frontends
+    n = cfg.max_requests or len(tasks)
+    offsets = arrival_times(n, process=cfg.arrival, rps=cfg.rps, seed=cfg.seed) if cfg.rps else [0.0] * n
+    plain = n == len(tasks) and len(fes) == 1
+    return [Session(tasks[i % len(tasks)].task_id if plain else f"{i:03d}-{fes[i % len(fes)]}-"
+                    f"{tasks[i % len(tasks)].task_id}", tasks[i % len(tasks)], fes[i % len(fes)], offsets[i])
+            for i in range(n)]
+
+
 class AgentRun:
     """One run: ``await run()``; files under ``out``."""
 
-    def __init__(self, cfg: AgentRunConfig, out: Path, tasks: list[AgentTask], exe: str, model: str,
-                 sandbox: str, sandbox_note: str | None) -> None:
-        self.cfg, self.out, self.tasks, self.exe, self.model = cfg, out, tasks, exe, model
-        self.fe = get_frontend(cfg.frontend)
+    def __init__(self, cfg: AgentRunConfig, out: Path, sessions: list[Session], exes: dict[str, str], model: str,
+                 sandbox: str, sandbox_note: str | None, label: str | None = None) -> None:
+        self.cfg, self.out, self.sessions, self.exes, self.model = cfg, out, sessions, exes, model
+        self.label = label or f"agents-{'+'.join(cfg.frontends)}"
+        #: the vLLM server behind the sidecar, when known (its preemptions and KV usage are sampled)
+        self.engine_url: str | None = None
         self.sandbox, self.sandbox_note = sandbox, sandbox_note
         self.clock = RunClock()
         self.events = EventLog(out / "events.jsonl", self.clock)
@@ -180,7 +242,8 @@ class AgentRun:
 
     # -- one session -----------------------------------------------------------------------------
     def _argv(self, cmd: list[str], paths: SessionPaths, sock_dir: str | None) -> list[str]:
-        return sandboxed_argv(cmd, paths, sock_dir) if self.sandbox == "bwrap" else cmd
+        argv = sandboxed_argv(cmd, paths, sock_dir) if self.sandbox == "bwrap" else cmd
+        return ["taskset", "-c", self.cfg.cpu_agent, *argv] if self.cfg.cpu_agent else argv
 
     async def _cli(self, argv: list[str], env: dict[str, str], cwd: Path, deadline: float,
                    log_base: Path) -> tuple[int | None, bool, str, str]:
@@ -204,12 +267,12 @@ class AgentRun:
         log_base.with_suffix(".stderr").write_text(err)
         return proc.returncode, timed_out, out, err
 
-    async def _session(self, task: AgentTask, slots: asyncio.Semaphore) -> None:
+    async def _session(self, s: Session, slots: asyncio.Semaphore) -> None:
+        await asyncio.sleep(max(s.offset - self.clock(), 0.0))
         async with slots:
-            await self._session_in_slot(task)
+            await self._session_in_slot(s.task, s.key, get_frontend(s.frontend), self.exes[s.frontend])
 
-    async def _session_in_slot(self, task: AgentTask) -> None:
-        key = task.task_id
+    async def _session_in_slot(self, task: AgentTask, key: str, fe: Frontend, exe: str) -> None:
         paths = SessionPaths(self.out / "sessions" / _safe(key)).make()
         for f in task.files:
             p = paths.workspace / f.path
@@ -218,7 +281,8 @@ class AgentRun:
         sock_dir = tempfile.mkdtemp(prefix="mars-agent-") if self.sandbox == "bwrap" else None
         proxy = SessionProxy(self.cfg.server_root, key, self.clock, self._on_call,
                              unix_path=f"{sock_dir}/proxy.sock" if sock_dir else None)
-        self.events.emit("workflow_arrive", workflow=key, root=key, task=key, prompts=len(task.prompts))
+        self.events.emit("workflow_arrive", workflow=key, root=key, task=task.task_id, frontend=fe.name,
+                         prompts=len(task.prompts))
         t0 = self.clock()
         self.events.emit("workflow_start", workflow=key, root=key)
         cli_runs: list[dict[str, Any]] = []
@@ -231,19 +295,19 @@ class AgentRun:
             settings = CliSettings(base_url=base_url, model=self.model, api_key=self.cfg.api_key or "mars",
                                    context_window=self.cfg.context_window,
                                    max_output_tokens=self.cfg.max_output_tokens)
-            self.fe.write_config(paths, settings)
-            env = _cli_env(self.fe, paths, settings)
+            fe.write_config(paths, settings)
+            env = _cli_env(fe, paths, settings)
             for k, prompt in enumerate(task.prompts):
                 if k and client_session is None:
                     error = "cannot resume: the first run reported no session id"
                     break
-                cmd = self.fe.argv(self.exe, prompt, resume=client_session if k else None,
+                cmd = fe.argv(exe, prompt, resume=client_session if k else None,
                                    continue_last=bool(k) and self.cfg.resume_last, workdir=str(paths.workspace))
                 if cmd[-1] == prompt:  # "--": a task line such as "--version" is a prompt, never a flag
                     cmd = [*cmd[:-1], "--", prompt]
                 rc, timed_out, stdout, stderr = await self._cli(self._argv(cmd, paths, sock_dir), env,
                                                                 paths.workspace, deadline, paths.root / f"cli-{k}")
-                parsed = self.fe.parse(stdout)
+                parsed = fe.parse(stdout)
                 client_session = parsed.session_id or client_session
                 run = {"prompt": k, "rc": rc, "timed_out": timed_out, "client_session": parsed.session_id,
                        "steps": parsed.steps, "tool_calls": parsed.tool_calls, "input_tokens": parsed.input_tokens,
@@ -257,7 +321,7 @@ class AgentRun:
                     error = f"session timeout after {self.cfg.session_timeout_s:g} s"
                     break
                 if rc != 0:
-                    error = f"{self.fe.name} exited with code {rc}: {stderr.strip()[-300:]}"
+                    error = f"{fe.name} exited with code {rc}: {stderr.strip()[-300:]}"
                     break
         except Exception as e:  # noqa: BLE001 (recorded as the session's error)
             error = f"{type(e).__name__}: {e}"[:500]
@@ -271,7 +335,7 @@ class AgentRun:
             self.events.emit("task_check", workflow=key, root=key, solved=solved, **check)
         calls = proxy.calls
         if error is None and not calls:  # a CLI that exited 0 without one model call did not do the task
-            error = f"{self.fe.name} made no model call"
+            error = f"{fe.name} made no model call"
         wfs = sorted({c.workflow for c in calls if c.workflow})
         summary = {"workflow": key, "root": key, "client_session": client_session, "sidecar_workflows": wfs,
                    "calls": len(calls), "side_calls": sum(1 for c in calls if not c.has_tools),
@@ -284,7 +348,7 @@ class AgentRun:
             self.events.emit("workflow_error", root_done=True, error=error, **summary)
         self.events.emit("agent_done", workflow=key, rounds=len(calls), parse_failures=0,
                          outcome="completed" if error is None else ("timeout" if "timeout" in error else "error"))
-        trace = {**summary, "task": key, "start_ts": t0, "end_ts": end, "e2e_s": end - t0, "error": error,
+        trace = {**summary, "task": key, "task_id": task.task_id, "frontend": fe.name, "start_ts": t0, "end_ts": end, "e2e_s": end - t0, "error": error,
                  "cli": cli_runs, "calls": [asdict(c) for c in calls]}
         self.traces.write(json.dumps(trace, separators=(",", ":")) + "\n")
         self.results.append(trace)
@@ -313,34 +377,44 @@ class AgentRun:
 
         names = {"mars_admission_active": "active", "mars_admission_queued": "queued",
                  "mars_admission_limit": "limit", "mars_sidecar_in_flight": "in_flight"}
+        # the engine's own gauges where its address is known (mars serve started for the run)
+        engine = {"vllm:num_preemptions_total": "preemptions", "vllm:kv_cache_usage_perc": "kv_usage"}
+
+        def read(text: str, wanted: dict[str, str], vals: dict[str, float]) -> None:
+            for line in text.splitlines():
+                name, _, v = line.partition(" ")
+                key = wanted.get(name.split("{", 1)[0])
+                if key is not None:
+                    vals[key] = vals.get(key, 0.0) + float(v.split()[0])
+
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
             while True:
+                vals: dict[str, float] = {}
                 try:
                     async with s.get(self.cfg.server_root + "/metrics") as r:
-                        text = await r.text()
-                    vals: dict[str, float] = {}
-                    for line in text.splitlines():
-                        name, _, v = line.partition(" ")
-                        if name in names:
-                            vals[names[name]] = float(v)
-                    if vals:
-                        self.events.emit("kv_sample", **{k: int(v) for k, v in vals.items()})
+                        read(await r.text(), names, vals)
+                    if self.engine_url:
+                        async with s.get(self.engine_url + "/metrics") as r:
+                            read(await r.text(), engine, vals)
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     pass
+                if vals:
+                    self.events.emit("kv_sample", **{k: (v if k == "kv_usage" else int(v)) for k, v in vals.items()})
                 await asyncio.sleep(self.cfg.sample_interval_s)
 
     async def run(self) -> None:
         self.clock.start()
-        self.events.emit("run_start", epoch=self.clock.epoch, policy=f"agents-{self.fe.name}", controller=None,
-                         backend="http", workload=self.cfg.tasks, rps=None, frontend=self.fe.name,
-                         cli=self.exe, concurrency=self.cfg.concurrency, server=self.cfg.server, model=self.model,
-                         workflows=len(self.tasks), sandbox=self.sandbox, t_ideal_source=None)
+        self.events.emit("run_start", epoch=self.clock.epoch, monotonic_t0=self.clock.t0, policy=self.label,
+                         controller=None, backend="http", workload=self.cfg.tasks, rps=self.cfg.rps,
+                         arrival=self.cfg.arrival if self.cfg.rps else None, frontend=",".join(self.cfg.frontends),
+                         cli=self.exes, concurrency=self.cfg.concurrency, server=self.cfg.server, model=self.model,
+                         workflows=len(self.sessions), sandbox=self.sandbox, t_ideal_source=None)
         if self.sandbox_note:
             self.events.emit("sandbox_off", reason=self.sandbox_note)
-        slots = asyncio.Semaphore(self.cfg.concurrency)
+        slots = asyncio.Semaphore(self.cfg.concurrency or len(self.sessions))
         sampler = asyncio.create_task(self._sampler())
         try:
-            await asyncio.gather(*(self._session(t, slots) for t in self.tasks))
+            await asyncio.gather(*(self._session(s, slots) for s in self.sessions))
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -365,40 +439,214 @@ def server_model(server_root: str, api_key: str | None) -> str:
         raise ValueError(f"--server {server_root}: cannot list its models ({e}); is it up? (or pass --model)") from None
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServeProcess:
+    """``mars serve`` started for a run (no ``--server``): the run's policy, KV blocks and scripted
+    task file, pinned to ``cpu_server``; its log and admission events in the run dir."""
+
+    def __init__(self, cfg: AgentRunConfig, out: Path) -> None:
+        self.port, engine_port = _free_port(), _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine_url = f"http://127.0.0.1:{engine_port}"
+        cmd = [sys.executable, "-m", "vllm_mars.cli", "serve", str(cfg.model_path), "--port", str(self.port),
+               "--engine-port", str(engine_port), "--policy", cfg.policy, "--events", str(out / "admission.jsonl"),
+               "--engine-log", str(out / "engine.log"), "--default-max-tokens", "512"]
+        if cfg.model:
+            cmd += ["--served-model-name", cfg.model]
+        if cfg.num_blocks is not None:
+            cmd += ["--num-blocks", str(cfg.num_blocks)]
+        if cfg.scripted:
+            cmd += ["--scripted", cfg.scripted]
+        cmd += list(cfg.serve_args)
+        if cfg.cpu_server:
+            cmd = ["taskset", "-c", cfg.cpu_server, *cmd]
+        (out / "serve_command.txt").write_text(" ".join(cmd) + "\n")
+        self._log = open(out / "serve.log", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mars serve exited with code {self.proc.returncode}: see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"mars serve was not ready within {timeout:.0f} s: see {self._log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
 def run_agents(cfg: AgentRunConfig) -> Path:
     """Run the sessions; write and return the run directory (summary.json and report.md included)."""
+    from dataclasses import replace
+
     from vllm_mars.metrics.events import read_events
     from vllm_mars.metrics.report import write_run_report
     from vllm_mars.metrics.summary import summarize
 
+    cfg = replace(cfg, cpu_server=cfg.cpu_server or os.environ.get("CPU_SERVER") or None,
+                  cpu_agent=cfg.cpu_agent or os.environ.get("CPU_AGENT") or None)
     cfg.validate()
-    fe = get_frontend(cfg.frontend)
-    exe = find_cli(fe, cfg.agents_prefix)
+    exes = {f: find_cli(get_frontend(f), cfg.agents_prefix) for f in cfg.frontends}
     tasks = load_agent_tasks(cfg.tasks)
+    sessions = plan_sessions(cfg, tasks)
     sandbox, note = sandbox_mode(cfg.unsandboxed)
     if sandbox == "none":
         logger.warning("agent sessions run without a sandbox: %s", note)
-    model = cfg.model or server_model(cfg.server_root, cfg.api_key)
-    out = Path(cfg.out) if cfg.out else default_out_dir(f"agents-{fe.name}")
+    label = cfg.policy if cfg.server is None else None
+    out = Path(cfg.out) if cfg.out else default_out_dir(label or f"agents-{'+'.join(cfg.frontends)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run_config.json").write_text(json.dumps({**asdict(cfg), "cli": exe, "model": model,
-                                                     "sandbox": sandbox}, indent=2) + "\n")
-    asyncio.run(AgentRun(cfg, out, tasks, exe, model, sandbox, note).run())
+    serve = ServeProcess(cfg, out) if cfg.server is None else None
+    try:
+        if serve is not None:
+            print(f"[agents] starting mars serve {cfg.model_path} (policy {cfg.policy}) on {serve.url}",
+                  file=sys.stderr)
+            serve.wait_ready()
+            cfg = replace(cfg, server=serve.url)
+        model = cfg.model or server_model(cfg.server_root, cfg.api_key)
+        (out / "run_config.json").write_text(json.dumps({**asdict(cfg), "cli": exes, "model": model,
+                                                         "sandbox": sandbox}, indent=2) + "\n")
+        run = AgentRun(cfg, out, sessions, exes, model, sandbox, note, label)
+        run.engine_url = serve.engine_url if serve is not None else None
+        asyncio.run(run.run())
+    finally:
+        if serve is not None:
+            serve.stop()
     summary = summarize(read_events(out))
+    traces = [json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines()]
+    checked = [t for t in traces if t.get("solved") is not None]
+    # task completion (the paper's figure 12): sessions whose task's own check passed afterwards
+    summary["task_completion"] = (sum(1 for t in checked if t["solved"]) / len(checked)) if checked else None
+    summary["solved"] = sum(1 for t in checked if t["solved"])
+    summary["tool_calls"] = sum(t.get("tool_calls") or 0 for t in traces)
+    summary["scripted"] = cfg.scripted  # the task file whose scripts the server plays (--scripted)
+    summary["workload"] = {"path": "workload.jsonl", "workflows": write_workload(traces, out / "workload.jsonl")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_run_report(out, summary)
     with open(report, "a") as f:
-        f.write(sessions_table([json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines()]))
+        if summary["scripted"]:
+            f.write(f"\nThe model was scripted ({summary['scripted']}): mars serve --scripted plays each task's "
+                    "solution; the frontends ran the tools for real.\n")
+        if summary["task_completion"] is not None:
+            f.write(f"\nTask completion: {summary['solved']}/{len(checked)} sessions' checks pass afterwards.\n")
+        f.write(sessions_table(traces))
     return out
+
+
+def compare_agents(cfg: AgentRunConfig, policies: list[str]) -> tuple[Path, dict[str, Any]]:
+    """The same session set once per policy (mars serve started for each), in ``mars compare``'s
+    format: ``out/rps<R>/<policy>/`` run dirs, ``compare.json`` and ``report.md``."""
+    from dataclasses import replace
+
+    from vllm_mars.metrics.compare import compare_record, write_compare_report
+    from vllm_mars.policies import get_policy_class
+
+    if not policies:
+        raise ValueError("--policies: name at least one policy, e.g. mars,fcfs")
+    for p in policies:
+        get_policy_class(p)  # an unknown name fails before any server starts
+    if not cfg.model_path:
+        raise ValueError("mars agents compare starts mars serve per policy: give --model-path")
+    out = Path(cfg.out) if cfg.out else Path("runs") / f"agents_compare_{time.strftime('%Y%m%d_%H%M%S')}"
+    rps = cfg.rps or 0.0
+    cell = out / f"rps{rps:g}"
+    summaries: dict[str, dict] = {}
+    dirs: dict[str, str] = {}
+    t0 = time.monotonic()
+    for p in policies:
+        run_dir = run_agents(replace(cfg, server=None, policy=p, out=str(cell / p)))
+        summaries[p] = json.loads((run_dir / "summary.json").read_text())
+        dirs[p] = str(run_dir)
+    record = compare_record(cfg.tasks, {rps: summaries}, {rps: dirs})
+    for p, s in summaries.items():  # the live runs' own columns
+        d = record["cells"][0]["policies"][p]
+        d["p90_e2e_s"] = (s.get("e2e_s") or {}).get("p90")
+        d["task_completion"] = s.get("task_completion")
+    record["config"] = {"policies": policies, "rps": [rps], "arrival": cfg.arrival, "frontends": cfg.frontends,
+                        "sessions": cfg.max_requests, "num_blocks": cfg.num_blocks, "model": cfg.model_path,
+                        "scripted": cfg.scripted, "cpu_server": cfg.cpu_server, "cpu_agent": cfg.cpu_agent,
+                        "seed": cfg.seed}
+    record["wall_s"] = time.monotonic() - t0
+    write_compare_report(out, record, {rps: summaries})
+    return out, record
+
+
+def session_workflow(trace: dict[str, Any]) -> dict[str, Any] | None:
+    """One session's agent calls as a ``mars_workload`` workflow line: the first call's prompt, per
+    later call the tokens its prompt grew by beyond the previous call's prompt and output (a prompt
+    that shrank restarts it: schema v2 ``compact``), each call's output tokens, and the gap until the
+    next call as its tool time. Side calls (no tools) are left out. None without an agent call."""
+    calls = [c for c in trace["calls"] if c.get("has_tools") and c.get("prompt_tokens")]
+    if not calls:
+        return None
+    turns: list[dict[str, Any]] = []
+    prev_ctx = 0
+    for k, c in enumerate(calls):
+        t: dict[str, Any] = {"output_tokens": max(int(c.get("output_tokens") or 0), 1)}
+        if k:
+            grow = int(c["prompt_tokens"]) - prev_ctx
+            if grow >= 0:
+                t["append_tokens"] = grow
+            else:
+                t["compact"] = {"keep_tokens": int(c["prompt_tokens"]), "summary_tokens": 0}
+            prev = calls[k - 1]
+            turns[-1]["tool_s"] = round(max(c["submit_ts"] - (prev.get("end_ts") or prev["submit_ts"]), 0.0), 6)
+        prev_ctx = int(c["prompt_tokens"]) + t["output_tokens"]
+        turns.append(t)
+    schema = "mars_workload_v2" if any("compact" in t for t in turns) else "mars_workload_v1"
+    return {"schema": schema, "workflow_id": str(trace["task"]), "arrival_s": round(float(trace["start_ts"]), 6),
+            "prompt_tokens": int(calls[0]["prompt_tokens"]), "turns": turns, "source": "mars agents run",
+            "meta": {"frontend": trace.get("frontend"), "task": trace.get("task_id"),
+                     "client_session": trace.get("client_session"), "solved": trace.get("solved"),
+                     "side_calls": trace.get("side_calls")}}
+
+
+def write_workload(traces: list[dict[str, Any]], path: Path) -> int:
+    """What the run did as a replayable workload (``mars replay --workload PATH``); validated by the
+    workload schema. Returns the number of workflows written."""
+    from vllm_mars.workload.schema import WorkloadLine
+
+    rows = [w for w in (session_workflow(t) for t in sorted(traces, key=lambda t: t["start_ts"])) if w]
+    base = min((w["arrival_s"] for w in rows), default=0.0)
+    with open(path, "w") as f:
+        for w in rows:
+            w["arrival_s"] = round(w["arrival_s"] - base, 6)
+            WorkloadLine.model_validate(w)
+            f.write(json.dumps(w, separators=(",", ":")) + "\n")
+    return len(rows)
 
 
 def sessions_table(traces: list[dict[str, Any]]) -> str:
     """Markdown: one row per session (what report.md adds to the replay report)."""
-    lines = ["", "## Sessions", "", ("| task | outcome | E2E (s) | calls (side) | prompt tok | output tok | "
-             "client session | sidecar workflow |"), "|" + "---|" * 8]
+    lines = ["", "## Sessions", "", ("| task | outcome | solved | tool calls | E2E (s) | calls (side) | prompt tok | "
+             "output tok | client session | sidecar workflow |"), "|" + "---|" * 10]
     for t in sorted(traces, key=lambda t: t["task"]):
         outcome = "ok" if t["error"] is None else str(t["error"])[:60].replace("|", "/")
-        lines.append(f"| {t['task']} | {outcome} | {t['e2e_s']:.2f} | {len(t['calls'])} ({t['side_calls']}) | "
+        solved = {True: "yes", False: "no"}.get(t.get("solved"), "-")
+        lines.append(f"| {t['task']} | {outcome} | {solved} | {t.get('tool_calls', '-')} | {t['e2e_s']:.2f} | {len(t['calls'])} ({t['side_calls']}) | "
                      f"{t['prompt_tokens']} | {t['output_tokens']} | {t['client_session'] or '-'} | "
                      f"{', '.join(t['sidecar_workflows']) or '-'} |")
     return "\n".join(lines) + "\n"
