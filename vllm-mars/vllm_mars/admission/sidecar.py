@@ -572,8 +572,8 @@ class Sidecar:
             body = call[0] if call[0] is not None else json.loads(await call[1].take())
             del call
             apply_to_body(body, ident, turn)
-            if cfg.default_max_tokens is not None:
-                set_default_max_tokens(body, path, cfg.default_max_tokens)
+            if self.config.default_max_tokens is not None:
+                set_default_max_tokens(body, path, self.config.default_max_tokens)
             ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope), send,
                                                         _id_headers(ident, tenant), scan)
         except asyncio.CancelledError:
