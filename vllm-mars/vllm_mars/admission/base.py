@@ -355,6 +355,7 @@ register_controller = _REGISTRY.register
 
 
 def _load_builtins() -> None:
+    # lazy: the built-in controllers import this module (they subclass ControllerBase)
     import importlib
 
     for mod in ("mars", "concur"):  # registers "mars", "concur"

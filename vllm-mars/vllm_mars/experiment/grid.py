@@ -15,17 +15,27 @@ import fnmatch
 import hashlib
 import json
 import logging
+import multiprocessing
+import os
+import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from vllm_mars.driver.compare import run_policies
 from vllm_mars.driver.runner import ReplayConfig
 from vllm_mars.experiment.results import write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
+from vllm_mars.metrics.compare import compare_record
 from vllm_mars.metrics.ideal import CostModel
+from vllm_mars.workload.ilr import generate, load_preset
+from vllm_mars.workload.schema import load_workload, write_workload
+from vllm_mars.workload.weka import DEFAULT_MAX_TOOL_S, convert_dir
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +67,6 @@ def materialize(w: WorkloadSpec, seed: int, n: int | None, out: Path) -> Materia
     """The schema-v1 JSONL a cell replays: the preset generated with the cell's seed (so seeds are
     independent samples of the regime), the weka traces converted, or the JSONL file as is; roots
     above ``max_context`` dropped. Cached under ``out/runs/workloads`` by its parameters."""
-    from vllm_mars.workload.schema import load_workload, write_workload
 
     params = _params(w, seed, n)
     if w.path and w.max_context is None:
@@ -69,11 +78,9 @@ def materialize(w: WorkloadSpec, seed: int, n: int | None, out: Path) -> Materia
         m = json.loads(meta.read_text())
         return Materialized(str(path), m["roots"], m["dropped_over_context"])
     if w.preset:
-        from vllm_mars.workload.ilr import generate, load_preset
 
         roots = generate(load_preset(w.preset, num_workflows=n, scale=w.scale, seed=seed))
     elif w.weka:
-        from vllm_mars.workload.weka import DEFAULT_MAX_TOOL_S, convert_dir
 
         roots = convert_dir(w.weka, scale=w.scale or 1.0, max_tool_s=w.max_tool_s or DEFAULT_MAX_TOOL_S)
     else:
@@ -112,7 +119,6 @@ def _run_cell(cfg: ReplayConfig, run: Sequence[str], policies: Sequence[str], va
               cost: CostModel | None) -> tuple[dict, dict, CostModel | None, float]:
     """Run ``run`` (unfinished ones) in one cell; returns every finished policy's summary (module level:
     also the body of a worker process)."""
-    import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.monotonic()
@@ -123,7 +129,6 @@ def _run_cell(cfg: ReplayConfig, run: Sequence[str], policies: Sequence[str], va
 
 
 def _cell_record(cell: Cell, mat: Materialized, summaries: dict, dirs: dict, wall_s: float) -> dict[str, Any]:
-    from vllm_mars.metrics.compare import compare_record
 
     rec = compare_record(cell.workload.name, {cell.rps: summaries}, {cell.rps: dirs})["cells"][0]
     return {"key": cell.key, "workload": cell.workload.name, "seed": cell.seed, **rec,
@@ -182,7 +187,6 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
     records and results). ``rerun``: policies whose finished runs in the selected cells are deleted
     first and run again (after a change to the code or the defaults they run on). Returns the
     results record (``results.json``)."""
-    import shutil
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,8 +252,6 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         finish(cell, _run_cell(cfg, run, exp.policies_for(cell.workload), exp.variants, cell.rps,
                                cell_dir(out, cell), cost))
     if todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = {pool.submit(_run_cell, cfg, run, exp.policies_for(cell.workload), exp.variants, cell.rps,
@@ -274,6 +276,5 @@ class _NoBar:
 def _bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="cell", dynamic_ncols=True, leave=True)

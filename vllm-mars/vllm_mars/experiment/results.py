@@ -9,12 +9,15 @@ recomputed tokens, prefix-hit rate, mean admission wait).
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
 from vllm_mars.experiment.spec import Experiment
 from vllm_mars.metrics.ideal import CostModel
 from vllm_mars.metrics.report import _fmt, _plt, _save
@@ -40,7 +43,6 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
                                if p not in c["policies"]],
               "wall_s": round(sum(c.get("wall_s") or 0 for c in cells), 1)}
     if exp.limit is not None:
-        from vllm_mars.experiment.limit import limit_rows, load_limit
 
         rows, notes = limit_rows(record, load_limit(exp.limit))
         record["limit"] = {"file": _rel(exp.limit, exp.path), "cells": rows, "notes": notes}
@@ -52,7 +54,6 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
 
 def _rel(p: Path, exp_file: Path) -> str:
     """``p`` relative to the experiment file's directory where it can be (results.json is committed)."""
-    import os
 
     try:
         return os.path.relpath(p, Path(exp_file).resolve().parent)
@@ -147,7 +148,6 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
             [w, f"{r:g}", str(len(v)), f"{statistics.fmean(v):.2f}x ({min(v):.2f} - {max(v):.2f})"]
             for (w, r), v in groups.items()]) + [""]
     if record.get("limit"):
-        from vllm_mars.experiment.limit import format_limit
 
         lim = record["limit"]
         lines += format_limit(lim["cells"], lim["notes"], f"`{lim['file']}`")
@@ -198,7 +198,6 @@ def _heatmap(plt, wls: Sequence, cells: Sequence[Mapping], out: Path) -> str:
                 grid[i][j] = statistics.fmean(sp)
                 notes[i][j] = f"{grid[i][j]:.2f}x\n{r:g} rps"
     fig, ax = plt.subplots(figsize=(max(1.6 * ncol + 2, 7), 0.9 * len(wls) + 1.5))
-    import math
 
     finite = [v for row in grid for v in row if not math.isnan(v)] or [1.0]
     span = max(abs(math.log2(min(finite))), abs(math.log2(max(finite))), 0.1)
@@ -238,6 +237,7 @@ def plot_results(exp: Experiment, record: Mapping[str, Any], out: Path) -> list[
             ax.set_ylabel(label)
             ys = [y for line in ax.get_lines() for y in line.get_ydata() if y and y > 0]
             if logy and ys and max(ys) > 3 * min(ys):  # log only where it spans a wide range
+                # lazy: matplotlib is heavy, loaded only to plot
                 from matplotlib.ticker import ScalarFormatter
 
                 ax.set_yscale("log")
