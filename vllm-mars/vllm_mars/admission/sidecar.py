@@ -535,7 +535,6 @@ class Sidecar:
             budget.give_bytes(held)
 
     async def _call(self, scope: dict, receive: Any, send: Any, path: str, tenant: str, box: list) -> None:
-        cfg = self.config
         raw = box.pop()
         headers = {k.decode("latin-1"): _header_text(v) for k, v in scope["headers"]}
         body, ident = parse_call(raw, headers)
