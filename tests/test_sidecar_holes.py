@@ -336,9 +336,37 @@ def test_body_deadline_and_cap_slots_go_to_new_clients(fake):
 def test_serving_does_not_import_the_sidecar():
     import ast
 
-    import vllm_mars.admission.serving as serving
+    from vllm_mars.admission import serving
 
     tree = ast.parse(Path(serving.__file__).read_text())
     names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in names if m and m.startswith("vllm_mars.admission.sidecar")], names  # even lazily
+
+
+# -- hole 5: each API key gets a fair share of the admission window ----------------------------------
+def test_api_keys_get_fair_shares_of_the_window(fake, tmp_path):
+    import time
+
+    events = tmp_path / "events.jsonl"
+    cfg = SidecarConfig(backends=(fake.url,), port=free_port(), telemetry_interval_s=0.05, api_key="key-a",
+                        api_keys=("key-b",), events_path=str(events),
+                        controller_options={"window_min": 4, "window_max": 4, "interval_s": 0.05})
+    with SidecarThread(cfg) as s:
+        assert wait_until(lambda: s.app.any_up, 10)
+        a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+        for i in range(4):  # key A: four roots between calls (no last step) fill the window of 4
+            assert post(s, CHAT, {**a, "X-MARS-Workflow": f"a-{i}"}).status_code == 200
+        assert s.app.controller.num_active == 4
+        t0 = time.monotonic()
+        r = post(s, CHAT, {**b, "X-MARS-Workflow": "b-0", "X-MARS-Last-Step": "1"})  # waits for a slot
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and took < 8, (r.status_code, took)  # not the 600 s idle timeout
+        ctl = s.app.controller
+        assert ctl.num_active == 3  # A gave up one root (its longest idle), B's call ended
+        for i in range(4):
+            httpx.post(f"{s.url}/mars/v1/workflows/a-{i}/finish", headers=a, timeout=5)
+        assert_no_leak(s)
+    recs = [json.loads(x) for x in events.read_text().splitlines()]
+    fair = [e for e in recs if e.get("rule") == "fair_share"]
+    assert len(fair) == 1 and fair[0]["workflow"].endswith("/a-0") and fair[0]["share"] == 2, fair

@@ -22,7 +22,9 @@ agents' ``idle_timeout_s``; explicit ``X-MARS-Workflow`` / ``vllm_xargs`` workfl
 agents' timeout (a replay's recorded tool times can be long). Every end is an event that names its
 rule: ``workflow_end`` (``finish_route``, ``last_step``, ``one_call``, ``backend_failed``) or
 ``workflow_end_inferred`` (``final_answer``, ``finish_tool``, ``idle_timeout``,
-``idle_timeout_no_tools``, ``failed_idle_timeout``). The slot is released, but the workflow is remembered (dormant): when the session comes
+``idle_timeout_no_tools``, ``failed_idle_timeout``, ``fair_share``). With several API keys
+(tenants) each gets a fair share of the admission window: while one below its share waits and the
+window is full, a tenant above its share gives up its longest-idle root (:meth:`RootTable.enforce_fair_shares`). The slot is released, but the workflow is remembered (dormant): when the session comes
 back it continues as the same workflow, re-offered ahead of new roots with the size it had. The
 idle timeout adapts to the observed return gaps (:class:`~vllm_mars.admission.continuity.GapModel`:
 a high percentile times a margin, at most ``idle_timeout_s``). Each inferred end and each return
@@ -51,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: the longest a session that never offered tools waits without calls before it ends (s)
 PLAIN_MAX_IDLE_S = 60.0
+#: a root idle (no call in flight) at least this long may lose its slot to another tenant's fair share
+FAIR_IDLE_S = 1.0
 #: identity sources that name workflows explicitly (their idle timeout is always the agents')
 EXPLICIT_SOURCES = frozenset({"mars", "vllm_xargs"})
 
@@ -106,7 +110,7 @@ class RootTable:
                  on_admit: Callable[[RootState], None] | None = None,
                  on_end: Callable[[RootState], None] | None = None,
                  counters: dict[str, int] | None = None, gaps: GapModel | None = None,
-                 dormant_capacity: int = 50_000) -> None:
+                 dormant_capacity: int = 50_000, tenant_of: Callable[[str], str] | None = None) -> None:
         self.controller = controller
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
@@ -114,6 +118,8 @@ class RootTable:
         self._place = place
         self._on_admit = on_admit
         self._on_end = on_end
+        #: a root's tenant (its API key) when workflows are scoped to several keys: fair shares apply
+        self.tenant_of = tenant_of
         self.roots: dict[str, RootState] = {}
         self.sessions = SessionTable()
         self.turns: dict[str, int] = {}
@@ -315,6 +321,42 @@ class RootTable:
             self._on_end(r)
         self.tick()
         return True
+
+    def enforce_fair_shares(self) -> list[str]:
+        """Per-tenant fair shares of the admission window (several API keys): while a tenant below
+        its share (``limit // tenants with roots``) has a root waiting and the window is full, a
+        tenant above its share gives up its longest-idle root (no call in flight for ``FAIR_IDLE_S``;
+        a soft end, rule ``fair_share``: it comes back ahead of new roots). One root per starved
+        tenant per call (the ticker calls it). Returns the roots ended."""
+        if self.tenant_of is None:
+            return []
+        limit = self.controller.limit() if hasattr(self.controller, "limit") else -1
+        if limit <= 0 or self.controller.num_active < limit:
+            return []
+        admitted: dict[str, list[RootState]] = {}
+        waiting: set[str] = set()
+        for r in self.roots.values():
+            t = self.tenant_of(r.root)
+            if r.admitted:
+                admitted.setdefault(t, []).append(r)
+            else:
+                waiting.add(t)
+        if not waiting:
+            return []
+        share = max(1, limit // len(set(admitted) | waiting))
+        need = sum(1 for t in waiting if len(admitted.get(t, ())) < share)
+        now = self.clock.now()
+        out: list[str] = []
+        for t, rs in sorted(admitted.items(), key=lambda kv: -len(kv[1])):
+            if len(out) >= need or len(rs) <= share:
+                break
+            idle = sorted((r for r in rs if not r.in_flight and now - r.last_activity >= FAIR_IDLE_S),
+                          key=lambda r: r.last_activity)
+            for r in idle[: min(len(rs) - share, need - len(out))]:
+                self.counters["fair_share_ends"] = self.counters.get("fair_share_ends", 0) + 1
+                self.soft_end(r.root, "fair_share", tenant_roots=len(rs), share=share)
+                out.append(r.root)
+        return out
 
     def expire(self) -> list[str]:
         """End (softly) admitted roots idle past the learned idle timeout; returns them."""

@@ -275,7 +275,8 @@ class Sidecar:
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
                                    failed_idle_timeout_s=config.failed_idle_timeout_s,
                                    place=lambda r: self.placement.place(r.root),
-                                   on_admit=self._on_admit, on_end=self._on_end, counters=self.counters)
+                                   on_admit=self._on_admit, on_end=self._on_end, counters=self.counters,
+                                   tenant_of=(lambda root: root.partition("/")[0]) if len(set(config.keys)) > 1 else None)
         self.queue_budget = QueueBudget(config.max_queued_calls, config.max_queued_bytes)
         #: prefix continuity of generic session ids (issue 12)
         self.continuity = Continuity()
@@ -368,6 +369,7 @@ class Sidecar:
                 self._update_up()  # a backend whose readings stop turns stale even without a failed poll
                 self.lifecycle.tick()
                 self.lifecycle.expire()
+                self.lifecycle.enforce_fair_shares()
                 self._flush_events()
             except Exception:  # never let the control loop die
                 logger.exception("admission tick failed")
