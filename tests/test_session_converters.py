@@ -82,6 +82,21 @@ def test_opencode_store_sessions_sub_agents_and_compaction(tmp_path):
     # the second prompt's first call recorded a shorter input than the context before it: a compaction
     assert w.turns[3].tool == "user" and w.turns[4].compact is not None
     assert w.meta["compactions"] == 1
+    # the same objects as JSON files (OpenCode's layout before its SQLite store) convert the same
+    st = tmp_path / "old" / "storage"
+    for sid, parent, created in con.execute("select id, parent_id, time_created from session"):
+        f = st / "session" / "proj" / f"{sid}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"id": sid, "parentID": parent, "time": {"created": created}}))
+    for table, key in (("message", "session_id"), ("part", "message_id")):
+        for rid, owner, sid, data in con.execute(f"select id, {key}, session_id, data from {table}"):
+            f = st / table / owner / f"{rid}.json"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps({**json.loads(data), "id": rid, "sessionID": sid,
+                                     **({"messageID": owner} if table == "part" else {})}))
+    (old,) = sessions.convert_opencode(tmp_path / "old")
+    strip = {"source": True, "schema_": True, "children": {"__all__": {"workflow": {"source"}}}}
+    assert old.model_dump(exclude=strip) == w.model_dump(exclude=strip)
 
 
 def test_openhands_conversation_directory(tmp_path):
