@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "experiments" / "scripts"
 SEED_MODEL = "/nonexistent/models/Qwen3-Coder-30B-A3B-Instruct"  # the preview's default, absent here
+AGENTS_BIN = REPO / ".agents" / "node_modules" / ".bin"
 
 
 def _env(**kw) -> dict:
@@ -74,23 +75,50 @@ def test_task_driver_launcher_maps_the_preview_variables():
     assert _flags(argv)["--model"] == SEED_MODEL
 
 
+def _parses(argv: list[str]) -> None:
+    """The printed command is one mars itself accepts (flags and their values), checked without running it."""
+    from vllm_mars.cli import build_parser
+    from vllm_mars.commands.agents import _config
+
+    assert argv[:3] == MARS
+    args = build_parser().parse_args(argv[3:])
+    if argv[3] == "agents":
+        _config(args)  # the run's own validation (server or model path, rps, arrival, ...)
+
+
 def test_live_launchers_call_mars_agents_run():
     (argv,), err = _dry("experiments/scripts/run_openhands_qwen3_local.sh", MODEL_PATH=str(REPO),
-                        TASKS_PATH="t.jsonl", MAX_REQUESTS=20, RPS=0.2, SCHEDULING_POLICY="mars", CPU_SERVER="0",
-                        CPU_AGENT="1", OPENHANDS_VENV="/opt/oh", NUM_REQUESTS=5, MAX_MODEL_LEN=32768)
+                        TASKS_PATH="t.jsonl", MAX_REQUESTS=20, RPS=0.2, SCHEDULING_POLICY="fcfs", CPU_SERVER="0",
+                        CPU_AGENT="1", OPENHANDS_VENV="/opt/oh", NUM_REQUESTS=5, MAX_MODEL_LEN=32768, TP=2,
+                        EMIT_MODE="trace")
     assert argv[:5] == [*MARS, "agents", "run"]
+    _parses(argv)
     f = _flags(argv)
-    assert (f["--frontend"], f["--tasks"], f["--max-requests"], f["--rps"], f["--policy"], f["--model"],
-            f["--max-model-len"]) == ("openhands", "t.jsonl", "20", "0.2", "mars", str(REPO), "32768")
-    assert "NUM_REQUESTS=5: live runs count MAX_REQUESTS; ignored" in err
+    assert (f["--frontend"], f["--tasks"], f["--max-requests"], f["--rps"], f["--policy"], f["--model-path"],
+            f["--arrival"]) == ("openhands", "t.jsonl", "20", "0.2", "fcfs", str(REPO), "fixed")
+    assert "--serve-arg=--max-model-len=32768" in argv and "--serve-arg=--engine-arg=tensor_parallel_size=2" in argv
+    for said in ("NUM_REQUESTS=5: live runs count MAX_REQUESTS; ignored",
+                 "EMIT_MODE=trace: live sessions have no recorded arrivals",
+                 "OPENHANDS_VENV/OPENHANDS_PYTHON=/opt/oh: mars agents run uses the OpenHands venv at"):
+        assert said in err, err
+    # the CPU build's tiny model plays the tasks' scripts (a random model never calls a tool)
+    (argv,), err = _dry("experiments/scripts/run_agent_cli_local.sh", MODEL_PATH=SEED_MODEL)
+    _parses(argv)
+    f = _flags(argv)
+    assert f["--scripted"] == f["--tasks"] == "benchmark/tasks/coding.jsonl" and f["--model"] == "tiny"
+    assert "tiny CPU model plays the tasks' scripted solutions" in err
     # a running server: --server, and the engine sizing is the server's own (said so)
     (argv,), err = _dry("experiments/scripts/run_agent_cli_local.sh", AGENTS="codex opencode", URL="http://x:8000",
                         MAX_MODEL_LEN=4096)
     f = _flags(argv)
-    assert (f["--frontend"], f["--server"]) == ("codex,opencode", "http://x:8000") and "--max-model-len" not in f
+    assert (f["--frontend"], f["--server"]) == ("codex,opencode", "http://x:8000")
+    assert not any(a.startswith("--serve-arg") for a in argv) and "--policy" not in f
     assert "URL=http://x:8000: the server is already running" in err
-    lines, _ = _dry("experiments/scripts/run_agent_cli_smoke.sh")
+    _parses(argv)
+    lines, _ = _dry("experiments/scripts/run_agent_cli_smoke.sh", MODEL_PATH=str(REPO))
     assert [(_flags(a)["--frontend"], _flags(a)["--max-requests"]) for a in lines] == [("codex", "1"), ("opencode", "1")]
+    for a in lines:
+        _parses(a)
 
 
 @pytest.mark.parametrize("script, env, said", [
@@ -132,16 +160,9 @@ def test_setup_launchers_say_what_they_do_instead():
     assert argv == ["scripts/setup_agents.sh"] and "PYTHON_BIN=/usr/bin/python3: the agent CLIs are npm" in err
 
 
-def _agents_run_has_live_flags() -> bool:
-    out = subprocess.run([sys.executable, "-m", "vllm_mars.cli", "agents", "run", "--help"], capture_output=True,
-                         text=True, env=_env(), cwd=REPO).stdout
-    return all(f in out for f in ("--max-requests", "--rps", "--policy"))
-
-
 def test_seed_walkthrough_runs_on_the_cpu_build(tmp_path):
     """The preview README's "End-to-End Walkthrough", steps 1-4 with its variable names, kept short
-    (2 workflows, 1 per policy). Steps 2-3 and step 4's live targets need `mars agents run` to start
-    its own server (--rps, --max-requests, --policy); until it does they are checked as commands."""
+    (2 workflows; 1 session or workflow per policy)."""
     base = {"MODEL_PATH": SEED_MODEL, "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "SEED_HAS_GPU": ""}
     if subprocess.run(["bash", "-c", "command -v nvidia-smi && nvidia-smi -L"], capture_output=True).returncode == 0:
         pytest.skip("the walkthrough test is for the CPU build")
@@ -151,25 +172,31 @@ def test_seed_walkthrough_runs_on_the_cpu_build(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "step1" / "summary.json").read_text())
     assert summary["completed"] == 2 and summary["errors"] == 0 and summary["policy"] == "mars"
-    live = _agents_run_has_live_flags()
-    # Steps 2 and 3: OpenHands and Codex jobs
-    for script, env in (("run_openhands_qwen3_local.sh", {}), ("run_agent_cli_local.sh", {"AGENTS": "codex"})):
-        r = _run(f"experiments/scripts/{script}", timeout=600, CUDA_VISIBLE_DEVICES=0, MAX_REQUESTS=1, RPS=0.2,
-                 SCHEDULING_POLICY="mars", DRY_RUN=0 if live else 1, OUTPUT_DIR=tmp_path / script, **env, **base)
+    # Steps 2 and 3: OpenHands and Codex jobs: mars agents run, which starts mars serve with the
+    # scripted tiny model (each session does real tool calls); run live where the frontend is installed
+    for script, env, installed in (("run_openhands_qwen3_local.sh", {}, REPO / ".agents" / "openhands" / "bin" / "python"),
+                                   ("run_agent_cli_local.sh", {"AGENTS": "codex"}, AGENTS_BIN / "codex")):
+        kw = {"CUDA_VISIBLE_DEVICES": 0, "MAX_REQUESTS": 1, "RPS": 0.2, "SCHEDULING_POLICY": "mars",
+              "OUTPUT_DIR": tmp_path / script, **env, **base}
+        (argv,), _ = _dry(f"experiments/scripts/{script}", **kw)
+        _parses(argv)
+        if not installed.exists():
+            continue  # scripts/setup_agents.sh did not install it here; CI's does
+        r = _run(f"experiments/scripts/{script}", timeout=900, **kw)
         assert r.returncode == 0, r.stderr[-3000:]
-        if not live:
-            assert shlex.split(r.stdout)[3:5] == ["agents", "run"]
-    # Step 4: compare selected policies (the task driver for real; the live targets as commands)
+        summary = json.loads((tmp_path / script / "summary.json").read_text())
+        assert summary["completed"] == 1 and summary["errors"] == 0
+    # Step 4: compare selected policies: the task driver for real (each live target x policy would start
+    # a server of its own: steps 2 and 3 ran those paths), the live targets as the commands mars accepts
     step4 = {"GPU": 0, "POLICIES": "fcfs mars", "VLLM_REQUESTS": 1, "OPENHANDS_REQUESTS": 1, "AGENT_CLI_REQUESTS": 1,
              "OUT_ROOT": tmp_path / "step4", **base}
-    r = _run("experiments/scripts/run_policy_smoke_gpu1.sh", timeout=900,
-             TARGETS="vllm openhands codex" if live else "vllm", **step4)
+    r = _run("experiments/scripts/run_policy_smoke_gpu1.sh", timeout=900, TARGETS="vllm", **step4)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "step4" / "summary.tsv").open(), delimiter="\t"))
-    assert {(x["target"], x["policy"], x["status"]) for x in rows if x["target"] == "vllm"} == \
-        {("vllm", "fcfs", "ok"), ("vllm", "mars", "ok")}
+    assert {(x["target"], x["policy"], x["status"]) for x in rows} == {("vllm", "fcfs", "ok"), ("vllm", "mars", "ok")}
     for x in rows:
         assert json.loads((Path(x["run_dir"]) / "summary.json").read_text())["errors"] == 0
-    if not live:
-        lines, _ = _dry("experiments/scripts/run_policy_smoke_gpu1.sh", TARGETS="vllm openhands codex", **step4)
-        assert len(lines) == 6 and {a[3] for a in lines} == {"replay", "agents"}
+    lines, _ = _dry("experiments/scripts/run_policy_smoke_gpu1.sh", TARGETS="vllm openhands codex", **step4)
+    assert len(lines) == 6 and {a[3] for a in lines} == {"replay", "agents"}
+    for a in lines:
+        _parses(a)

@@ -31,6 +31,11 @@ seed_mars() {
   fi
 }
 
+# The Python that has vllm_mars -> SEED_PY (MARS_PYTHON, PYTHON_BIN, .venv/bin/python, python3).
+seed_python() {
+  SEED_PY=${MARS_PYTHON:-${PYTHON_BIN:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || command -v python3 )}}
+}
+
 # 0 when this machine has a GPU vLLM can use (SEED_HAS_GPU=0/1 overrides the probe).
 seed_has_gpu() {
   if [[ -n "${SEED_HAS_GPU:-}" ]]; then [[ "$SEED_HAS_GPU" == 1 ]]; return; fi
@@ -106,21 +111,42 @@ seed_replay_args() {
 }
 
 # `mars agents run` for live frontends ($1: codex, opencode, openhands or a comma list: a mix in
-# one run) -> SEED_ARGS=(...). Without URL, `mars agents run` starts `mars serve` itself with the
-# policy, model and engine sizing given here; CPU_SERVER and CPU_AGENT are exported for it.
+# one run) -> SEED_ARGS=(...). Without URL, `mars agents run` starts `mars serve --model-path` itself
+# with the policy and engine sizing given here (--num-blocks, --serve-arg); CPU_SERVER and CPU_AGENT
+# are exported for it. With the tiny CPU model the server plays the tasks' scripts (--scripted).
 seed_agents_args() {
-  local frontends=$1
-  seed_arrival; seed_model; seed_engine_args
-  SEED_ARGS=(agents run --frontend "$frontends" --tasks "${TASKS_PATH:-benchmark/tasks}"
-             --rps "${RPS:-0.2}" --arrival "$SEED_ARRIVAL" --policy "${SCHEDULING_POLICY:-mars}")
+  local frontends=$1 tasks=${TASKS_PATH:-benchmark/tasks/coding.jsonl} arrival
+  seed_arrival; seed_model
+  arrival=$SEED_ARRIVAL
+  if [[ $arrival == trace ]]; then
+    seed_note "EMIT_MODE=trace: live sessions have no recorded arrivals; fixed-rate arrivals at RPS instead"
+    arrival=fixed
+  fi
+  SEED_ARGS=(agents run --frontend "$frontends" --tasks "$tasks" --rps "${RPS:-0.2}" --arrival "$arrival")
   [[ -n "${MAX_REQUESTS:-}" ]] && SEED_ARGS+=(--max-requests "$MAX_REQUESTS")
   if [[ -n "${URL:-}" ]]; then
     SEED_ARGS+=(--server "$URL")
-    [[ -n "$SEED_MODEL${SEED_ENGINE_ARGS[*]}" ]] && \
-      seed_note "URL=$URL: the server is already running; MODEL_PATH and the engine sizing are its own"
+    [[ -n "$SEED_MODEL${TP:-}${GPU_MEMORY_UTILIZATION:-}${MAX_MODEL_LEN:-}${NUM_BLOCKS:-}${ENGINE_ARGS:-}${SCHEDULING_POLICY:-}" ]] && \
+      seed_note "URL=$URL: the server is already running; its model, policy and engine sizing are its own"
   else
-    [[ -n "$SEED_MODEL" ]] && SEED_ARGS+=(--model "$SEED_MODEL")
-    SEED_ARGS+=("${SEED_ENGINE_ARGS[@]}")
+    SEED_ARGS+=(--policy "${SCHEDULING_POLICY:-mars}")
+    if [[ -n "$SEED_MODEL" ]]; then
+      SEED_ARGS+=(--model-path "$SEED_MODEL")
+    else
+      local tiny
+      seed_python
+      tiny=$("$SEED_PY" -c 'from vllm_mars.tiny_model import build_tiny_model; print(build_tiny_model())') \
+        || seed_die "cannot build the tiny model (mars tiny-model) with $SEED_PY"
+      SEED_ARGS+=(--model-path "$tiny" --model tiny --scripted "$tasks")
+      seed_note "the tiny CPU model plays the tasks' scripted solutions (mars serve --scripted $tasks)"
+    fi
+    [[ -n "${NUM_BLOCKS:-}" ]] && SEED_ARGS+=(--num-blocks "$NUM_BLOCKS")
+    [[ -n "${TP:-}" ]] && SEED_ARGS+=("--serve-arg=--engine-arg=tensor_parallel_size=$TP")
+    [[ -n "${GPU_MEMORY_UTILIZATION:-}" ]] && \
+      SEED_ARGS+=("--serve-arg=--engine-arg=gpu_memory_utilization=$GPU_MEMORY_UTILIZATION")
+    [[ -n "${MAX_MODEL_LEN:-}" ]] && SEED_ARGS+=("--serve-arg=--max-model-len=$MAX_MODEL_LEN")
+    local kv
+    for kv in ${ENGINE_ARGS:-}; do SEED_ARGS+=("--serve-arg=--engine-arg=$kv"); done
   fi
   [[ -n "${OUTPUT_DIR:-}" ]] && SEED_ARGS+=(--out "$OUTPUT_DIR")
   [[ -n "${CPU_SERVER:-}" ]] && export CPU_SERVER
@@ -128,8 +154,15 @@ seed_agents_args() {
   [[ -n "${NUM_REQUESTS:-}" ]] && seed_note "NUM_REQUESTS=$NUM_REQUESTS: live runs count MAX_REQUESTS; ignored"
   [[ -n "${CPU_GPU:-}${CPU_TOOL:-}" ]] && \
     seed_note "CPU_GPU/CPU_TOOL: live runs pin the server to CPU_SERVER and the agents (and their tools) to CPU_AGENT"
-  if [[ -n "${OPENHANDS_VENV:-}" && -z "${OPENHANDS_PYTHON:-}" ]]; then export OPENHANDS_PYTHON=$OPENHANDS_VENV/bin/python; fi
-  [[ -n "${OPENHANDS_PYTHON:-}" ]] && export OPENHANDS_PYTHON
+  local oh=${OPENHANDS_VENV:-}
+  [[ -z $oh && -n "${OPENHANDS_PYTHON:-}" ]] && oh=$(dirname "$(dirname "$OPENHANDS_PYTHON")")
+  if [[ -n $oh && ",$frontends," == *,openhands,* ]]; then
+    if [[ $(basename "$oh") == openhands && -x $oh/bin/python ]]; then
+      SEED_ARGS+=(--agents-prefix "$(dirname "$oh")")
+    else
+      seed_note "OPENHANDS_VENV/OPENHANDS_PYTHON=$oh: mars agents run uses the OpenHands venv at \$MARS_AGENTS_PREFIX/openhands (scripts/setup_agents.sh installs it); ignored"
+    fi
+  fi
   return 0
 }
 
@@ -154,9 +187,9 @@ seed_policies() {
     SEED_POLICIES=${POLICIES//,/ }
     return 0
   fi
-  local py=${MARS_PYTHON:-${PYTHON_BIN:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || command -v python3 )}}
-  SEED_POLICIES=$("$py" -c 'from vllm_mars.driver.control import driver_policy_names; print(" ".join(driver_policy_names()))') \
-    || seed_die "cannot list the policies with $py; set POLICIES"
+  seed_python
+  SEED_POLICIES=$("$SEED_PY" -c 'from vllm_mars.driver.control import driver_policy_names; print(" ".join(driver_policy_names()))') \
+    || seed_die "cannot list the policies with $SEED_PY; set POLICIES"
 }
 
 # What a policy needs beyond its name -> SEED_SKIP (a reason to skip it here, or empty) and

@@ -44,6 +44,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="do not share round 0's prefix_len tokens across sessions")
     t.set_defaults(func=_convert_tracelab)
 
+    for name, what, default in (
+            ("codex", "Codex CLI rollouts (rollout-*.jsonl)", "$CODEX_HOME/sessions, else ~/.codex/sessions"),
+            ("opencode", "OpenCode's session store (opencode.db, or the older storage/)",
+             "$XDG_DATA_HOME/opencode, else ~/.local/share/opencode"),
+            ("openhands", "OpenHands SDK conversation directories (base_state.json + events/)", None)):
+        c = csub.add_parser(name, help=f"{what} -> one workflow per session, sub-agent sessions as children")
+        c.add_argument("src", nargs=None if default is None else "?", default=None,
+                       help="a file or directory" + (f" (default {default})" if default else
+                                                     ": one conversation, or a directory of them"))
+        c.add_argument("-o", "--output", required=True, help="output JSONL path")
+        c.add_argument("--scale", type=float, default=1.0, help="divide every token count by K (default 1)")
+        c.add_argument("--max-tool-s", type=float, default=300.0,
+                       help="cap of a tool's or the user's gap, seconds (default 300)")
+        c.set_defaults(func=_convert_sessions, frontend=name)
+
     p = sub.add_parser("workload-stats", help="validate a schema-v1 workload and print its statistics")
     p.add_argument("path", help="workload JSONL")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -89,6 +104,20 @@ def _convert_weka(args: argparse.Namespace) -> int:
     print(f"wrote {n} workflows ({counts['children']} sub-agent children, {counts['compactions']} recorded "
           f"compactions, {counts['forced_compactions']} forced by --max-context, {counts['truncated_inputs']} "
           f"inputs truncated) to {args.output}")
+    return 0
+
+
+def _convert_sessions(args: argparse.Namespace) -> int:
+    from vllm_mars.workload.schema import write_workload
+    from vllm_mars.workload.sessions import CONVERTERS
+
+    wfs = CONVERTERS[args.frontend](args.src, scale=args.scale, max_tool_s=args.max_tool_s)
+    if not wfs:
+        raise ValueError(f"{args.src}: no {args.frontend} session with an LLM call")
+    n = write_workload(args.output, wfs)
+    calls = sum(len(w.turns) for r in wfs for w in r.walk())
+    kids = sum(len(list(r.walk())) - 1 for r in wfs)
+    print(f"wrote {n} workflows ({kids} sub-agent children, {calls} calls) to {args.output}")
     return 0
 
 
