@@ -139,8 +139,8 @@ def test_async_scheduler_fits_the_cost_model_from_the_device_step_times(depth):
     s = make_scheduler("mars", clock=clock, num_blocks=400, max_num_batched_tokens=128,
                        scheduler_cls=AsyncMarsScheduler)
     assert isinstance(s, AsyncMarsScheduler) and not s.mars_policy.cost.calibrated
-    assert s._cost_fit is not None  # the online fit runs under async scheduling too
-    s._cost_fit = fit = Recorder()
+    assert s._cost.fit is not None  # the online fit runs under async scheduling too
+    s._cost.fit = fit = Recorder()
     for i in range(60):
         s.add_request(make_request(f"r{i}", prompt_len=100 + 37 * i % 300, max_tokens=4))
     in_flight: deque = deque()

@@ -9,6 +9,7 @@ evictable prefix cache. Retained blocks are therefore never counted as free.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,10 @@ class RetentionStore:
         setattr(st, attr, getattr(st, attr) + 1)
         logger.debug("release %s (%s): %d blocks", workflow, reason, n)
         return n
+
+    def next_expiry(self) -> float:
+        """When the earliest entry expires (inf when none is held)."""
+        return min((e.expires for e in self._by_workflow.values()), default=math.inf)
 
     def release_expired(self, now: float) -> int:
         expired = [w for w, e in self._by_workflow.items() if e.expires <= now]

@@ -100,7 +100,7 @@ def _ff_supported(s: Any) -> bool:
             and s.connector is None and getattr(s, "ec_connector", None) is None
             and not s.defer_block_free and s.vllm_config.speculative_config is None
             and s.lora_config is None and not getattr(s, "need_mamba_block_aligned_split", False)
-            and getattr(s, "_cost_fit", None) is None and s.num_lookahead_tokens == 0)
+            and getattr(getattr(s, "_cost", None), "fit", None) is None and s.num_lookahead_tokens == 0)
 
 
 def _decode_ready(r: Any, step: int) -> bool:
