@@ -125,6 +125,19 @@ def test_profile_owns_its_cost_model():
     assert m.rebuild_s(32768) == pytest.approx(steps, rel=0.25)
 
 
+def test_measured_steps_replace_the_kernel_tables(tmp_path):
+    from vllm_mars.sim.fit import Sample, fit_profile
+
+    p = load_profile("h100-llama-3.1-8b-kernels")
+    batches = [([(c, x)], []) for c in (512, 2048, 8192) for x in (0, 8192)] + [([], [x] * b) for b in (1, 16, 64)
+                                                                               for x in (1024, 8192)]
+    samples = [Sample(tuple(pf), tuple(dc), 1.3 * p.step_seconds(pf, dc)) for pf, dc in batches]
+    fitted = fit_profile(p, samples, source="a GPU's steps").profile
+    assert fitted.kernels is None and "a GPU's steps" in fitted.efficiency.source
+    # what profile_gpu.sh writes: a TOML roofline profile that loads back without tables
+    assert load_profile(str(fitted.write(tmp_path / "refit.toml"))).kernels is None
+
+
 # -- against published end-to-end figures (reads the installed aiconfigurator-core data, no network) ----
 aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (aiconfigurator-core) is not installed")
 sys.path.insert(0, str(ROOT / "benchmark" / "perf"))

@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", nargs="*", default=None, help="only these GPUs (h100 h200 b200)")
     ap.add_argument("--model", nargs="*", default=None, help="only these models (qwen3-32b gpt-oss-120b)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="skip rows above this concurrency")
+    ap.add_argument("--max-osl", type=int, default=None, help="skip rows with longer outputs (CPU time)")
     ap.add_argument("--prompts-per-client", type=int, default=3,
                     help="requests per client; the first is warm-up (default 3)")
     ap.add_argument("--fit-overheads", action="store_true",
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r.model in args.model]
     if args.max_concurrency:
         rows = [r for r in rows if r.concurrency <= args.max_concurrency]
+    if args.max_osl:
+        rows = [r for r in rows if r.osl <= args.max_osl]
 
     def say(m: str) -> None:
         print(m, file=sys.stderr, flush=True)
