@@ -21,8 +21,10 @@ class _Profile:
                 + sum(3e-4 + 1e-8 * c for c in decode))
 
 
-def test_from_profile_recovers_the_step_model():
-    m = CostModel.from_profile(_Profile())
+def test_fit_steps_recovers_the_step_model():
+    p = _Profile()
+    m = CostModel.fit_steps(p.step_seconds, budget=p.max_num_batched_tokens, max_len=p.max_model_len,
+                            source=f"fitted to {p.name}")
     assert m.calibrated and "linear-test" in m.source
     assert m.step_overhead_s == pytest.approx(0.01, rel=1e-3)
     assert m.prefill_s_per_token == pytest.approx(2e-5, rel=1e-3)
@@ -31,7 +33,6 @@ def test_from_profile_recovers_the_step_model():
     # The knee: the step's fixed 10 ms is worth 500 prefill tokens at 20 us each, a little fewer with
     # the attention of a half-budget chunk on the line that measures it.
     assert 430 < m.free_chunk_tokens < 500 and m.free_prefill_tokens() == int(m.free_chunk_tokens)
-    p = _Profile()
     assert m.step_s([(4096, 10000)], [100, 5000]) == pytest.approx(p.step_seconds([(4096, 10000)], [100, 5000]),
                                                                   rel=1e-4)
 

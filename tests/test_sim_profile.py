@@ -127,6 +127,8 @@ def test_step_terms_and_step_seconds_agree():
     rng = random.Random(0)
     for name in available_profiles():
         p = load_profile(name)
+        if p.kernels is not None:  # kernel tables price those steps; step_terms stay the roofline's (refits)
+            continue
         e = p.efficiency
         peak, bw = p.hardware.peak_flops * p.hardware.tp, p.hardware.hbm_bandwidth * p.hardware.tp
         for _ in range(20):

@@ -4,7 +4,7 @@
 the engine's own step times; the mars work-conserving quanta beside decodes read its knee
 (``CostModel.free_prefill_tokens``: the prefill tokens a step's fixed cost is worth). A linear fit
 has no knee of its own, only its overhead over its cost per token, so this script measures how far
-that lands from the knee ``CostModel.from_profile`` measures (the line through a 32-token and a
+that lands from the knee ``Profile.cost_model`` measures (the line through a 32-token and a
 half-budget prefill step of the profile).
 
 For each case it replays a generated ILR workload with ``mars`` in virtual time on a shipped GPU
@@ -50,7 +50,7 @@ def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_con
     from vllm_mars.sim.profile import load_profile
 
     profile = load_profile(profile_name)
-    reference = CostModel.from_profile(profile)
+    reference = profile.cost_model()
     measured = reference.free_prefill_tokens()
     steps: list[tuple[list[tuple[int, int]], int]] = []
     shape = rig.batch_shape

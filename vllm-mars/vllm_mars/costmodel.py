@@ -14,8 +14,8 @@ Model (one engine step, seconds)::
 Where it comes from (``source`` says which; ``calibrated`` is False only for the built-in
 default, and a policy that runs on that default says so in its log and stats):
 
-* :meth:`CostModel.from_profile`: fitted to a step-time profile's ``step_seconds``
-  (``vllm_mars.sim.profile``, or a ``mars profile`` output file via :meth:`CostModel.load`);
+* :meth:`CostModel.fit_steps`: fitted to a step-time function (``Profile.cost_model()`` fits its
+  ``step_seconds``; a profile file, shipped name or ``mars profile`` output, via :meth:`CostModel.load`);
 * :meth:`CostModel.from_solo_calls`: the driver's calibration by solo calls on the idle engine;
 * :class:`OnlineCostFit`: least squares over the engine's own measured step times;
 * :meth:`CostModel.from_dict`: the serialised form that travels in ``additional_config["mars"]``
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,7 @@ class CostModel:
         """Prefill tokens a step's fixed cost is worth: where the prefill's linear cost reaches
         the fixed part of its step (on a GPU mostly the weight read every step pays, which a chunk
         of up to this many tokens rides nearly free; on a CPU overhead, which such a chunk at most
-        doubles). ``free_chunk_tokens`` when measured (:meth:`from_profile`; :meth:`from_solo_calls`
+        doubles). ``free_chunk_tokens`` when measured (:meth:`fit_steps`; :meth:`from_solo_calls`
         with a mid-size prompt), else the intercept of the prefill line
         (the step overhead plus a call's fixed part, whichever the fit filled) over its cost per
         token. Decides how far a prefill chunk grows beside running decodes."""
@@ -146,7 +146,7 @@ class CostModel:
                 return cls.from_dict(d, where=str(path))
         from vllm_mars.sim.profile import load_profile  # the profile branch; ValueError names valid ones
 
-        return cls.from_profile(load_profile(path))
+        return load_profile(path).cost_model()
 
     # -- constructors -----------------------------------------------------------------------------
     @classmethod
@@ -189,15 +189,16 @@ class CostModel:
                    attn_s_per_token_ctx=coef[2] if quadratic else 0.0, source=source, calibrated=True)
 
     @classmethod
-    def from_profile(cls, profile: Any) -> CostModel:
-        """Fit to a profile's ``step_seconds(prefill=[(chunk, ctx)], decode=[ctx, ...])``.
+    def fit_steps(cls, step: Callable[[Sequence[tuple[int, int]], Sequence[int]], float], *, budget: int = 8192,
+                  max_len: int = 32768, source: str = "fitted to a step-time function") -> CostModel:
+        """Fit to a step-time function ``step(prefill=[(chunk, ctx)], decode=[ctx, ...])`` (a
+        profile's ``step_seconds``: ``Profile.cost_model()``).
 
-        Samples single-chunk prefill steps over the profile's step budget and contexts up to its
-        ``max_model_len``, and single-decode steps, then least squares on the model's features.
+        Samples single-chunk prefill steps over the step budget and contexts up to ``max_len``, and
+        single-decode steps, then least squares on the model's features.
         """
-        step = profile.step_seconds
-        budget = max(int(getattr(profile, "max_num_batched_tokens", 8192)), 16)
-        max_len = max(int(getattr(profile, "max_model_len", 32768)), 2 * budget)
+        budget = max(int(budget), 16)
+        max_len = max(int(max_len), 2 * budget)
         rows = []
         for n in sorted({16, budget // 8, budget // 4, budget // 2, budget}):
             for c in (0, max_len // 8, max_len // 2):
@@ -210,8 +211,7 @@ class CostModel:
         short, mid = min(32, budget // 4), budget // 2
         free = _free_tokens((short, step([(short, 0)], [])), (mid, step([(mid, 0)], [])))
         return cls(step_overhead_s=overhead, prefill_s_per_token=max(a, 1e-12), attn_s_per_token_ctx=b,
-                   decode_s=d0, decode_s_per_ctx_token=d1, free_chunk_tokens=free,
-                   source=f"fitted to step-time profile {getattr(profile, 'name', '?')!r}", calibrated=True)
+                   decode_s=d0, decode_s_per_ctx_token=d1, free_chunk_tokens=free, source=source, calibrated=True)
 
 
 def _free_tokens(short: tuple[int, float], mid: tuple[int, float]) -> float:

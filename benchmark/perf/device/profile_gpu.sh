@@ -8,6 +8,9 @@
 #   $OUT/<BASE>.toml        the fitted profile (copy it over vllm_mars/sim/profiles/<BASE>.toml)
 #   $OUT/<BASE>.steps.jsonl every timed step (label, prefill, decode, seconds)
 #   $OUT/<BASE>.log         the per-grid-point fit error table
+# BASE may be a table-built profile (h200-qwen3-coder-30b-a3b-kernels, from `mars profile
+# --from-kernels`): the GPU's measured steps then replace the kernel-table step times, and the written
+# profile is the roofline fitted to them (vllm_mars.sim.fit drops the tables).
 # MODEL (optional) is a real weights dir; without it the shipped config-only model dir is profiled
 # with random weights (vLLM load_format=dummy, no tokenizer): same shapes, same kernels, no download.
 #

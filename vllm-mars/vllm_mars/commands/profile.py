@@ -45,6 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-steps", nargs="+", metavar="JSONL", default=None,
                    help="fit recorded steps instead of running the engine: steps.jsonl of `mars replay "
                         "--record-steps` runs (or --samples-out files); the base profile gives the shape")
+    p.add_argument("--from-kernels", nargs=2, metavar=("GPU", "MODEL"), default=None,
+                   help="build the profile from NVIDIA's measured vLLM kernel tables (aiconfigurator-core, the "
+                        "'kernels' extra) instead of running an engine: GPU h100, h200 or b200; MODEL a shipped "
+                        "model (qwen3-coder-30b-a3b, qwen3-32b, llama-3.1-8b, gpt-oss-120b) or a config-only "
+                        "model dir; writes JSON")
+    p.add_argument("--tp", type=int, default=1, help="with --from-kernels: tensor-parallel degree (default 1)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "fp8"), default="auto",
+                   help="with --from-kernels: GEMM/MoE precision of the tables (default auto: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "
@@ -83,7 +91,26 @@ def _shipped_model_name(model: str, names: list[str]) -> str | None:
     return next((n for n in names if ModelShape.from_model_dir(MODELS_DIR / n) == shape), None)
 
 
+def _from_kernels(args: argparse.Namespace) -> int:
+    from vllm_mars.sim.profile import Profile
+
+    gpu, model = args.from_kernels
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp}: must be >= 1")
+    prof = Profile.from_kernels(gpu, model, tp=args.tp, dtype=args.dtype, name=args.name)
+    out = Path(args.out or f"{prof.name}.json")
+    if out.suffix != ".json":
+        raise ValueError(f"--out {out}: a kernel-table profile is written as .json")
+    prof.write(out)
+    print(f"{prof.name}: KV pool {prof.kv_capacity_tokens()} tokens, max_model_len {prof.max_model_len}; "
+          f"prefill 8192 tokens {prof.step_seconds([(8192, 0)], []) * 1e3:.1f} ms, decode 64 x 4096 "
+          f"{prof.step_seconds([], [4096] * 64) * 1e3:.2f} ms\n{prof.kernels.source}\nwrote {out}")
+    return 0
+
+
 def _profile(args: argparse.Namespace) -> int:
+    if args.from_kernels:
+        return _from_kernels(args)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -186,9 +186,7 @@ class SimBackend:
         # controller and pins it after its calibration calls): the policies never start on the
         # uncalibrated default. Its attention term prices long-context rebuilds, which a linear
         # solo-call fit misses.
-        from vllm_mars.costmodel import CostModel
-
-        self.cost_model = CostModel.from_profile(p)
+        self.cost_model = p.cost_model()
         options = dict(self.policy_options)
         options.setdefault("cost_model", self.cost_model.as_dict())
         self.scheduler = make_scheduler(

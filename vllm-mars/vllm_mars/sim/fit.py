@@ -172,7 +172,8 @@ def fit_profile(base: Profile, samples: Sequence[Sample], *, source: str = "", m
             break
         seen.add(assign)
     a, _, _ = _design(base, samples, coef)
-    fitted = base.with_efficiency(_efficiency(coef, a, e, source))
+    # measured steps replace any kernel tables: the fitted profile is the roofline with these coefficients
+    fitted = base.with_efficiency(_efficiency(coef, a, e, source), kernels=None)
     pred = np.array([fitted.step_seconds(s.prefill, s.decode) for s in samples])
     rel = (pred - y) / y
     rms = math.sqrt(float(np.mean(rel ** 2)))

@@ -9,7 +9,12 @@ read from a config-only Hugging Face model dir, and a few efficiency coefficient
   each part ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x bw_eff))``, plus a fixed
   per-step and a per-scheduled-request overhead, plus (TP > 1) two all-reduces per layer.
 - :meth:`Profile.kv_capacity_tokens`: the KV pool vLLM would allocate:
-  ``(memory x gpu_memory_utilization - weights - activation reserve) / KV bytes per token``.
+  ``(CUDA-visible memory x gpu_memory_utilization - weights - activation peak - non-torch memory)
+  / KV bytes per token`` (vLLM's ``determine_available_memory``).
+
+A profile with ``kernels`` (:mod:`vllm_mars.sim.kernels`, ``mars profile --from-kernels``) prices
+steps from NVIDIA's measured kernel tables instead of the roofline; the roofline coefficients stay
+for a GPU or model the tables lack and for refits on a real GPU.
 
 Files: TOML or JSON with the fields of :data:`_TOP` and the tables of :data:`_SECTIONS`; the shipped
 ones live in ``profiles/`` beside this module (``available_profiles()``). No vllm or torch import. Formulas and sources:
@@ -27,6 +32,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.costmodel import CostModel
+from vllm_mars.sim.kernels import KernelTables
 from vllm_mars.sim.shapes import Hardware, ModelShape
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
@@ -94,11 +101,18 @@ class Profile:
     gpu_memory_utilization: float = 0.9
     #: peak activations and non-torch memory vLLM's profile run subtracts besides the weights (bytes)
     activation_reserve_bytes: int = 2 << 30
+    #: memory CUDA lets the process use (``torch.cuda.mem_get_info()`` total, a little under nvidia-smi's
+    #: figure); None: ``hardware.hbm_bytes``
+    cuda_visible_bytes: int | None = None
+    #: memory outside torch's allocator vLLM's profile run measures (CUDA context, cuBLAS workspace, NCCL)
+    non_torch_bytes: int = 0
     #: explicit KV pool size (vLLM's kv_cache_memory_bytes); replaces the memory-based sizing
     kv_cache_memory_bytes: int | None = None
     #: explicit number of KV blocks (vLLM's num_gpu_blocks_override); wins over everything
     num_blocks: int | None = None
     description: str = ""
+    #: measured-kernel step tables (``mars profile --from-kernels``); None: the roofline prices steps
+    kernels: KernelTables | None = None
     #: directory relative model paths resolve against (the profile file's dir)
     base_dir: str = ""
     _k: dict = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -110,9 +124,11 @@ class Profile:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.non_torch_bytes < 0:
+            raise ValueError(f"non_torch_bytes must be >= 0, got {self.non_torch_bytes!r}")
         if self.activation_reserve_bytes < 0:
             raise ValueError(f"activation_reserve_bytes must be >= 0, got {self.activation_reserve_bytes!r}")
-        for f in ("kv_cache_memory_bytes", "num_blocks"):
+        for f in ("kv_cache_memory_bytes", "num_blocks", "cuda_visible_bytes"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, int) and v > 0):
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
@@ -151,7 +167,8 @@ class Profile:
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         weights = self.shape.weight_bytes / self.hardware.tp
-        return int(self.hardware.hbm_bytes * self.gpu_memory_utilization - weights - self.activation_reserve_bytes)
+        total = self.cuda_visible_bytes or self.hardware.hbm_bytes
+        return int(total * self.gpu_memory_utilization - weights - self.activation_reserve_bytes - self.non_torch_bytes)
 
     def num_kv_blocks(self) -> int:
         if self.num_blocks is not None:
@@ -172,6 +189,8 @@ class Profile:
         n_seq = len(prefill) + len(decode)
         if n_seq == 0:
             return 0.0
+        if self.kernels is not None:
+            return self.kernels.step_seconds(prefill, decode) + k["step_overhead_s"] + k["per_seq_overhead_s"] * n_seq
         tokens = len(decode)
         t = 0.0
         for chunk, ctx in prefill:
@@ -225,8 +244,61 @@ class Profile:
         eff = replace(e, step_overhead_s=e.step_overhead_s * factor, per_seq_overhead_s=e.per_seq_overhead_s * factor,
                       source=f"{e.source}; step times x {factor:g}".lstrip("; "))
         # The KV pool is what the unscaled hardware holds (bytes are not time).
+        kernels = self.kernels.scaled(factor) if self.kernels is not None else None
         return self.with_efficiency(eff, hardware=scaled_hw, name=f"{self.name}-x{factor:g}",
-                                    num_blocks=self.num_kv_blocks())
+                                    num_blocks=self.num_kv_blocks(), kernels=kernels)
+
+    @classmethod
+    def from_kernels(cls, gpu: str, model: str, *, tp: int = 1, dtype: str = "auto", name: str | None = None,
+                     max_model_len: int | None = None) -> Profile:
+        """A profile whose steps come from aiconfigurator-core's vLLM kernel tables (needs the
+        ``kernels`` extra): ``gpu`` one of :data:`~vllm_mars.sim.kernels.GPUS`, ``model`` a shipped
+        model name or a config-only model dir. KV memory as vLLM sizes it (CUDA-visible memory x 0.9
+        - weights - the model class's activation peak - non-torch memory); ``max_model_len`` (default)
+        the largest power of two the pool holds, at most the model's ``max_position_embeddings``."""
+        from vllm_mars.sim import kernels as kn
+
+        g = gpu.lower()
+        if g not in kn.GPUS:
+            raise ValueError(f"GPU {gpu!r}: not one of {', '.join(sorted(kn.GPUS))}")
+        model_dir = Path(model) if (Path(model) / "config.json").exists() else MODELS_DIR / model
+        if not (model_dir / "config.json").exists():
+            raise ValueError(f"model {model!r}: neither a dir with a config.json nor a shipped model "
+                             f"({', '.join(available_models())})")
+        cfg = json.loads((model_dir / "config.json").read_text())
+        arch = (cfg.get("architectures") or ["?"])[0]
+        label, peak, bw, smi, link = kn.GPUS[g]
+        hw = Hardware(name=label, peak_flops=peak, hbm_bandwidth=bw, hbm_bytes=smi, tp=tp, interconnect_bandwidth=link)
+        act, non_torch = kn.memory_of(arch, tp)
+        # roofline coefficients kept for a refit or a fallback: the shipped priors (docs/sim.md)
+        eff = Efficiency(mfu=0.5, bw_eff=0.65, attn_mfu=0.45, step_overhead_s=kn.STEP_OVERHEAD_S,
+                         per_seq_overhead_s=kn.PER_SEQ_OVERHEAD_S,
+                         source=f"step and request overheads fitted once ({kn.OVERHEAD_SOURCE}); roofline "
+                                "coefficients are priors, unused while the kernel tables price the steps")
+        shipped = model_dir.parent == MODELS_DIR
+        name = name or f"{g}-{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}-kernels"
+        kw: dict[str, Any] = {"name": name, "model": model_dir.name if shipped else str(model_dir.resolve()),
+                              "hardware": hw, "efficiency": eff, "cuda_visible_bytes": kn.cuda_visible_bytes(g),
+                              "activation_reserve_bytes": act, "non_torch_bytes": non_torch}
+        if max_model_len is None:
+            probe = cls(max_model_len=16, **kw)
+            limit = int(cfg.get("max_position_embeddings") or 131072)
+            pool = probe.kv_capacity_tokens()
+            if pool < 16:
+                raise ValueError(f"{name}: the weights leave no KV memory")
+            max_model_len = min(1 << (pool.bit_length() - 1), limit)
+        tables = kn.build_tables(g, model_dir, tp=tp, dtype=dtype, max_model_len=max_model_len,
+                                 max_num_batched_tokens=8192, max_num_seqs=1024)
+        desc = (f"{model_dir.name} ({arch}) on {label}, TP {tp}: step times from measured vLLM kernels "
+                f"({tables.source})")
+        return cls(max_model_len=max_model_len, kernels=tables, description=desc, **kw)
+
+    def cost_model(self) -> CostModel:
+        """The policies' :class:`~vllm_mars.costmodel.CostModel` of this profile: least squares on
+        its own :meth:`step_seconds` (single-chunk prefill steps over the step budget and contexts up
+        to ``max_model_len``, and single-decode steps)."""
+        return CostModel.fit_steps(self.step_seconds, budget=self.max_num_batched_tokens,
+                                   max_len=self.max_model_len, source=f"fitted to step-time profile {self.name!r}")
 
     # -- files ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -235,16 +307,21 @@ class Profile:
         for f in ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             d[f] = getattr(self, f)
         d["hardware"] = asdict(self.hardware)
-        mem = {"gpu_memory_utilization": self.gpu_memory_utilization,
+        mem = {"gpu_memory_utilization": self.gpu_memory_utilization, "cuda_visible_bytes": self.cuda_visible_bytes,
                "activation_reserve_bytes": self.activation_reserve_bytes,
+               "non_torch_bytes": self.non_torch_bytes or None,
                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "num_blocks": self.num_blocks}
         d["memory"] = {k: v for k, v in mem.items() if v is not None}
         d["efficiency"] = {k: v for k, v in asdict(self.efficiency).items() if v is not None}
+        if self.kernels is not None:
+            d["kernels"] = self.kernels.to_dict()
         return d
 
     def write(self, path: str | Path) -> Path:
         """Write as JSON (``.json``) or TOML (anything else)."""
         path = Path(path)
+        if self.kernels is not None and path.suffix != ".json":
+            raise ValueError(f"{path}: a profile with kernel tables is written as .json")
         d = self.to_dict()
         path.write_text(json.dumps(d, indent=2) + "\n" if path.suffix == ".json" else _toml(d))
         return path
@@ -269,7 +346,7 @@ def _constants(shape: ModelShape, hw: Hardware, eff: Efficiency) -> dict[str, fl
         lin_flops_per_token=2.0 * (shape.active_params - shape.lm_head_params),
         head_flops_per_seq=2.0 * shape.lm_head_params,
         lin_bytes=float((shape.shared_params + shape.lm_head_params) * b),
-        expert_bytes=float(shape.moe_layers * shape.expert_params * b),
+        expert_bytes=float(shape.moe_layers * shape.expert_params * shape.expert_bytes_per_param),
         allreduce_s_per_token=ar * 2.0 * (tp - 1) / tp * shape.hidden * b / hw.interconnect_bandwidth,
         allreduce_fixed_s=ar * hw.allreduce_latency_s,
         step_overhead_s=eff.step_overhead_s, per_seq_overhead_s=eff.per_seq_overhead_s,
@@ -281,7 +358,8 @@ _TOP = {"name": str, "description": str, "model": str, "block_size": int, "max_m
         "max_num_batched_tokens": int, "max_num_seqs": int}
 _SECTIONS = {
     "hardware": {f.name: f.type for f in fields(Hardware)},
-    "memory": {"gpu_memory_utilization": "float", "activation_reserve_bytes": "int",
+    "memory": {"gpu_memory_utilization": "float", "activation_reserve_bytes": "int", "cuda_visible_bytes": "int",
+               "non_torch_bytes": "int",
                "kv_cache_memory_bytes": "int", "num_blocks": "int"},
     "efficiency": {f.name: f.type for f in fields(Efficiency)},
 }
@@ -311,7 +389,7 @@ def profile_from_dict(d: Mapping[str, Any], where: str, base_dir: str = "") -> P
     """Validate a profile mapping; every error is one line naming ``where`` and the field."""
     if not isinstance(d, Mapping):
         raise ValueError(f"{where}: expected a table/object at top level")  # noqa: TRY004
-    known = set(_TOP) | set(_SECTIONS)
+    known = set(_TOP) | set(_SECTIONS) | {"kernels"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -334,10 +412,11 @@ def profile_from_dict(d: Mapping[str, Any], where: str, base_dir: str = "") -> P
             if key not in raw:
                 raise ValueError(f"{where}: missing field '{sec}.{key}'")
         parts[sec] = {k: _check_type(where, f"{sec}.{k}", v, schema[k]) for k, v in raw.items() if v is not None}
+    kernels = KernelTables.from_dict(d["kernels"], where) if "kernels" in d else None
     try:
         hw = Hardware(**parts["hardware"])
         eff = Efficiency(**parts["efficiency"])
-        return Profile(hardware=hw, efficiency=eff, base_dir=base_dir, **top, **parts["memory"])
+        return Profile(hardware=hw, efficiency=eff, base_dir=base_dir, kernels=kernels, **top, **parts["memory"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -15,6 +15,9 @@ from typing import Any
 
 #: bytes per element of each weight/KV dtype the profiles accept
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+#: bits per expert weight of each expert-only quantisation a config.json may name (OCP MXFP4: 4-bit
+#: elements with one 8-bit shared scale per 32-element block)
+QUANT_EXPERT_BITS = {"mxfp4": 4.25}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class ModelShape:
     moe_layers: int = 0
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    #: bits per expert weight when the experts are quantised apart from the rest (gpt-oss: MXFP4, 4-bit
+    #: values plus one 8-bit scale per 32 = 4.25 bits); 0: the model dtype
+    expert_bits: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
@@ -125,8 +131,13 @@ class ModelShape:
                 + self.lm_head_params)
 
     @property
+    def expert_bytes_per_param(self) -> float:
+        return self.expert_bits / 8 if self.expert_bits else float(self.dtype_bytes)
+
+    @property
     def weight_bytes(self) -> int:
-        return self.total_params * self.dtype_bytes
+        experts = self.moe_layers * self.experts * self.expert_params
+        return int((self.total_params - experts) * self.dtype_bytes + experts * self.expert_bytes_per_param)
 
     def kv_bytes_per_token(self, tp: int = 1) -> int:
         """K and V of every layer for one token, per GPU (KV heads split over TP, replicated below)."""
@@ -163,6 +174,11 @@ class ModelShape:
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             dense_only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        quant = cfg.get("quantization_config") or {}
+        quant = quant.get("quant_method") if isinstance(quant, dict) else None
+        if quant not in (None, *QUANT_EXPERT_BITS):
+            raise ValueError(f"{where}: quantization_config.quant_method {quant!r} not one of "
+                             f"{sorted(QUANT_EXPERT_BITS)} (or none)")
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"{where}: field 'torch_dtype' {dtype!r} not one of {sorted(DTYPE_BYTES)}")
@@ -170,9 +186,11 @@ class ModelShape:
                    intermediate=need("intermediate_size") if (moe_layers < layers) else int(cfg.get("intermediate_size", 0)),
                    vocab=need("vocab_size"), experts=int(experts),
                    experts_per_token=need("num_experts_per_tok") if experts else 0,
-                   moe_intermediate=need("moe_intermediate_size") if experts else 0, moe_layers=moe_layers,
+                   # experts of intermediate_size where the config has no moe_intermediate_size (gpt-oss, Mixtral)
+                   moe_intermediate=(need("moe_intermediate_size") if "moe_intermediate_size" in cfg
+                                     else need("intermediate_size")) if experts else 0, moe_layers=moe_layers,
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   dtype_bytes=DTYPE_BYTES[dtype])
+                   dtype_bytes=DTYPE_BYTES[dtype], expert_bits=QUANT_EXPERT_BITS.get(quant, 0.0))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> ModelShape:

@@ -1,0 +1,163 @@
+"""Profiles from measured kernels (aiconfigurator-core's vLLM tables): the tables interpolate as
+documented, files round-trip and fail on one line naming the field, the shipped table-built profiles
+load without the library and carry their provenance, KV memory is sized as vLLM sizes it, and a
+profile built from the installed tables reproduces published end-to-end figures through the sim."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_mars.sim import kernels as kn
+from vllm_mars.sim.kernels import KernelTables
+from vllm_mars.sim.profile import Profile, available_profiles, load_profile
+from vllm_mars.sim.shapes import ModelShape
+
+GIB = 2 ** 30
+ROOT = Path(__file__).resolve().parents[1]
+
+SHIPPED = [f"{g}-{m}-kernels" for g in ("h100", "h200")
+           for m in ("qwen3-coder-30b-a3b", "qwen3-32b", "llama-3.1-8b", "gpt-oss-120b")] + [
+    "b200-qwen3-coder-30b-a3b-kernels"]
+
+
+def _tables() -> KernelTables:
+    return KernelTables(tokens=(1.0, 101.0), linear_s=(0.010, 0.020), seqs=(1.0, 11.0), logits_s=(0.001, 0.002),
+                        chunks=(16.0, 116.0), prefixes=(0.0, 1000.0), prefill_attn_s=((0.001, 0.003), (0.002, 0.006)),
+                        batches=(1.0, 9.0), contexts=(100.0, 1100.0), decode_attn_s=((0.0001, 0.0011), (0.0002, 0.0042)),
+                        source="hand-made")
+
+
+def test_tables_interpolate_bilinearly_and_extrapolate_linearly():
+    t = _tables()
+    # one decode at context 600: linear(1) + logits(1) + decode_attn(1, 600)
+    assert t.step_seconds([], [600]) == pytest.approx(0.010 + 0.001 + 0.0006, rel=1e-12)
+    # a 66-token chunk after 500 tokens and two decodes at 100 and 1100 (mean 600): 68 tokens, 3 requests
+    pre = (0.002 + 0.004) / 2                                   # chunk 66 and prefix 500: halfway on both axes
+    dec = 0.0006 + (0.0022 - 0.0006) * (2 - 1) / 8             # batch 2 of 1..9 at mean context 600
+    lin = 0.010 + 0.010 * 67 / 100
+    logits = 0.001 + 0.001 * 2 / 10
+    assert t.step_seconds([(66, 500)], [100, 1100]) == pytest.approx(pre + dec + lin + logits, rel=1e-12)
+    # past the last token count: the last segment's slope goes on
+    assert t.step_seconds([(116, 0)], []) - t.step_seconds([(16, 0)], []) == pytest.approx(
+        0.001 + 0.010 * 100 / 100, rel=1e-9)
+    assert t.step_seconds([], []) == 0.0
+    assert t.scaled(2.0).step_seconds([(66, 500)], [100]) == pytest.approx(2 * t.step_seconds([(66, 500)], [100]))
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda k: k.pop("linear_s"), "missing field 'kernels.linear_s'"),
+    (lambda k: k.update(tokens=[1, "x"]), "field 'kernels.tokens' must be a list of numbers"),
+    (lambda k: k.update(contexts=[5, 1]), "kernels.contexts: need >= 2 ascending points"),
+    (lambda k: k.update(typo=1), "unknown field 'kernels.typo'"),
+    (lambda k: k.update(logits_s=[-1, 0.1]), "kernels.logits_s: every value must be >= 0"),
+])
+def test_malformed_kernel_tables_name_file_and_field(tmp_path, mutate, message):
+    d = load_profile("h100-qwen3-32b").to_dict()
+    d["kernels"] = _tables().to_dict()
+    mutate(d["kernels"])
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        load_profile(str(f))
+    assert str(f.resolve()) in str(e.value) and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_kernel_profile_round_trips_as_json_and_refuses_toml(tmp_path):
+    p = load_profile("h100-qwen3-coder-30b-a3b-kernels")
+    back = load_profile(str(p.write(tmp_path / "k.json")))
+    assert back.kernels == p.kernels
+    for batch in (([(8192, 0), (512, 30000)], []), ([], [4096] * 64), ([(100, 7)], [5] * 3)):
+        assert back.step_seconds(*batch) == p.step_seconds(*batch)
+    with pytest.raises(ValueError, match=r"k\.toml: a profile with kernel tables is written as \.json"):
+        p.write(tmp_path / "k.toml")
+
+
+def test_shipped_kernel_profiles_load_without_the_library_and_say_where_they_come_from():
+    names = set(available_profiles())
+    for name in SHIPPED:
+        assert name in names
+        p = load_profile(name)
+        src = p.kernels.source
+        assert f"{kn.LIBRARY} {kn.LIBRARY_VERSION}" in src and "table_vllm 0.24.0" in src
+        assert f"pins vLLM {kn.PINNED_VLLM}" in src and p.efficiency.step_overhead_s == kn.STEP_OVERHEAD_S
+        assert p.kv_capacity_tokens() >= p.max_model_len
+        # longer prefill chunks and more decodes cost more
+        assert p.step_seconds([(8192, 0)], []) > p.step_seconds([(512, 0)], []) > 0
+        assert p.step_seconds([], [4096] * 256) > p.step_seconds([], [4096] * 8)
+    # the roofline profiles the experiments name keep their names and their numbers
+    assert load_profile("h100-qwen3-32b").kernels is None
+
+
+def test_kv_memory_is_what_vllm_subtracts():
+    p = load_profile("h100-qwen3-32b-kernels")
+    # vLLM's determine_available_memory: CUDA total x utilisation - weights - activation peak - non-torch
+    weights = 32.76e9 * 2                                   # Qwen3-32B, bf16 (model card 32.8B)
+    kv = 79.22 * GIB * 0.9 - weights - 5.6 * GIB - 1.79 * GIB
+    per_token = 2 * 64 * 8 * 128 * 2                        # K and V x 64 layers x 8 KV heads x 128 x bf16
+    assert p.kv_memory_bytes() == pytest.approx(kv, rel=0.01)
+    assert p.kv_capacity_tokens() == pytest.approx(kv / per_token, rel=0.01)
+    moe = load_profile("h200-qwen3-coder-30b-a3b-kernels")
+    assert moe.activation_reserve_bytes == int(8.0 * GIB)   # the MoE class's measured peak
+
+
+def test_gpt_oss_shape_counts_mxfp4_experts():
+    shape = ModelShape.from_model_dir(load_profile("h200-gpt-oss-120b-kernels").model_dir())
+    # model card: 116.8B parameters, 5.1B active; MXFP4 experts (4.25 bits) -> about 60.8 GiB of weights
+    assert shape.total_params / 1e9 == pytest.approx(116.8, rel=0.01)
+    assert shape.weight_bytes / GIB == pytest.approx(60.7, rel=0.02)
+    cfg = {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 16,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 8,
+           "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(ValueError, match="quantization_config.quant_method 'awq' not one of"):
+        ModelShape.from_config(cfg)
+
+
+def test_profile_owns_its_cost_model():
+    p = load_profile("h200-qwen3-coder-30b-a3b-kernels")
+    m = p.cost_model()
+    assert m.calibrated and p.name in m.source
+    # the fitted line prices a long rebuild near the profile's own prefill steps (8k chunks)
+    steps = sum(p.step_seconds([(8192, c)], []) for c in range(0, 32768, 8192))
+    assert m.rebuild_s(32768) == pytest.approx(steps, rel=0.25)
+
+
+def test_measured_steps_replace_the_kernel_tables(tmp_path):
+    from vllm_mars.sim.fit import Sample, fit_profile
+
+    p = load_profile("h100-llama-3.1-8b-kernels")
+    batches = [([(c, x)], []) for c in (512, 2048, 8192) for x in (0, 8192)] + [([], [x] * b) for b in (1, 16, 64)
+                                                                               for x in (1024, 8192)]
+    samples = [Sample(tuple(pf), tuple(dc), 1.3 * p.step_seconds(pf, dc)) for pf, dc in batches]
+    fitted = fit_profile(p, samples, source="a GPU's steps").profile
+    assert fitted.kernels is None and "a GPU's steps" in fitted.efficiency.source
+    # what profile_gpu.sh writes: a TOML roofline profile that loads back without tables
+    assert load_profile(str(fitted.write(tmp_path / "refit.toml"))).kernels is None
+
+
+# -- against published end-to-end figures (reads the installed aiconfigurator-core data, no network) ----
+aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (aiconfigurator-core) is not installed")
+sys.path.insert(0, str(ROOT / "benchmark" / "perf"))
+import gpu_validation  # noqa: E402
+
+#: published rows (silicon_sample.csv) whose TPOT the CI reproduces: H100 x Qwen3-32B at TP 2, 4 and 8,
+#: vLLM 0.12 (the overheads were fitted on these 72 configurations; the CI checks the whole chain:
+#: installed tables -> profile -> vLLM's scheduler in the sim -> the published figure)
+CHECKED = [("h100", "qwen3-32b", 2, 4096, 128, 8), ("h100", "qwen3-32b", 4, 4096, 512, 8),
+           ("h100", "qwen3-32b", 8, 1024, 1024, 8)]
+
+
+def test_table_built_profile_reproduces_published_vllm_runs():
+    rows = {(r.gpu, r.model, r.tp, r.isl, r.osl, r.concurrency): r for r in gpu_validation.covered_rows()}
+    for key in CHECKED:
+        row = rows[key]
+        prof = Profile.from_kernels(row.gpu, row.model, tp=row.tp)
+        assert "table_vllm 0.24.0" in prof.kernels.source
+        got = gpu_validation.emulate(prof, row.isl, row.osl, row.concurrency)
+        # TPOT within the validation target (10 %); TTFT misses its target on these rows, for the
+        # reason docs/sim.md gives ("Validation"), so it is not asserted here
+        assert got["tpot_ms"] / row.tpot_ms == pytest.approx(1.0, abs=0.10), (key, got, row)
+        assert got["preemptions"] == 0
