@@ -21,7 +21,7 @@ COMPACT = REPO / "benchmark" / "workloads" / "compact.jsonl"
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_mars.cli", *args], check=False, capture_output=True,
                           text=True,
-                          timeout=120, env={**os.environ, "RPS": "1"})
+                          timeout=300, env={**os.environ, "RPS": "1"})
 
 
 # -- hole 15: --rps has a lower bound and is finite, at parse time --------------------------------------
