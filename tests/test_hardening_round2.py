@@ -21,7 +21,7 @@ COMPACT = REPO / "benchmark" / "workloads" / "compact.jsonl"
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_mars.cli", *args], check=False, capture_output=True,
                           text=True,
-                          timeout=120, env={**os.environ, "RPS": "1"})
+                          timeout=300, env={**os.environ, "RPS": "1"})
 
 
 # -- hole 15: --rps has a lower bound and is finite, at parse time --------------------------------------
@@ -79,7 +79,7 @@ def test_longest_valid_workload_id_stays_a_valid_tag_when_repeated():
 # -- hole 9: a task line is a prompt, never a flag; a session that did nothing is not "ok" --------------
 FAKE_CLI = """#!/bin/sh
 # a stand-in agent CLI: records its argv; a flag before "--" is obeyed (and exits 0 with no call)
-printf '%s\\n' "$@" > "$ARGV_OUT"
+printf '%s\\n' "$@" > ARGV_OUT
 for a in "$@"; do
   [ "$a" = "--" ] && break
   [ "$a" = "--version" ] && { echo "fake 1.0"; exit 0; }
@@ -88,22 +88,20 @@ exit 0
 """
 
 
-def test_agents_run_passes_prompt_after_double_dash_and_no_call_is_an_error(tmp_path, monkeypatch):
-    from vllm_mars.agents.runner import AgentRun, AgentRunConfig
+def test_agents_run_passes_prompt_after_double_dash_and_no_call_is_an_error(tmp_path):
+    from vllm_mars.agents.runner import AgentRun, AgentRunConfig, Session
     from vllm_mars.agents.tasks import AgentTask
 
-    exe = tmp_path / "codex"
-    exe.write_text(FAKE_CLI)
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     argv_out = tmp_path / "argv.txt"
-    monkeypatch.setenv("ARGV_OUT", str(argv_out))
+    exe = tmp_path / "codex"
+    exe.write_text(FAKE_CLI.replace("ARGV_OUT", str(argv_out)))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     cfg = AgentRunConfig(frontend="codex", tasks="-", server="http://127.0.0.1:9", unsandboxed=True,
                          session_timeout_s=30, sample_interval_s=5)
     out = tmp_path / "run"
     out.mkdir()
-    run = AgentRun(cfg, out, [AgentTask("t0", ("--version",))], str(exe), "tiny", "none", "test")
-    real_env = run.fe.env
-    monkeypatch.setattr(run.fe, "env", lambda p, s: {**real_env(p, s), "ARGV_OUT": str(argv_out)})
+    session = Session("t0", AgentTask("t0", ("--version",)), "codex")
+    run = AgentRun(cfg, out, [session], {"codex": str(exe)}, "tiny", "none", "test")
     asyncio.run(run.run())
     argv = argv_out.read_text().splitlines()
     assert argv[-2:] == ["--", "--version"], argv

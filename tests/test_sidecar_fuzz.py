@@ -53,7 +53,7 @@ class Live:
              "--header-timeout", "1", "--body-timeout", "0.5", "--body-deadline", "1.5", "--max-connections", "24",
              "--telemetry-interval", "0.05", "--retry-after", "1", "--backend-wait", "5"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        assert wait_until(self.up, 60), (tmp / "sidecar.log").read_text()[-3000:]
+        assert wait_until(self.up, 300, 0.2), (tmp / "sidecar.log").read_text()[-3000:]
 
     def up(self) -> bool:
         try:

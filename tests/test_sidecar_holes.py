@@ -197,7 +197,7 @@ def test_empty_api_key_is_rejected(kw):
 def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_mars.cli", *args], check=False, capture_output=True,
                           text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_cli_rejects_empty_key_and_bad_file_options(tmp_path):

@@ -42,12 +42,9 @@ from vllm_mars.admission.telemetry import EngineSample, scheduler_sample
 from vllm_mars.backend import CallResult
 from vllm_mars.sim.loop import LoopClock, is_virtual
 
-try:
-    from vllm.v1.request import RequestStatus
-
-    _RUNNING = RequestStatus.RUNNING
-except ImportError:  # pragma: no cover - the sim needs vLLM anyway
-    _RUNNING = None
+#: vLLM's RequestStatus.RUNNING, resolved by :func:`_ff_supported` (importing vLLM when this module is
+#: imported made every ``mars`` command, ``mars sidecar --help`` included, pay vLLM's import time)
+_RUNNING: Any = None
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +91,11 @@ class _StepOut:
 def _ff_supported(s: Any) -> bool:
     """Whether the scheduler's configuration lets decode steps be fast-forwarded at all: ours, sync,
     no connector, speculation, LoRA, pause, deferred frees or online cost fit in play."""
+    global _RUNNING
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.request import RequestStatus
 
+    _RUNNING = RequestStatus.RUNNING  # (read by _decode_ready, which runs only after this)
     return (hasattr(s, "_mars_begin_step") and not isinstance(s, AsyncScheduler)
             and s.connector is None and getattr(s, "ec_connector", None) is None
             and not s.defer_block_free and s.vllm_config.speculative_config is None
