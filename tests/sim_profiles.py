@@ -65,3 +65,7 @@ def use_profiles(monkeypatch, *profiles) -> None:
         return by_name[name]
 
     monkeypatch.setattr(sim_engine, "get_profile", get)
+    from vllm_mars.driver import config as driver_config  # the RunPlan resolves profiles there
+
+    if hasattr(driver_config, "get_profile"):
+        monkeypatch.setattr(driver_config, "get_profile", get)

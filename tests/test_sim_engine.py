@@ -367,3 +367,26 @@ def test_sim_runs_are_byte_identical_across_processes_and_hash_seeds(tmp_path):
         outs.append(out)
     assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
     assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()
+
+
+def test_compare_takes_admission_options_for_the_policies_whose_controller_has_them(tmp_path, linear_profile,
+                                                                                    capsys):
+    """``mars compare --admission-option`` (as ``mars replay`` takes it): the window reaches mars's
+    controller and leaves fcfs (no admission) alone; a key no compared controller takes is refused."""
+    from vllm_mars.cli import main
+
+    wl = _workload(tmp_path / "wl.jsonl", n=4)
+    common = ["compare", "--backend", "sim", "--profile", "test-linear", "--workload", str(wl), "--rps", "2",
+              "--no-progress"]
+    assert main([*common, "--policies", "mars,fcfs", "--admission-option", "window_min=1", "--admission-option", "window_max=1",
+                 "--out", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    mars_cfg = json.loads((tmp_path / "c" / "rps2" / "mars" / "run_config.json").read_text())
+    fcfs_cfg = json.loads((tmp_path / "c" / "rps2" / "fcfs" / "run_config.json").read_text())
+    assert mars_cfg["admission_options"] == {"window_min": 1, "window_max": 1} and fcfs_cfg["admission_options"] == {}
+    events = read_events(tmp_path / "c" / "rps2" / "mars")
+    assert max(e["active"] for e in events if e["event"] == "kv_sample") <= 1, "a window of one root"
+    assert main([*common, "--policies", "mars,fcfs", "--admission-option", "window_maxx=1",
+                 "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "window_maxx" in err and "window_max" in err and not (tmp_path / "d" / "rps2").exists()

@@ -10,12 +10,12 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_mars.driver.config import ReplayConfig, RunPlan
-from vllm_mars.driver.control import check_policy
+from vllm_mars.driver.control import check_policy, resolve_policy
 from vllm_mars.driver.runner import run_replay
 from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
 from vllm_mars.metrics.compare import compare_record, write_compare_report
@@ -31,13 +31,43 @@ DEFAULT_RPS = (4.0,)
 DEFAULT_NUM_BLOCKS = COMPARE_CPU_NUM_BLOCKS  # CPU build only: GPUs use vLLM's sizing
 
 
+def controller_fields(policy: str) -> frozenset[str]:
+    """The admission options driver policy ``policy``'s controller takes (none for no admission)."""
+    from vllm_mars.admission.base import get_controller_class
+
+    cfg = get_controller_class(resolve_policy(policy).controller).config_cls
+    return frozenset(f.name for f in fields(cfg)) if is_dataclass(cfg) else frozenset()
+
+
+def check_admission_options(options: Mapping[str, Any], policies: Sequence[str]) -> None:
+    """Every shared admission option must be one that some compared policy's controller takes
+    (ValueError naming the key, the policies and what their controllers take)."""
+    takes = {p: controller_fields(p) for p in policies}
+    known = frozenset().union(*takes.values())
+    for key in options:
+        if key not in known:
+            raise ValueError(f"admission option {key!r}: none of the compared policies' admission controllers "
+                             f"takes it ({', '.join(policies)}; they take: {sorted(known) or 'no options'})")
+    from vllm_mars.admission.base import make_controller
+
+    for p, keys in takes.items():  # the values, for each controller they reach, before anything runs
+        policy = resolve_policy(p)
+        make_controller(policy.controller,
+                        {**policy.controller_options, **{k: v for k, v in options.items() if k in keys}})
+
+
 def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | None = None, **kw: Any) -> ReplayConfig:
     """``base`` for the run labelled ``label``: the driver policy is ``variant["policy"]`` (default:
-    the label itself); the variant's ``policy_options`` / ``admission_options`` update the base's."""
+    the label itself); the variant's ``policy_options`` / ``admission_options`` update the base's.
+    The base's admission options reach the policies whose controller takes them (``mars compare
+    --admission-option window_max=8`` caps mars and leaves fcfs, which has no admission, alone)."""
     v = dict(variant or {})
-    return replace(base, policy=v.get("policy", label),
+    policy = v.get("policy", label)
+    takes = controller_fields(policy)
+    shared = {k: val for k, val in base.admission_options.items() if k in takes}
+    return replace(base, policy=policy,
                    policy_options={**base.policy_options, **v.get("policy_options", {})},
-                   admission_options={**base.admission_options, **v.get("admission_options", {})}, **kw)
+                   admission_options={**shared, **v.get("admission_options", {})}, **kw)
 
 
 def run_policies(base: ReplayConfig, policies: Sequence[str], rps: float, out: str | Path,
@@ -70,7 +100,9 @@ def run_compare(base: ReplayConfig, policies: Sequence[str], rps_list: Sequence[
         raise ValueError("no policies to compare")
     for p in policies:
         check_policy(p)
-    base = RunPlan.of(base).cfg
+    check_admission_options(base.admission_options, policies)
+    # (the base plan is resolved without them: each policy's run takes those its controller takes)
+    base = replace(RunPlan.of(replace(base, admission_options={})).cfg, admission_options=base.admission_options)
     out = Path(out) if out else Path("runs") / f"compare_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     cost = None
