@@ -130,9 +130,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if args.steps:
-        from vllm_mars.costmodel import CostModel
+        from vllm_mars.sim.profile import load_cost_model
 
-        ref = CostModel.load(args.reference) if args.reference else None
+        ref = load_cost_model(args.reference) if args.reference else None
         for path in args.steps:
             print(json.dumps(fit_steps(path, ref)))
         return
