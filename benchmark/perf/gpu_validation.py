@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "vllm-mars"))
 
-from vllm_mars.sim.engine import SimBackend  # noqa: E402
-from vllm_mars.sim.loop import run_virtual  # noqa: E402
-from vllm_mars.sim.profile import Profile  # noqa: E402
+from vllm_mars.sim.engine import SimBackend
+from vllm_mars.sim.loop import run_virtual
+from vllm_mars.sim.profile import Profile
 
 #: published model id (and precision) -> shipped model dir
 MODELS = {("Qwen/Qwen3-32B", ""): "qwen3-32b", ("openai/gpt-oss-120b", "fp4"): "gpt-oss-120b"}
@@ -202,8 +202,8 @@ def fit_overheads(rows: list[Row], prompts_per_client: int, progress=None) -> tu
 def markdown(path: str) -> str:
     """The docs/sim.md tables of a results file: per GPU x model, then per row."""
     d = json.loads(Path(path).read_text())
-    out = ["| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
-           "TPOT median abs err | TPOT worst |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [("| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
+           "TPOT median abs err | TPOT worst |"), "|---|---|---|---|---|---|---|---|---|"]
     for s in d["summary"]:
         out.append(f"| {s['gpu']} | {s['model']} | {s['rows']} | {s['ttft_median_ratio']} | {s['ttft_median_abs_err']} | "
                    f"{s['ttft_worst_ratio']} | {s['tpot_median_ratio']} | {s['tpot_median_abs_err']} | "

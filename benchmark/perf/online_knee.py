@@ -42,7 +42,7 @@ CASES = {
 
 def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_context: int | None,
              seed: int) -> dict:
-    from vllm_mars.costmodel import CostModel, OnlineCostFit
+    from vllm_mars.costmodel import OnlineCostFit
     from vllm_mars.driver.runner import ReplayConfig, run_replay
     from vllm_mars.engine import rig
     from vllm_mars.experiment.grid import materialize
