@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from vllm_mars.clock import VirtualClock
 from vllm_mars.costmodel import CostModel, OnlineCostFit, from_polynomial
 from vllm_mars.engine.rig import assert_no_leaks, fake_model_output, make_request, make_scheduler
 from vllm_mars.policies import make_policy
+from vllm_mars.sim.profile import load_cost_model, load_profile
 
 
 class _Profile:
@@ -48,6 +50,15 @@ def test_serialisation_round_trip_and_file(tmp_path):
     bad.write_text("{nope")
     with pytest.raises(ValueError, match="bad.json:1: not JSON"):
         CostModel.load(str(bad))
+    # the ground floor reads cost models only; a profile's comes through the profile (no import upward)
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps(load_profile("h100-qwen3-32b").to_dict()))
+    with pytest.raises(ValueError, match="not a serialised cost model .*load_cost_model"):
+        CostModel.load(str(prof))
+    assert load_cost_model(str(f)) == m
+    assert load_cost_model("h100-qwen3-32b") == load_profile("h100-qwen3-32b").cost_model()
+    code = (Path(__file__).parents[1] / "vllm-mars" / "vllm_mars" / "costmodel.py").read_text()
+    assert "import" not in "".join(line for line in code.splitlines() if "vllm_mars" in line)
     with pytest.raises(ValueError, match="free prefill"):
         CostModel(prefill_s_per_token=0.0)
 

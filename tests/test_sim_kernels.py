@@ -141,7 +141,7 @@ def test_measured_steps_replace_the_kernel_tables(tmp_path):
 # -- against published end-to-end figures (reads the installed aiconfigurator-core data, no network) ----
 aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (aiconfigurator-core) is not installed")
 sys.path.insert(0, str(ROOT / "benchmark" / "perf"))
-import gpu_validation  # noqa: E402
+import gpu_validation
 
 #: published rows (silicon_sample.csv) whose TPOT the CI reproduces: H100 x Qwen3-32B at TP 2, 4 and 8,
 #: vLLM 0.12 (the overheads were fitted on these 72 configurations; the CI checks the whole chain:

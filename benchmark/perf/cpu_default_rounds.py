@@ -276,10 +276,10 @@ def main(argv: list[str]) -> int:
             ap.error(f"--keep-steps {keep_dir}: {e}")
     given_cost = None
     if args.cost_model:
-        from vllm_mars.costmodel import CostModel
+        from vllm_mars.sim.profile import load_cost_model
 
         try:
-            given_cost = CostModel.load(args.cost_model)
+            given_cost = load_cost_model(args.cost_model)
         except (OSError, ValueError) as e:
             ap.error(f"--cost-model {args.cost_model}: {e}")
     cores = sorted(os.sched_getaffinity(0))

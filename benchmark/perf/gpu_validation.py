@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "vllm-mars"))
 
-from vllm_mars.sim.engine import SimBackend  # noqa: E402
-from vllm_mars.sim.loop import run_virtual  # noqa: E402
-from vllm_mars.sim.profile import Profile  # noqa: E402
+from vllm_mars.sim.engine import SimBackend
+from vllm_mars.sim.loop import run_virtual
+from vllm_mars.sim.profile import Profile
 
 #: published model id (and precision) -> shipped model dir
 MODELS = {("Qwen/Qwen3-32B", ""): "qwen3-32b", ("openai/gpt-oss-120b", "fp4"): "gpt-oss-120b"}
@@ -199,18 +199,42 @@ def fit_overheads(rows: list[Row], prompts_per_client: int, progress=None) -> tu
     return float(coef[0]), float(coef[1])
 
 
+def markdown(path: str) -> str:
+    """The docs/sim.md tables of a results file: per GPU x model, then per row."""
+    d = json.loads(Path(path).read_text())
+    out = [("| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
+           "TPOT median abs err | TPOT worst |"), "|---|---|---|---|---|---|---|---|---|"]
+    for s in d["summary"]:
+        out.append(f"| {s['gpu']} | {s['model']} | {s['rows']} | {s['ttft_median_ratio']} | {s['ttft_median_abs_err']} | "
+                   f"{s['ttft_worst_ratio']} | {s['tpot_median_ratio']} | {s['tpot_median_abs_err']} | "
+                   f"{s['tpot_worst_ratio']} |")
+    out += ["", "| GPU | model | TP | ISL/OSL | C | vLLM | TTFT public ms | ours | ratio | TPOT public ms | ours | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["records"]:
+        out.append(f"| {r['gpu']} | {r['model']} | {r['tp']} | {r['isl']}/{r['osl']} | {r['concurrency']} | {r['vllm']} | "
+                   f"{r['ttft_public_ms']:.1f} | {r['ttft_ms']:.1f} | {r['ttft_ratio']:.2f} | {r['tpot_public_ms']:.2f} | "
+                   f"{r['tpot_ms']:.2f} | {r['tpot_ratio']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", nargs="*", default=None, help="only these GPUs (h100 h200 b200)")
     ap.add_argument("--model", nargs="*", default=None, help="only these models (qwen3-32b gpt-oss-120b)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="skip rows above this concurrency")
     ap.add_argument("--max-osl", type=int, default=None, help="skip rows with longer outputs (CPU time)")
+    ap.add_argument("--stride", type=int, default=1,
+                    help="every Nth covered row per GPU x model (CPU time on a shared machine; default all)")
     ap.add_argument("--prompts-per-client", type=int, default=3,
                     help="requests per client; the first is warm-up (default 3)")
     ap.add_argument("--fit-overheads", action="store_true",
                     help=f"fit the per-step and per-request overheads on the {' x '.join(FIT_SET)} rows and print them")
     ap.add_argument("--out", default=None, help="write the records and summary here (JSON)")
+    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the tables of a results file and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     rows = covered_rows()
     if args.gpu:
         rows = [r for r in rows if r.gpu in args.gpu]
@@ -220,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r.concurrency <= args.max_concurrency]
     if args.max_osl:
         rows = [r for r in rows if r.osl <= args.max_osl]
+    if args.stride > 1:
+        by_pair: dict[tuple, list[Row]] = defaultdict(list)
+        for r in rows:
+            by_pair[(r.gpu, r.model)].append(r)
+        rows = [r for rs in by_pair.values() for r in rs[::args.stride]]
 
     def say(m: str) -> None:
         print(m, file=sys.stderr, flush=True)
@@ -229,15 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         o, s = fit_overheads(fit, args.prompts_per_client, progress=say)
         print(json.dumps({"step_overhead_s": o, "per_seq_overhead_s": s, "rows": len(fit)}))
         return 0
-    records = validate(rows, args.prompts_per_client, progress=say)
-    summ = summary(records)
-    for s in summ:
+    records: list[dict] = []
+
+    def write() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(
+                {"command": " ".join(["python benchmark/perf/gpu_validation.py", *(argv or sys.argv[1:])]),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_planned": len(rows),
+                 "summary": summary(records), "records": records}, indent=1) + "\n")
+
+    for row in rows:  # one at a time, written as it goes (a long run on a shared machine)
+        records += validate([row], args.prompts_per_client, progress=say)
+        write()
+    for s in summary(records):
         print(json.dumps(s))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python " + " ".join(["benchmark/perf/gpu_validation.py",
-                                                                                *(argv or sys.argv[1:])]),
-                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                              "summary": summ, "records": records}, indent=1) + "\n")
     return 0
 
 

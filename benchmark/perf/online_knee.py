@@ -42,7 +42,7 @@ CASES = {
 
 def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_context: int | None,
              seed: int) -> dict:
-    from vllm_mars.costmodel import CostModel, OnlineCostFit
+    from vllm_mars.costmodel import OnlineCostFit
     from vllm_mars.driver.runner import ReplayConfig, run_replay
     from vllm_mars.engine import rig
     from vllm_mars.experiment.grid import materialize
@@ -130,9 +130,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if args.steps:
-        from vllm_mars.costmodel import CostModel
+        from vllm_mars.sim.profile import load_cost_model
 
-        ref = CostModel.load(args.reference) if args.reference else None
+        ref = load_cost_model(args.reference) if args.reference else None
         for path in args.steps:
             print(json.dumps(fit_steps(path, ref)))
         return

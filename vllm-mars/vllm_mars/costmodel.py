@@ -15,7 +15,7 @@ Where it comes from (``source`` says which; ``calibrated`` is False only for the
 default, and a policy that runs on that default says so in its log and stats):
 
 * :meth:`CostModel.fit_steps`: fitted to a step-time function (``Profile.cost_model()`` fits its
-  ``step_seconds``; a profile file, shipped name or ``mars profile`` output, via :meth:`CostModel.load`);
+  ``step_seconds``; ``vllm_mars.sim.profile.load_cost_model`` reads a cost-model JSON or a profile);
 * :meth:`CostModel.from_solo_calls`: the driver's calibration by solo calls on the idle engine;
 * :class:`OnlineCostFit`: least squares over the engine's own measured step times;
 * :meth:`CostModel.from_dict`: the serialised form that travels in ``additional_config["mars"]``
@@ -134,19 +134,20 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str) -> CostModel:
-        """From a file: a serialised cost model (JSON object with ``prefill_s_per_token``) or a
-        step-time profile (shipped name or ``mars profile`` output, read by ``load_profile``)."""
+        """From a serialised cost model (a JSON object with ``prefill_s_per_token``); ValueError
+        naming the file otherwise. A step-time profile gives its cost model through
+        ``vllm_mars.sim.profile.load_cost_model`` (this module stands below the profiles)."""
         p = Path(path)
-        if p.suffix == ".json" and p.is_file():
-            try:
-                d = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{e.lineno}: not JSON: {e.msg}") from None
-            if isinstance(d, dict) and "prefill_s_per_token" in d:
-                return cls.from_dict(d, where=str(path))
-        from vllm_mars.sim.profile import load_profile  # the profile branch; ValueError names valid ones
-
-        return load_profile(path).cost_model()
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such cost-model file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}:{getattr(e, 'lineno', 1)}: not JSON: {getattr(e, 'msg', e)}") from None
+        if not (isinstance(d, dict) and "prefill_s_per_token" in d):
+            raise ValueError(f"{path}: not a serialised cost model (no 'prefill_s_per_token'; a step-time "
+                             "profile gives one through vllm_mars.sim.profile.load_cost_model)")
+        return cls.from_dict(d, where=str(path))
 
     # -- constructors -----------------------------------------------------------------------------
     @classmethod

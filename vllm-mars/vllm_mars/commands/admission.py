@@ -309,11 +309,17 @@ def _serve(args: argparse.Namespace) -> int:
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
     if args.cost_model:
-        from vllm_mars.costmodel import CostModel
+        import tempfile
 
-        cost = CostModel.load(args.cost_model)  # ValueError naming the file or the bad field
+        from vllm_mars.sim.profile import load_cost_model
+
+        cost = load_cost_model(args.cost_model)  # ValueError naming the file or the bad field
         if args.controller == "mars" and "cost_model=" not in " ".join(args.controller_option or []):
-            args.controller_option = [*(args.controller_option or []), f"cost_model={args.cost_model}"]
+            # the controller reads a serialised cost model (costmodel.py knows no profiles)
+            fd, resolved = tempfile.mkstemp(prefix="mars-cost-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(cost.as_dict(), f)
+            args.controller_option = [*(args.controller_option or []), f"cost_model={resolved}"]
     # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
     policy = make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)

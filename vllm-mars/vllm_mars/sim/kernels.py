@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,12 +138,12 @@ class KernelTables:
         for axis, vals in (("tokens", self.linear_s), ("seqs", self.logits_s), ("chunks", self.prefill_attn_s),
                            ("batches", self.decode_attn_s)):
             xs = getattr(self, axis)
-            if len(xs) < 2 or len(vals) != len(xs) or any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+            if len(xs) < 2 or len(vals) != len(xs) or any(b <= a for a, b in itertools.pairwise(xs)):
                 raise ValueError(f"kernels.{axis}: need >= 2 ascending points and one value per point")
         for axis, grid in (("prefixes", self.prefill_attn_s), ("contexts", self.decode_attn_s)):
             ys = getattr(self, axis)
             if len(ys) < 2 or any(len(row) != len(ys) for row in grid) or any(
-                    b <= a for a, b in zip(ys, ys[1:], strict=False)):
+                    b <= a for a, b in itertools.pairwise(ys)):
                 raise ValueError(f"kernels.{axis}: need >= 2 ascending points and one value per point in every row")
         for name in ("linear_s", "logits_s"):
             if any(not v >= 0 for v in getattr(self, name)):
@@ -210,7 +211,7 @@ class KernelTables:
                 raise ValueError(f"{where}: field 'kernels.{key}' must be {shape}") from None
         src = d.get("source", "")
         if not isinstance(src, str):
-            raise ValueError(f"{where}: field 'kernels.source' must be a string")
+            raise ValueError(f"{where}: field 'kernels.source' must be a string")  # noqa: TRY004 (CLI: exit 2)
         try:
             return cls(source=src, **kw)
         except ValueError as e:

@@ -467,6 +467,20 @@ def load_profile(name_or_path: str) -> Profile:
     return _load_path(str(p.resolve()), p.stat().st_mtime)
 
 
+def load_cost_model(name_or_path: str) -> CostModel:
+    """A cost model from a file: a serialised :class:`CostModel` (JSON with ``prefill_s_per_token``)
+    or a step-time profile (shipped name or file; :meth:`Profile.cost_model`)."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.is_file():
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name_or_path}:{e.lineno}: not JSON: {e.msg}") from None
+        if isinstance(d, dict) and "prefill_s_per_token" in d:
+            return CostModel.from_dict(d, where=str(name_or_path))
+    return load_profile(name_or_path).cost_model()
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
