@@ -189,7 +189,7 @@ def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
 @pytest.mark.parametrize("edit, field, text", [
     (("policies = [", "colour = 1\npolicies = ["), "colour", "unknown key"),
     (('"fcfs", "mars-short-ret"]', '"fcfs", "mars-short-ret", "fifo"]'), "policies[3]", "'fifo'"),
-    (("rps = [2, 8]", "rps = [2, 0]"), "workloads[0].rps[1]", "positive number"),
+    (("rps = [2, 8]", "rps = [2, 0]"), "workloads[0].rps[1]", "rps must be >= 0.001, got 0"),
     (("rps = [2, 8]", "rps = []"), "workloads[0].rps", "non-empty list"),
     (("rps = [2, 8]", 'rps = "fast"'), "workloads[0].rps", "non-empty list"),
     (("rps = [2, 8]", "rps = [2, 2]"), "workloads[0].rps", "repeated"),

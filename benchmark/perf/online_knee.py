@@ -47,6 +47,7 @@ def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_con
     from vllm_mars.engine import rig
     from vllm_mars.experiment.grid import materialize
     from vllm_mars.experiment.spec import WorkloadSpec
+    from vllm_mars.sim.engine import SimBackend
     from vllm_mars.sim.profile import load_profile
 
     profile = load_profile(profile_name)
@@ -67,10 +68,14 @@ def run_case(profile_name: str, preset: str, workflows: int, rps: float, max_con
     cfg = ReplayConfig(workload=wl.path, policy="mars", rps=rps, backend="sim", profile=profile_name,
                        seed=seed, calibrate=False, progress=False, out=str(tmp / "run"))
     rig.batch_shape = recording_shape
+    # every step through the scheduler, as the online fit sees them (the sim's decode fast-forward runs
+    # decode-only steps without describing each batch; its results are the same)
+    fast, SimBackend.fast_forward = SimBackend.fast_forward, False
     try:
         run_replay(cfg)
     finally:
         rig.batch_shape = shape
+        SimBackend.fast_forward = fast
     fit = OnlineCostFit()
     knees, rebuilds = [], []
     for prefill, decode in steps:
