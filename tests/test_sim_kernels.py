@@ -161,3 +161,19 @@ def test_table_built_profile_reproduces_published_vllm_runs():
         # reason docs/sim.md gives ("Validation"), so it is not asserted here
         assert got["tpot_ms"] / row.tpot_ms == pytest.approx(1.0, abs=0.10), (key, got, row)
         assert got["preemptions"] == 0
+
+
+def test_mars_profile_from_kernels_writes_a_profile_the_sim_loads(tmp_path, capsys):
+    from vllm_mars.cli import main
+
+    out = tmp_path / "b200-llama.json"
+    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--out", str(out)]) == 0
+    p = load_profile(str(out))
+    assert p.hardware.name == "NVIDIA B200 180GB" and "system b200_sxm" in p.kernels.source
+    assert p.step_seconds([(8192, 0)], []) < load_profile("h100-llama-3.1-8b-kernels").step_seconds([(8192, 0)], [])
+    assert f"wrote {out}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="GPU 'a10': not one of b200, h100, h200"):
+        Profile.from_kernels("a10", "llama-3.1-8b")
+    capsys.readouterr()
+    assert main(["profile", "--from-kernels", "h100", "llama-3.1-8b", "--out", str(tmp_path / "x.toml")]) == 2
+    assert "x.toml: a kernel-table profile is written as .json" in capsys.readouterr().err

@@ -97,10 +97,10 @@ def _from_kernels(args: argparse.Namespace) -> int:
     gpu, model = args.from_kernels
     if args.tp < 1:
         raise ValueError(f"--tp {args.tp}: must be >= 1")
+    if args.out and Path(args.out).suffix != ".json":
+        raise ValueError(f"--out {args.out}: a kernel-table profile is written as .json")
     prof = Profile.from_kernels(gpu, model, tp=args.tp, dtype=args.dtype, name=args.name)
     out = Path(args.out or f"{prof.name}.json")
-    if out.suffix != ".json":
-        raise ValueError(f"--out {out}: a kernel-table profile is written as .json")
     prof.write(out)
     print(f"{prof.name}: KV pool {prof.kv_capacity_tokens()} tokens, max_model_len {prof.max_model_len}; "
           f"prefill 8192 tokens {prof.step_seconds([(8192, 0)], []) * 1e3:.1f} ms, decode 64 x 4096 "
