@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_mars.costmodel import CostModel
+
 
 @dataclass(frozen=True)
 class LinearProfile:
@@ -32,6 +34,12 @@ class LinearProfile:
 
     def num_kv_blocks(self) -> int:
         return self.kv_capacity_tokens() // self.block_size
+
+    def cost_model(self) -> CostModel:
+        """The policies' cost model of this profile, fitted to its own step times as
+        :meth:`vllm_mars.sim.profile.Profile.cost_model` fits a shipped one."""
+        return CostModel.fit_steps(self.step_seconds, budget=self.max_num_batched_tokens,
+                                   max_len=self.max_model_len, source=f"fitted to step-time profile {self.name!r}")
 
     def step_seconds(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
         t = self.overhead_s
