@@ -98,3 +98,15 @@ def test_a_tool_bound_sim_cell_queues_tools_and_feeds_the_cpu_signal(tmp_path):
     assert two["e2e_s"]["mean"] > free["e2e_s"]["mean"] * 1.3
     samples = [e for e in read_events(out["two"]) if e["event"] == "kv_sample"]
     assert any((e.get("tools_in_flight") or 0) > 2 for e in samples), "the telemetry sees tools beyond the cores"
+
+
+@pytest.mark.parametrize(("label", "scheduler"), [("continuum-concur", "continuum"),
+                                                  ("continuum_dy-concur", "continuum_dy")])
+def test_the_concur_pairings_run_concur_admission_in_front_of_continuum(tmp_path, label, scheduler):
+    d, _ = run_replay(ReplayConfig(workload=str(_tool_heavy(tmp_path / "wl.jsonl", n=4)), policy=label, rps=4.0,
+                                   backend="sim", profile="h200-qwen3-coder-30b-a3b", progress=False, plots=False,
+                                   out=str(tmp_path / label)))
+    start = next(e for e in read_events(d) if e["event"] == "run_start")
+    assert (start["scheduler_policy"], start["controller"]) == (scheduler, "concur")
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["completed"] == 4 and summary["engine"]["leak_check"] == "ok"

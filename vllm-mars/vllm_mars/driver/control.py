@@ -16,6 +16,9 @@ from vllm_mars.policies import available_policies
 _SPECIAL = {
     "mars": ("mars", "mars"),
     "concur": ("fcfs", "concur"),
+    # CONCUR's admission in front of Continuum's scheduler (the seed's continuum_dy_con is the second)
+    "continuum-concur": ("continuum", "concur"),
+    "continuum_dy-concur": ("continuum_dy", "concur"),
     "mars-no-admission": ("mars", "none"),
     "mars-no-cost-admission": ("mars", "mars"),
     "mars-no-life-admission": ("mars", "mars"),
