@@ -160,6 +160,7 @@ def test_setup_launchers_say_what_they_do_instead():
     assert argv == ["scripts/setup_agents.sh"] and "PYTHON_BIN=/usr/bin/python3: the agent CLIs are npm" in err
 
 
+@pytest.mark.timeout(2400)  # four engine starts and a live session; minutes on a shared 2-core box
 def test_seed_walkthrough_runs_on_the_cpu_build(tmp_path):
     """The preview README's "End-to-End Walkthrough", steps 1-4 with its variable names, kept short
     (2 workflows; 1 session or workflow per policy)."""

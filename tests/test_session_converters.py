@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from sim_profiles import ConstantProfile, LinearProfile, use_profiles
 from vllm_mars.cli import main as mars_main
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.metrics.events import read_events
@@ -113,16 +112,11 @@ def test_openhands_conversation_directory(tmp_path):
     assert _convert(tmp_path, "openhands", conv)[0].model_dump() == w.model_dump()
 
 
-@pytest.fixture
-def linear_profile(monkeypatch):
-    use_profiles(monkeypatch, LinearProfile(), ConstantProfile())
-
-
 @pytest.mark.parametrize("frontend", ["codex", "opencode"])
-def test_a_converted_session_replays_in_the_sim(tmp_path, linear_profile, frontend):
+def test_a_converted_session_replays_in_the_sim(tmp_path, frontend):
     (w,) = _convert(tmp_path, frontend, DATA / frontend, "--scale", "16")
     out, _ = run_replay(ReplayConfig(workload=str(tmp_path / f"{frontend}.jsonl"), policy="mars", rps=1.0,
-                                     backend="sim", profile="test-linear", progress=False, out=str(tmp_path / "r")))
+                                     backend="sim", profile="cpu-tiny", progress=False, out=str(tmp_path / "r")))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 1 and summary["errors"] == 0
     events = read_events(out)
