@@ -106,6 +106,9 @@ class MarsSchedulerMixin:
             self.waiting = PolicyQueue(key)
             self.kv_holding_waiting = PolicyQueue(key)
         self._gate = bool(policy.gates)
+        if not policy.caps_chunks and type(self)._reserve_prefill_lookahead is _mars_reserve_prefill_lookahead:
+            # Nothing to cap: vLLM's own method, without a Python call in between.
+            self._reserve_prefill_lookahead = _vllm_reserve_prefill_lookahead.__get__(self)
         self._victims_ranked = True  # custom victim ranks are set lazily, when an allocation fails
         if policy.retains or (policy.orders and policy.custom_victims):
             install_reclaim(self)
@@ -351,13 +354,15 @@ class MarsSchedulerMixin:
         Only prefill chunks are capped: a step with at most one known token left (a decode step,
         with or without draft tokens) passes untouched, so speculative decoding keeps its
         ``1 + num_spec_tokens`` rows. The cap comes first so that vLLM's guard (never end a chunk
-        within ``num_prefill_lookahead`` of the prefill end) sees the chunk that will run.
+        within ``num_prefill_lookahead`` of the prefill end) sees the chunk that will run. A
+        policy that caps no chunk runs vLLM's method itself (see ``_mars_init``): this is called
+        for every scheduled request of every step.
         """
-        policy = self.mars_policy
-        if policy.caps_chunks and request.num_tokens - num_computed_tokens > 1 and num_new_tokens > 1:
-            cap = policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens, num_new_tokens)
+        if num_new_tokens > 1 and request.num_tokens - num_computed_tokens > 1:
+            cap = self.mars_policy.chunk_tokens(self._calls[request.request_id], num_computed_tokens,
+                                                num_new_tokens)
             num_new_tokens = max(0, min(num_new_tokens, cap))
-        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        return _vllm_reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         # Tokens of steps still in flight (async scheduling) were never computed: not recomputed work.
@@ -422,6 +427,10 @@ class MarsSchedulerMixin:
         """Engine-side counters for telemetry readers and tests
         (:func:`~vllm_mars.engine.observe.scheduler_stats`)."""
         return scheduler_stats(self)
+
+
+_vllm_reserve_prefill_lookahead = Scheduler._reserve_prefill_lookahead
+_mars_reserve_prefill_lookahead = MarsSchedulerMixin._reserve_prefill_lookahead
 
 
 def _chosen_class(named: type, async_scheduling: bool) -> type:
