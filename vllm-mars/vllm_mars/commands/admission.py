@@ -331,8 +331,6 @@ def _serve(args: argparse.Namespace) -> int:
         policy_options["cost_model"] = cost.as_dict()
     sizes = serve_sizes(args.model, cpu, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         num_blocks=args.num_blocks, block_size=args.block_size)
-    print("mars serve: max_model_len " + (str(sizes["max_model_len"]) if sizes["max_model_len"] else
-                                          "the model's own (vLLM's sizing)"), file=sys.stderr)
     kw: dict[str, Any] = {"policy": args.policy, "policy_options": policy_options,
                           "block_size": args.block_size, **sizes, "cpu": cpu,
                           "engine_args": parse_engine_arg_items(args.engine_arg), "scripted": args.scripted}
@@ -368,6 +366,9 @@ def _serve(args: argparse.Namespace) -> int:
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
            *extra, *tool_args]
+    # after every argument is checked: a refused start prints its one error line and nothing else
+    print("mars serve: max_model_len " + (str(sizes["max_model_len"]) if sizes["max_model_len"] else
+                                          "the model's own (vLLM's sizing)"), file=sys.stderr)
     log = open(args.engine_log, "w") if args.engine_log else None  # noqa: SIM115 (closed below)
     if policy.uses_cost and not args.cost_model:
         print(f"mars serve: no --cost-model: policy {args.policy} learns one from the engine's step times, a "
