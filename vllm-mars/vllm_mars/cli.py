@@ -22,8 +22,20 @@ COMMAND_MODULES = [
 ]
 
 
+class _ArgumentError(Exception):
+    """A command line argparse refused: reported as one line by :func:`main`."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``mars CMD: error: ...``, exit 2) instead of the usage block
+    and a SystemExit from inside the parser; subparsers inherit it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ArgumentError(f"{self.prog}: error: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mars",
         description="vllm-mars: agent-centric serving on stock vLLM (admission control + scheduler plugin)",
     )
@@ -36,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ArgumentError as e:
+        print(e, file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
