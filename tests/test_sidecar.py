@@ -378,7 +378,7 @@ def test_backend_faults_with_restart(tiny_model, tmp_path):
                 # Frozen first, so M's stream cannot finish while Q is being queued (a fast box
                 # generated all of LONG before the kill); SIGKILL ends a stopped process too.
                 os.killpg(srv.proc.pid, signal.SIGSTOP)
-                queued = Call(sc.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "Q"})
+                queued = Call(sc.url + "/v1/chat/completions", CHAT, {"X-MARS-Workflow": "Q"}, timeout=600)
                 assert wait_until(lambda: ctl.num_queued == 1, 20)
                 os.killpg(srv.proc.pid, signal.SIGKILL)
                 lines += list(it)
