@@ -43,7 +43,10 @@ def main(argv: list[str]) -> int:
 
     llm = LLM(model=f"openai/{cfg['model']}", base_url=cfg["base_url"], api_key=SecretStr(cfg["api_key"]),
               native_tool_calling=True, usage_id="agent", num_retries=0, drop_params=True,
-              max_output_tokens=cfg.get("max_output_tokens"), log_completions=False)
+              max_output_tokens=cfg.get("max_output_tokens"), log_completions=False,
+              # the SDK's default 300 s per call failed every OpenHands session of a loaded run (admission
+              # waits and long prefills count): the session timeout bounds the conversation instead
+              timeout=int(cfg.get("timeout_s", 3600)), stream_idle_timeout=float(cfg.get("timeout_s", 3600)))
     agent = Agent(llm=llm, tools=[Tool(name=TerminalTool.name, params={"terminal_type": "subprocess"}),
                                   Tool(name=FileEditorTool.name)])
 

@@ -48,6 +48,8 @@ class CliSettings:
     context_window: int = 32768
     #: OpenCode: the output limit it sends as max_tokens (Codex sends none; cap it on the server)
     max_output_tokens: int | None = None
+    #: OpenHands: the per-call HTTP timeout (the session's timeout; the SDK's own default is 300 s)
+    timeout_s: float = 3600.0
 
 
 @dataclass
@@ -276,7 +278,7 @@ class OpenHands(Frontend):
 
     def write_config(self, paths: SessionPaths, s: CliSettings) -> None:
         cfg = {"base_url": s.base_url, "model": s.model, "api_key": s.api_key,
-               "max_output_tokens": s.max_output_tokens, "max_iterations": 30,
+               "max_output_tokens": s.max_output_tokens, "max_iterations": 30, "timeout_s": s.timeout_s,
                "persistence_dir": str(paths.home / "conversations")}
         (paths.home / "openhands.json").write_text(json.dumps(cfg, indent=2) + "\n")
 

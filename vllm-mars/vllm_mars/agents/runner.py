@@ -294,7 +294,8 @@ class AgentRun:
             base_url = f"http://127.0.0.1:{BRIDGE_PORT}/v1" if sock_dir else proxy.base_url
             settings = CliSettings(base_url=base_url, model=self.model, api_key=self.cfg.api_key or "mars",
                                    context_window=self.cfg.context_window,
-                                   max_output_tokens=self.cfg.max_output_tokens)
+                                   max_output_tokens=self.cfg.max_output_tokens,
+                                   timeout_s=self.cfg.session_timeout_s)
             fe.write_config(paths, settings)
             env = _cli_env(fe, paths, settings)
             for k, prompt in enumerate(task.prompts):
