@@ -10,7 +10,7 @@ variant's mean E2E over fcfs's (the speedup), and the medians over all rounds an
 geometric mean of the per-round speedups with a 90 % bootstrap interval (``--summarize FILE`` prints
 those for an earlier output without running anything). A label is a driver
 policy (``mars policies``) or a variant of ``--variants-from`` (an experiment file's
-``[variants.LABEL]``: default ``experiments/cpu_default_aimd.toml``).
+``[variants.LABEL]``: default ``experiments/studies/cpu_default_aimd.toml``).
 
 With ``--concurrent`` the variants of a round run at the same time instead, each in its own process
 pinned to its own core (at most one variant per core), so the steal bursts and the box's speed

@@ -14,7 +14,7 @@ same numbers.
     .venv/bin/python benchmark/perf/cpu_default_speed_sim.py --scales 0.5,1 --seeds 4 --variants fcfs,mars --out /tmp/s.json
 
 A label is a driver policy (``mars policies``) or a variant of ``--variants-from`` (an experiment
-file's ``[variants.LABEL]``, default ``experiments/cpu_default_aimd.toml``).
+file's ``[variants.LABEL]``, default ``experiments/studies/cpu_default_aimd.toml``).
 """
 
 from __future__ import annotations
