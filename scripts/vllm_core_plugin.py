@@ -89,6 +89,10 @@ def pytest_report_header(config) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if getattr(config, "_mars_core_policy", None) is not None:
-        built = ", ".join(f"{k} {v}" for k, v in sorted(BUILT.items())) or "none"
-        terminalreporter.write_line(f"vllm_core_plugin: schedulers built through the substitution: {built}")
+    """The proof the driver script checks that the substitution was (or was not) live."""
+    if getattr(config, "_mars_core_policy", None) is None:
+        terminalreporter.write_line("vllm_core_plugin: stock vLLM scheduler classes, nothing substituted")
+        return
+    built = ", ".join(f"{k} {v}" for k, v in sorted(BUILT.items())) or "none"
+    terminalreporter.write_line(f"vllm_core_plugin: policy {config._mars_core_policy}: schedulers built "
+                                f"through the substitution: {built}")

@@ -19,7 +19,7 @@ RETENTION_S = 3.0
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.MULTILINE)
     assert m is not None, f"{name} not in /metrics"
     return float(m.group(1))
 

@@ -232,3 +232,25 @@ def test_pause_sleep_and_resume_under_every_policy(policy, mode):
     s.update_from_output(out, fake_model_output(s, out))
     s.set_pause_state(PauseState.UNPAUSED)  # wake_up / resume_scheduler
     _drain(s, clock)
+
+
+def test_gated_waiting_queue_keeps_the_container_meaning_and_the_gate_is_its_own_method():
+    """lightllm holds its waiting head while the predicted peak demand does not fit: the queue stays
+    a container (``bool`` agrees with ``len``), the gate answers through ``admits_waiting_head``
+    and vLLM's admission cap ``max_num_active_reqs`` (0 while the head is held)."""
+    s = make_scheduler("lightllm", num_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    s.add_request(make_request("big", prompt_len=64, max_tokens=400))
+    step(s)
+    s.add_request(make_request("held", prompt_len=64, max_tokens=400))
+    assert len(s.waiting) == 1 and bool(s.waiting) is True
+    assert s.admits_waiting_head() is False
+    assert s.max_num_active_reqs == 0
+    step(s)
+    assert [r.request_id for r in s.waiting] == ["held"] and len(s.running) == 1  # vLLM admitted nothing
+    s.finish_requests(["big"], RequestStatus.FINISHED_ABORTED)
+    assert s.admits_waiting_head() is True and s.max_num_active_reqs == 8
+    step(s)
+    assert len(s.waiting) == 0 and bool(s.waiting) is False and len(s.running) == 1
+    s.finish_requests(["held"], RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert_no_leaks(s)
