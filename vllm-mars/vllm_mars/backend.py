@@ -12,6 +12,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One timed engine step and what was scheduled in it (prefill chunks as (chunk, prefix) token counts,
+    decodes as context lengths); ``label`` names its grid point. Recorded by the engine's profiler,
+    fitted by :mod:`vllm_mars.sim.fit`."""
+
+    prefill: tuple[tuple[int, int], ...]
+    decode: tuple[int, ...]
+    seconds: float
+    label: str = ""
+
+
 @dataclass
 class CallResult:
     """One finished call: its output token ids and when its first and last tokens came (run clock)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mars.sim.fit import Sample
+from vllm_mars.backend import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -20,23 +20,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_mars.backend import Sample
 from vllm_mars.sim.profile import Efficiency, Profile
+
+__all__ = ["FitResult", "PointError", "Sample", "fit_profile", "load_samples", "nnls", "step_label", "step_speed"]
 
 #: efficiency written for a term the data show to be free (coefficient 0): effectively infinite speed
 FREE = 1e6
 #: iteratively re-weighted rounds (at least) before the fit may stop
 HUBER_ROUNDS = 6
 COLUMNS = ("step_overhead_s", "per_seq_overhead_s", "1/mfu", "1/attn_mfu", "1/bw_eff")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One timed step and what was scheduled in it; ``label`` names its grid point."""
-
-    prefill: tuple[tuple[int, int], ...]
-    decode: tuple[int, ...]
-    seconds: float
-    label: str = ""
 
 
 @dataclass(frozen=True)
