@@ -16,12 +16,16 @@ import httpx
 import pytest
 from conftest import ServerProcess, free_port
 from faulty_backend import FaultyBackend
-
 from vllm_mars.admission.kv_events import BlockIndex, KVEventSubscriber
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
-from vllm_mars.admission.telemetry import HttpTelemetry, TelemetryState, parse_prometheus, metric_engines, \
-    telemetry_from_metrics
+from vllm_mars.admission.telemetry import (
+    HttpTelemetry,
+    TelemetryState,
+    metric_engines,
+    parse_prometheus,
+    telemetry_from_metrics,
+)
 
 
 def two_rank_page(usage0: float, usage1: float) -> str:
@@ -206,11 +210,25 @@ def _wait(pred, timeout=20.0):
     return pred()
 
 
+def _until_events(server, idx, timeout=90.0):
+    """A SUB socket sees only what is published after it has connected (ZMQ's slow joiner, slow on
+    a loaded box): send distinct short prompts until this index has seen a batch."""
+    deadline = time.monotonic() + timeout
+    i = 0
+    while idx.batches == 0 and time.monotonic() < deadline:
+        i += 1
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": f"sync {i} " * 30, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        _wait(lambda: idx.batches > 0, 1.0)
+    assert idx.batches > 0, "no KV event batch arrived"
+
+
 def test_real_server_events_fill_the_index(events_server):
     sub = KVEventSubscriber(events_server.kv_endpoint).start()
     try:
-        time.sleep(0.3)  # a SUB socket sees only what is published after it connects
         idx = sub.indexes[0]
+        _until_events(events_server, idx)
         prompt = "the quick brown fox jumps over the lazy dog " * 12
         toks = _tokens(events_server, prompt)
         r = httpx.post(events_server.url + "/v1/completions", timeout=120,
@@ -230,7 +248,7 @@ def test_sidecar_kv_events_flag_reports_cached_blocks(events_server):
     with SidecarThread(cfg) as sc:
         b = sc.app.backends[0]
         assert b.telemetry.cache is not None
-        time.sleep(0.3)
+        _until_events(events_server, b.telemetry.cache)
         before = b.telemetry.cache.stored
         r = httpx.post(sc.url + "/v1/completions", headers={"X-MARS-Workflow": "kv-1"}, timeout=120,
                        json={"model": "tiny", "prompt": "a sidecar that follows events " * 10, "max_tokens": 2})
@@ -251,3 +269,35 @@ def test_real_server_accepts_the_rank_header(events_server):
                    headers={k.decode(): v.decode() for k, v in r0.rank_headers},
                    json={"model": "tiny", "prompt": "rank pinned", "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_sidecar_places_a_new_root_where_its_prefix_is_cached(events_server):
+    """Two backends: the real server A (events followed) and a fake F with 3 more free blocks. A
+    new root whose prompt A has cached goes to A; one with a fresh prompt goes to F (budget)."""
+    page = parse_prometheus(httpx.get(events_server.url + "/metrics", timeout=10).text)
+    blocks = int(page["vllm:cache_config_info"][0][0]["num_gpu_blocks"])
+    with FaultyBackend(free_port()) as fb:
+        fb.metrics = ('vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0\n'
+                      f'vllm:cache_config_info{{block_size="32",engine="0",num_gpu_blocks="{blocks + 3}"}} 1.0\n')
+        cfg = SidecarConfig(backends=(events_server.url, fb.url), controller="none", port=free_port(),
+                            kv_events=(events_server.kv_endpoint, f"tcp://127.0.0.1:{free_port()}"),
+                            telemetry_interval_s=0.1)
+        with SidecarThread(cfg) as sc:
+            a = sc.app.backends[0]
+            _until_events(events_server, a.telemetry.cache)
+            warm = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "user", "content": "cached context for placement " * 20}]}
+            assert httpx.post(events_server.url + "/v1/chat/completions", json=warm, timeout=120).status_code == 200
+            assert _wait(lambda: a.telemetry.cache.stored >= 4)
+            assert _wait(lambda: a.up and a.telemetry.last.free_blocks >= blocks - 2)  # the warm call's blocks are free again
+
+            def root_backend(root, body):
+                r = httpx.post(sc.url + "/v1/chat/completions", json=body, headers={"X-MARS-Workflow": root},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                return sc.app.roots[root].backend
+
+            fresh = {**warm, "messages": [{"role": "user", "content": "nothing like it anywhere " * 20}]}
+            assert root_backend("fresh", fresh) is sc.app.backends[1]  # budget alone: F
+            assert root_backend("cached", warm) is a  # the cached prefix outweighs F's 3 blocks
+            assert sc.app._root_tokens == {}

@@ -206,13 +206,15 @@ class KVEventSubscriber:
                 s.close(0)
 
     def _on_message(self, rank: int, frames: list[bytes], decoder: Any) -> None:
+        import msgspec
+
         if len(frames) != 3:
             self.decode_errors += 1
             return
         _, seq, payload = frames
         try:
             batch = decoder.decode(payload)
-        except Exception:  # msgspec.DecodeError / ValidationError: a foreign or newer publisher
+        except (msgspec.DecodeError, msgspec.ValidationError):  # a foreign or newer publisher
             self.decode_errors += 1
             if self.decode_errors == 1:
                 logger.warning("undecodable KV event batch from %s (counted, logged once)", self.endpoint)

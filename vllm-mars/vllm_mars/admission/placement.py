@@ -85,6 +85,43 @@ def pooled_telemetry(backends: Sequence[Backend]) -> Telemetry | None:
                      running=summed("running"), waiting=summed("waiting"), preemptions=summed("preemptions"))
 
 
+#: chat fields that change how vLLM renders a prompt (passed to /tokenize as the call has them)
+_CHAT_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message", "chat_template")
+
+
+async def prompt_token_ids(pool: UpstreamPool, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+                           timeout_s: float) -> list[int] | None:
+    """The token ids a call's prompt will have, from the backend's ``POST /tokenize`` (vLLM renders
+    the chat template there as for the call itself), for prefix-aware placement of a new root; None
+    when the call has no prompt /tokenize takes (the Responses API) or the backend does not answer
+    in ``timeout_s`` (placement then goes by budget alone)."""
+    import asyncio
+    import json
+
+    if path.endswith("/chat/completions") and isinstance(body.get("messages"), list):
+        req = {k: body[k] for k in _CHAT_FIELDS if k in body}
+    elif path.endswith("/completions") and isinstance(body.get("prompt"), str):
+        req = {k: body[k] for k in ("model", "prompt") if k in body}
+    else:
+        return None
+    resp = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await pool.request("POST", "/tokenize", headers, json.dumps(req).encode())
+            data = b"".join([c async for c in resp.chunks()])
+        resp.release()
+        if resp.status != 200:
+            return None
+        toks = json.loads(data).get("tokens")
+        return toks if isinstance(toks, list) and all(isinstance(t, int) for t in toks) else None
+    except Exception as e:  # noqa: BLE001 (any failure: place by budget, never fail the call)
+        if resp is not None:
+            resp.close()
+        logger.debug("tokenize on %s failed: %s", pool, e)
+        return None
+
+
 class Placement:
     """Chooses the backend of each new root (see the module docstring)."""
 

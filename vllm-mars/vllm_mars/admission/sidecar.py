@@ -56,7 +56,7 @@ from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_c
 from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
 from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
-from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
+from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry, prompt_token_ids
 from vllm_mars.admission.proxy import (
     MAX_JSON_VALUES,
     PARSED_BYTES_PER_VALUE,
@@ -284,7 +284,7 @@ class Sidecar:
                                          "client_disconnects": 0, "event_write_errors": 0}
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
                                    failed_idle_timeout_s=config.failed_idle_timeout_s,
-                                   place=lambda r: self.placement.place(r.root),
+                                   place=lambda r: self.placement.place(r.root, self._root_tokens.get(r.root)),
                                    on_admit=self._on_admit, on_end=self._on_end, counters=self.counters,
                                    tenant_of=(lambda root: root.partition("/")[0]) if len(set(config.keys)) > 1 else None)
         self.queue_budget = QueueBudget(config.max_queued_calls, config.max_queued_bytes)
@@ -305,6 +305,8 @@ class Sidecar:
         self._up_event: asyncio.Event = None  # type: ignore[assignment]  (made on the serving loop)
         self.any_up = False
         self._kv_subs: list[Any] = []
+        #: a new root's prompt token ids while it waits for placement (``--kv-events`` only)
+        self._root_tokens: dict[str, list[int]] = {}
 
     @property
     def roots(self) -> dict[str, RootState]:
@@ -581,7 +583,16 @@ class Sidecar:
         try:
             if est is not None and (r0 := self.lifecycle.get(ident.root)) is not None:
                 self.lifecycle.prompt_seen(r0, est)  # a queued root's footprint from its agent call
-            r = await self._admit(ident, call, est)
+            live = next((b for b in self.backends if b.up), None) if self._kv_subs else None
+            if live is not None and call[0] is not None and self.lifecycle.get(ident.root) is None:
+                toks = await prompt_token_ids(live.pool, path, call[0], self._upstream_headers(scope),
+                                              self.config.telemetry_timeout_s)
+                if toks:
+                    self._root_tokens[ident.root] = toks
+            try:
+                r = await self._admit(ident, call, est)
+            finally:
+                self._root_tokens.pop(ident.root, None)
             if est is not None:
                 self.lifecycle.prompt_seen(r, est)
             turn = self.lifecycle.call_started(r, ident, agent)
