@@ -40,6 +40,8 @@ class FaultyBackend:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.posts = 0
+        #: each POST's headers (lower-case names), in arrival order
+        self.post_headers: list[dict[str, str]] = []
         #: the /metrics page served (a test may replace it)
         self.metrics = METRICS
         self._loop = asyncio.new_event_loop()
@@ -72,6 +74,7 @@ class FaultyBackend:
                     await writer.drain()
                     continue
                 self.posts += 1
+                self.post_headers.append(hdrs)
                 fault = hdrs.get("x-fault", "")
                 if fault == "close":
                     break

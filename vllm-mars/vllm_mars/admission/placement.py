@@ -1,10 +1,16 @@
 """Backends behind the sidecar and where a new root goes.
 
-A :class:`Backend` is one vLLM server: its /metrics reader, its upstream connection pool, the
-roots placed on it, and whether it is up (last poll good and fresh). :class:`Placement` puts a
+A :class:`Backend` is one placement target: a vLLM server, or one data-parallel rank of a server
+that runs several (:meth:`Placement.expand_ranks` splits a server by the ``engine`` labels on its
+/metrics; each rank then has its own reading, and every call of a root placed on it carries vLLM's
+``X-data-parallel-rank`` header, so vLLM's internal load balancer cannot move the root's turns to
+a rank without its KV). A backend holds its reader, its server's upstream connection pool (shared
+by the server's ranks), the roots placed on it, and whether it is up (last poll good and fresh). :class:`Placement` puts a
 new root on the live backend with the most KV budget: free blocks above the guard margin of the
 controller's own ``kv_target`` (the one it admits by), minus the blocks the controller has
-promised to roots already placed there that the backend's telemetry cannot show yet. Promises are
+promised to roots already placed there that the backend's telemetry cannot show yet, plus, when
+the root's prompt tokens are known and the backend's KV events are followed (``--kv-events``),
+the blocks of that prompt the backend already holds (they need no new allocation). Promises are
 counted in the controller only (:meth:`ControllerBase.promised_blocks`); ties go to the backend
 with fewer roots. A root stays on its backend for life (its KV is there).
 """
@@ -16,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_mars.admission.base import Telemetry
-from vllm_mars.admission.telemetry import HttpTelemetry, TelemetryState
+from vllm_mars.admission.telemetry import HttpTelemetry, RankTelemetry, TelemetryState
 from vllm_mars.admission.upstream import UpstreamPool
 from vllm_mars.clock import Clock
 
@@ -24,21 +30,35 @@ logger = logging.getLogger(__name__)
 
 #: the guard-margin target used when the controller has none (``none``, ``concur``)
 DEFAULT_KV_TARGET = 0.9
+#: vLLM's request header that pins a call to one data-parallel rank (read by its OpenAI server)
+RANK_HEADER = b"x-data-parallel-rank"
 
 
 class Backend:
-    """One upstream vLLM server."""
+    """One upstream vLLM server, or one data-parallel rank of it (``rank`` not None)."""
 
-    __slots__ = ("pool", "roots", "telemetry", "up", "url")
+    __slots__ = ("name", "pool", "rank", "rank_headers", "roots", "telemetry", "up", "url")
 
-    def __init__(self, url: str, *, telemetry_timeout_s: float, telemetry_stale_s: float,
-                 connect_timeout_s: float, clock: Clock | None = None) -> None:
+    def __init__(self, url: str, *, telemetry_timeout_s: float = 2.0, telemetry_stale_s: float = 2.0,
+                 connect_timeout_s: float = 5.0, clock: Clock | None = None,
+                 rank_of: Backend | None = None, rank: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self.telemetry = HttpTelemetry(self.url, timeout_s=telemetry_timeout_s, stale_s=telemetry_stale_s,
-                                       clock=clock)
-        self.pool = UpstreamPool(self.url, connect_timeout=connect_timeout_s)
         self.roots: set[str] = set()
         self.up = False
+        if rank_of is None:
+            self.telemetry: HttpTelemetry | RankTelemetry = HttpTelemetry(
+                self.url, timeout_s=telemetry_timeout_s, stale_s=telemetry_stale_s, clock=clock)
+            self.pool = UpstreamPool(self.url, connect_timeout=connect_timeout_s)
+            self.rank: str | None = None
+        else:
+            assert isinstance(rank_of.telemetry, HttpTelemetry) and rank is not None
+            self.telemetry = RankTelemetry(rank_of.telemetry, rank)
+            self.pool = rank_of.pool
+            self.rank = rank
+        #: headers added to every call sent here (the rank pin)
+        self.rank_headers: list[tuple[bytes, bytes]] = [] if self.rank is None else [(RANK_HEADER, self.rank.encode())]
+        #: label in logs and the sidecar's /metrics: the URL, ``URL#rank`` for a rank
+        self.name = self.url if self.rank is None else f"{self.url}#{self.rank}"
 
     def refresh(self) -> bool:
         """Recompute ``up`` (last poll good and fresh); cached so the hot path reads a bool."""
@@ -65,13 +85,69 @@ def pooled_telemetry(backends: Sequence[Backend]) -> Telemetry | None:
                      running=summed("running"), waiting=summed("waiting"), preemptions=summed("preemptions"))
 
 
+#: chat fields that change how vLLM renders a prompt (passed to /tokenize as the call has them)
+_CHAT_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message", "chat_template")
+
+
+async def prompt_token_ids(pool: UpstreamPool, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+                           timeout_s: float) -> list[int] | None:
+    """The token ids a call's prompt will have, from the backend's ``POST /tokenize`` (vLLM renders
+    the chat template there as for the call itself), for prefix-aware placement of a new root; None
+    when the call has no prompt /tokenize takes (the Responses API) or the backend does not answer
+    in ``timeout_s`` (placement then goes by budget alone)."""
+    import asyncio
+    import json
+
+    if path.endswith("/chat/completions") and isinstance(body.get("messages"), list):
+        req = {k: body[k] for k in _CHAT_FIELDS if k in body}
+    elif path.endswith("/completions") and isinstance(body.get("prompt"), str):
+        req = {k: body[k] for k in ("model", "prompt") if k in body}
+    else:
+        return None
+    resp = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await pool.request("POST", "/tokenize", headers, json.dumps(req).encode())
+            data = b"".join([c async for c in resp.chunks()])
+        resp.release()
+        if resp.status != 200:
+            return None
+        toks = json.loads(data).get("tokens")
+        return toks if isinstance(toks, list) and all(isinstance(t, int) for t in toks) else None
+    except Exception as e:  # noqa: BLE001 (any failure: place by budget, never fail the call)
+        if resp is not None:
+            resp.close()
+        logger.debug("tokenize on %s failed: %s", pool, e)
+        return None
+
+
 class Placement:
     """Chooses the backend of each new root (see the module docstring)."""
 
     def __init__(self, backends: Sequence[Backend], controller: Any, kv_target: float | None = None) -> None:
         self.backends = list(backends)
+        #: the servers polled for /metrics (one per URL, whatever its ranks)
+        self.servers = list(self.backends)
         self.controller = controller
         self._kv_target = kv_target
+
+    def expand_ranks(self) -> list[Backend]:
+        """Split every server whose last /metrics page shows more than one ``engine`` label into one
+        backend per rank (call after the first poll; a server unreadable then stays one backend).
+        Idempotent; returns the new backend list (the servers stay in :attr:`servers`)."""
+        out: list[Backend] = []
+        for s in self.servers:
+            assert isinstance(s.telemetry, HttpTelemetry)
+            engines = s.telemetry.engines
+            if len(engines) > 1:
+                out += [Backend(s.url, rank_of=s, rank=e) for e in engines]
+                logger.info("backend %s: %d data-parallel ranks, placed separately (%s)", s.url, len(engines),
+                            ", ".join(engines))
+            else:
+                out.append(s)
+        self.backends = out
+        return out
 
     @property
     def kv_target(self) -> float:
@@ -80,15 +156,42 @@ class Placement:
             return self._kv_target
         return float(getattr(getattr(self.controller, "config", None), "kv_target", DEFAULT_KV_TARGET))
 
-    def score(self, b: Backend) -> float:
-        """KV budget left on ``b`` for a new root."""
+    def follow_kv_events(self, endpoints: Sequence[str]) -> list[Any]:
+        """Subscribe to each server's KV event stream (``endpoints[i]`` for ``servers[i]``, rank 0's
+        address; call after :meth:`expand_ranks`) and hang each rank's block index on its backend's
+        reader. Returns the started :class:`~vllm_mars.admission.kv_events.KVEventSubscriber` s
+        (``close()`` them on shutdown)."""
+        from vllm_mars.admission.kv_events import KVEventSubscriber
+
+        if len(endpoints) != len(self.servers):
+            raise ValueError(f"--kv-events: give one endpoint per --backend ({len(self.servers)}), got {len(endpoints)}")
+        subs = []
+        for s, ep in zip(self.servers, endpoints, strict=True):
+            ranks = [b for b in self.backends if b.rank is not None and b.pool is s.pool]
+            sub = KVEventSubscriber(ep, ranks=max(1, len(ranks)))
+            if ranks:
+                for b in ranks:
+                    b.telemetry.cache = sub.indexes[int(b.rank)] if b.rank.isdigit() else None  # type: ignore[union-attr]
+            else:
+                s.telemetry.cache = sub.indexes[0]
+            subs.append(sub.start())
+        return subs
+
+    def score(self, b: Backend, tokens: Sequence[int] | None = None) -> float:
+        """KV budget left on ``b`` for a new root, in blocks; with the root's prompt ``tokens`` and
+        ``b``'s KV-event index, the prompt's leading blocks ``b`` already holds count as budget too
+        (they are reused, not allocated)."""
         promised = getattr(self.controller, "promised_blocks", None)
         owed = promised(b.roots) if promised is not None and b.roots else 0
-        return b.telemetry.budget_blocks(self.kv_target) - owed
+        cached = 0
+        cache = b.telemetry.cache
+        if tokens and cache is not None:
+            cached = cache.prefix_blocks(tokens)
+        return b.telemetry.budget_blocks(self.kv_target) - owed + cached
 
-    def place(self, root: str) -> Backend:
+    def place(self, root: str, tokens: Sequence[int] | None = None) -> Backend:
         live = [b for b in self.backends if b.up] or self.backends
-        best = max(live, key=lambda b: (self.score(b), -len(b.roots)))
+        best = max(live, key=lambda b: (self.score(b, tokens), -len(b.roots)))
         best.roots.add(root)
         return best
 

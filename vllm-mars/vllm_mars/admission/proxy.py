@@ -249,7 +249,7 @@ class Forwarder:
         b: Backend = r.backend
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         try:
-            resp = await b.pool.request("POST", path, headers, data)
+            resp = await b.pool.request("POST", path, [*headers, *b.rank_headers] if b.rank_headers else headers, data)
         except UpstreamUnreachable as e:
             raise Unreachable(str(e)) from None
         except UpstreamBroken as e:

@@ -56,7 +56,7 @@ from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_c
 from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
 from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
-from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
+from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry, prompt_token_ids
 from vllm_mars.admission.proxy import (
     MAX_JSON_VALUES,
     PARSED_BYTES_PER_VALUE,
@@ -179,6 +179,9 @@ class SidecarConfig:
     #: The output limit a call that sends none gets (chat/completions ``max_tokens``, Responses
     #: ``max_output_tokens``); calls that send a limit keep theirs. None: the server's (context left).
     default_max_tokens: int | None = None
+    #: KV event streams to follow, one per backend in order (``tcp://HOST:PORT`` of the server's
+    #: ``--kv-events-config`` publisher, rank 0); empty: /metrics only.
+    kv_events: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -188,6 +191,13 @@ class SidecarConfig:
                 raise ValueError(f"SidecarConfig.backends: {b!r} must start with http:// or https://")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"SidecarConfig.backends: duplicate URL in {list(self.backends)}")
+        if self.kv_events and len(self.kv_events) != len(self.backends):
+            raise ValueError(f"SidecarConfig.kv_events: give one endpoint per backend ({len(self.backends)}), "
+                             f"got {len(self.kv_events)}")
+        for ep in self.kv_events:
+            if not ep.startswith(("tcp://", "ipc://")) or "*" in ep:
+                raise ValueError(f"SidecarConfig.kv_events: {ep!r} must be tcp://HOST:PORT or ipc://PATH "
+                                 "(the server's address, not a bind wildcard)")
         given = ([] if self.api_key is None else [self.api_key]) + list(self.api_keys)
         for k in given:  # an empty key must not mean "no authentication"
             if not k or any(c.isspace() or not c.isprintable() for c in k):
@@ -274,7 +284,7 @@ class Sidecar:
                                          "client_disconnects": 0, "event_write_errors": 0}
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
                                    failed_idle_timeout_s=config.failed_idle_timeout_s,
-                                   place=lambda r: self.placement.place(r.root),
+                                   place=lambda r: self.placement.place(r.root, self._root_tokens.get(r.root)),
                                    on_admit=self._on_admit, on_end=self._on_end, counters=self.counters,
                                    tenant_of=(lambda root: root.partition("/")[0]) if len(set(config.keys)) > 1 else None)
         self.queue_budget = QueueBudget(config.max_queued_calls, config.max_queued_bytes)
@@ -294,6 +304,9 @@ class Sidecar:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._up_event: asyncio.Event = None  # type: ignore[assignment]  (made on the serving loop)
         self.any_up = False
+        self._kv_subs: list[Any] = []
+        #: a new root's prompt token ids while it waits for placement (``--kv-events`` only)
+        self._root_tokens: dict[str, list[int]] = {}
 
     @property
     def roots(self) -> dict[str, RootState]:
@@ -306,11 +319,14 @@ class Sidecar:
         if cfg.events_path:
             self._events_file = open(cfg.events_path, "a", buffering=1)  # noqa: SIM115, ASYNC230 (once)
         self._up_event = asyncio.Event()
-        await asyncio.gather(*(b.telemetry.poll_upstream(b.pool) for b in self.backends))
+        await asyncio.gather(*(b.telemetry.poll_upstream(b.pool) for b in self.placement.servers))
+        self.backends = self.placement.expand_ranks()  # one backend per data-parallel rank
+        if cfg.kv_events:
+            self._kv_subs = self.placement.follow_kv_events(cfg.kv_events)
         self._observe()
         self._tasks = [asyncio.create_task(self._ticker(), name="mars-ticker")]
-        self._tasks += [asyncio.create_task(self._poller(b), name=f"mars-poll-{b.url}") for b in self.backends]
-        logger.info("sidecar up: controller=%s backends=%s", self.controller.name, [b.url for b in self.backends])
+        self._tasks += [asyncio.create_task(self._poller(b), name=f"mars-poll-{b.url}") for b in self.placement.servers]
+        logger.info("sidecar up: controller=%s backends=%s", self.controller.name, [b.name for b in self.backends])
 
     def drain(self) -> None:
         """Shutdown has begun: calls waiting for admission get 503 now (not a cancelled task after
@@ -327,8 +343,10 @@ class Sidecar:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.drain()
-        for b in self.backends:
+        for b in self.placement.servers:
             b.pool.close()
+        for sub in self._kv_subs:
+            sub.close()
         if self._events_file is not None:
             self._events_file.close()
 
@@ -565,7 +583,16 @@ class Sidecar:
         try:
             if est is not None and (r0 := self.lifecycle.get(ident.root)) is not None:
                 self.lifecycle.prompt_seen(r0, est)  # a queued root's footprint from its agent call
-            r = await self._admit(ident, call, est)
+            live = next((b for b in self.backends if b.up), None) if self._kv_subs else None
+            if live is not None and call[0] is not None and self.lifecycle.get(ident.root) is None:
+                toks = await prompt_token_ids(live.pool, path, call[0], self._upstream_headers(scope),
+                                              self.config.telemetry_timeout_s)
+                if toks:
+                    self._root_tokens[ident.root] = toks
+            try:
+                r = await self._admit(ident, call, est)
+            finally:
+                self._root_tokens.pop(ident.root, None)
             if est is not None:
                 self.lifecycle.prompt_seen(r, est)
             turn = self.lifecycle.call_started(r, ident, agent)
@@ -686,16 +713,19 @@ class Sidecar:
             lines += [f"# TYPE mars_sidecar_{k}_total counter", f"mars_sidecar_{k}_total {v}"]
         lines += ["# TYPE mars_backend_up gauge", "# TYPE mars_backend_telemetry_age_seconds gauge",
                   "# TYPE mars_backend_free_blocks gauge", "# TYPE mars_backend_roots gauge",
+                  "# TYPE mars_backend_cached_blocks gauge",
                   "# TYPE mars_backend_upstream_requests_total counter"]
         for b in self.backends:
             st = b.telemetry.status()
-            lab = f'{{backend="{b.url}"}}'
+            lab = f'{{backend="{b.name}"}}'
             age = st.age_s if st.age_s is not None else math.inf
             lines.append(f"mars_backend_up{lab} {int(st.state is TelemetryState.OK)}")
             lines.append(f"mars_backend_telemetry_age_seconds{lab} {age:.3f}")
             fb = st.reading.free_blocks if st.reading is not None else None
             lines.append(f"mars_backend_free_blocks{lab} {fb if fb is not None else 'NaN'}")
             lines.append(f"mars_backend_roots{lab} {len(b.roots)}")
+            if b.telemetry.cache is not None:
+                lines.append(f"mars_backend_cached_blocks{lab} {len(b.telemetry.cache)}")
             lines.append(f"mars_backend_upstream_requests_total{lab} {b.pool.requests}")
         return "\n".join(lines) + "\n"
 

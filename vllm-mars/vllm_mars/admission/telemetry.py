@@ -124,19 +124,37 @@ class MetricsError(ValueError):
     """A /metrics page without the series we need."""
 
 
+def metric_engines(m: dict) -> list[str]:
+    """The ``engine`` labels (vLLM's data-parallel ranks) on a parsed /metrics page, in rank order;
+    vLLM labels every per-engine series ``engine="<rank>"`` (one row per rank)."""
+    seen = {lab.get("engine") for lab, _ in (m.get("vllm:kv_cache_usage_perc") or m.get("vllm:gpu_cache_usage_perc") or [])}
+    engines = [e for e in seen if e is not None and e != ""]
+    return sorted(engines, key=lambda e: (not e.isdigit(), int(e) if e.isdigit() else 0, e))
+
+
+def _only(m: dict, engine: str | None) -> dict:
+    """The page restricted to one engine's rows (series without an engine label are kept)."""
+    if engine is None:
+        return m
+    return {k: [(lab, v) for lab, v in rows if lab.get("engine", engine) == engine] for k, rows in m.items()}
+
+
 def telemetry_from_metrics(text: str | dict, ts: float,
-                           prev_counters: tuple[float, float] | None = None
+                           prev_counters: tuple[float, float] | None = None, engine: str | None = None
                            ) -> tuple[Telemetry, tuple[float, float] | None]:
     """One Telemetry from a vLLM /metrics page (text, or already parsed by
     :func:`parse_prometheus`), and the (hits, queries) counters for the next delta. ``preemptions``
-    is the server's cumulative counter; ``running``/``waiting`` sum over engines."""
+    is the server's cumulative counter; ``running``/``waiting`` sum over engines. ``engine``: only
+    that data-parallel rank's rows (its ``engine`` label), else the whole server."""
     m = parse_prometheus(text) if isinstance(text, str) else text
+    m = _only(m, engine)
     usage_rows = m.get("vllm:kv_cache_usage_perc") or m.get("vllm:gpu_cache_usage_perc")
     info = m.get("vllm:cache_config_info")
+    where = "" if engine is None else f' for engine="{engine}"'
     if not usage_rows:
-        raise MetricsError("no vllm:kv_cache_usage_perc series on /metrics")
+        raise MetricsError(f"no vllm:kv_cache_usage_perc series on /metrics{where}")
     if not info or "num_gpu_blocks" not in info[0][0]:
-        raise MetricsError("no num_gpu_blocks label on vllm:cache_config_info")
+        raise MetricsError(f"no num_gpu_blocks label on vllm:cache_config_info{where}")
     try:
         # one engine: one row; data-parallel engines: blocks add up, usage is the block-weighted mean
         gpu_blocks = int(info[0][0]["num_gpu_blocks"])
@@ -165,7 +183,40 @@ def telemetry_from_metrics(text: str | dict, ts: float,
     return tel, counters
 
 
-class HttpTelemetry:
+class _Reader:
+    """``status()`` and ``budget_blocks()`` from ``last``/``error``/``clock``/``stale_s``: shared by a
+    whole server's reader and a data-parallel rank's view of it. ``cache``: the replica's KV-event
+    block index (:class:`~vllm_mars.admission.kv_events.BlockIndex`) when ``--kv-events`` feeds it."""
+
+    last: Telemetry | None
+    error: str | None
+    clock: Clock
+    stale_s: float
+    cache: Any = None
+
+    def status(self) -> TelemetryStatus:
+        last = self.last
+        if last is None:
+            return TelemetryStatus(TelemetryState.MISSING, None, None, self.error)
+        age = self.clock.now() - last.ts
+        if self.error is not None:
+            return TelemetryStatus(TelemetryState.FAILED, last, age, self.error)
+        if age > self.stale_s:
+            return TelemetryStatus(TelemetryState.STALE, last, age)
+        return TelemetryStatus(TelemetryState.OK, last, age)
+
+    def budget_blocks(self, kv_target: float = 0.9) -> float:
+        """Free blocks above the guard margin from the last reading; -inf when unknown or failed
+        (used to place new roots on the replica with the most room)."""
+        s = self.status()
+        if s.state is not TelemetryState.OK or s.reading is None:
+            return -math.inf
+        t = s.reading
+        assert t.free_blocks is not None and t.total_blocks is not None
+        return t.free_blocks - math.ceil(t.total_blocks * (1 - kv_target))
+
+
+class HttpTelemetry(_Reader):
     """Polls one vLLM server's /metrics. ``poll_upstream`` with the sidecar's pooled upstream
     client, ``poll`` with the standard library (scripts and the driver)."""
 
@@ -186,9 +237,22 @@ class HttpTelemetry:
         self.failures = 0
         self._counters: tuple[float, float] | None = None
         self._head: list[tuple[bytes, bytes]] | None = None
+        #: the data-parallel ranks (``engine`` labels) on the last page, in rank order
+        self.engines: list[str] = []
+        #: each rank's own reading when the server has more than one (see :class:`RankTelemetry`)
+        self.per_engine: dict[str, Telemetry] = {}
+        self._engine_counters: dict[str, tuple[float, float] | None] = {}
 
     def _ingest(self, text: str, ts: float) -> Telemetry:
-        tel, self._counters = telemetry_from_metrics(text, ts, self._counters)
+        m = parse_prometheus(text)
+        tel, self._counters = telemetry_from_metrics(m, ts, self._counters)
+        engines = metric_engines(m)
+        if len(engines) > 1:
+            per = {}
+            for e in engines:
+                per[e], self._engine_counters[e] = telemetry_from_metrics(m, ts, self._engine_counters.get(e), e)
+            self.per_engine = per
+        self.engines = engines
         self.last, self.error = tel, None
         return tel
 
@@ -233,22 +297,42 @@ class HttpTelemetry:
             self._fail(e if not isinstance(e, TimeoutError) else f"no answer within {self.timeout_s} s")
         return self.status()
 
-    def status(self) -> TelemetryStatus:
-        if self.last is None:
-            return TelemetryStatus(TelemetryState.MISSING, None, None, self.error)
-        age = self.clock.now() - self.last.ts
-        if self.error is not None:
-            return TelemetryStatus(TelemetryState.FAILED, self.last, age, self.error)
-        if age > self.stale_s:
-            return TelemetryStatus(TelemetryState.STALE, self.last, age)
-        return TelemetryStatus(TelemetryState.OK, self.last, age)
 
-    def budget_blocks(self, kv_target: float = 0.9) -> float:
-        """Free blocks above the guard margin from the last reading; -inf when unknown or failed
-        (used to place new roots on the replica with the most room)."""
-        s = self.status()
-        if s.state is not TelemetryState.OK or s.reading is None:
-            return -math.inf
-        t = s.reading
-        assert t.free_blocks is not None and t.total_blocks is not None
-        return t.free_blocks - math.ceil(t.total_blocks * (1 - kv_target))
+class RankTelemetry(_Reader):
+    """One data-parallel rank of a server, read from its server's :class:`HttpTelemetry` (one GET
+    of /metrics serves every rank): the rank's own reading (its ``engine`` label), the server's
+    failures (an unreachable server takes all its ranks down)."""
+
+    def __init__(self, server: HttpTelemetry, engine: str) -> None:
+        self.server = server
+        self.engine = engine
+        self.cache = None
+
+    @property
+    def last(self) -> Telemetry | None:  # type: ignore[override]
+        return self.server.per_engine.get(self.engine)
+
+    @property
+    def error(self) -> str | None:  # type: ignore[override]
+        if self.server.error is None and self.server.last is not None and self.engine not in self.server.per_engine:
+            return f'engine="{self.engine}" no longer on {self.server.url}'
+        return self.server.error
+
+    @property
+    def clock(self) -> Clock:  # type: ignore[override]
+        return self.server.clock
+
+    @property
+    def stale_s(self) -> float:  # type: ignore[override]
+        return self.server.stale_s
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def _fail(self, err: BaseException | str) -> None:
+        self.server._fail(err)
+
+    async def poll_upstream(self, pool: Any) -> TelemetryStatus:
+        await self.server.poll_upstream(pool)
+        return self.status()

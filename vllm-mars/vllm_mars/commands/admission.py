@@ -65,6 +65,10 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                        help="base URL of a vLLM OpenAI server, e.g. http://127.0.0.1:8000; repeat for "
                             "several replicas (a workflow stays on its replica; new roots go to the one "
                             "with the most KV budget)")
+        g.add_argument("--kv-events", action="append", default=[], metavar="ENDPOINT",
+                       help="follow this backend's vLLM KV event stream (tcp://HOST:PORT of its "
+                            "--kv-events-config zmq publisher, rank 0); repeat once per --backend, in the "
+                            "same order; new roots then also go where their prompt's blocks are cached")
         g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
         g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
     from vllm_mars.admission.base import available_controllers
@@ -142,7 +146,7 @@ _FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeou
           "keep_alive_s": "--keep-alive", "port": "--port", "api_key": "--api-key",
           "backend_api_key": "--backend-api-key", "spill_dir": "--spill-dir", "events_path": "--events",
           "default_max_tokens": "--default-max-tokens",
-          "backends": "--backend"}
+          "backends": "--backend", "kv_events": "--kv-events"}
 
 
 def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: str, port: int):
@@ -164,7 +168,7 @@ def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: s
             max_queued_bytes=args.max_queued_bytes, spill_bytes=args.spill_bytes, spill_dir=args.spill_dir,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             max_connections=args.max_connections, body_deadline_s=args.body_deadline, keep_alive_s=args.keep_alive,
-            default_max_tokens=args.default_max_tokens)
+            default_max_tokens=args.default_max_tokens, kv_events=tuple(getattr(args, "kv_events", None) or ()))
     except ValueError as e:
         msg = str(e)
         for fld, flag in _FLAGS.items():
