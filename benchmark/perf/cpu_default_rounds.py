@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="fcfs,mars,mars-queue-wait-slot,mars-queue-wait-fit",
                     help="comma-separated driver policies or variant labels (fcfs is the baseline and always runs)")
-    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_aimd.toml"),
+    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "studies" / "cpu_default_aimd.toml"),
                     help="experiment file whose [variants.LABEL] tables define the variant labels")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-steal", type=float, default=0.02,

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", type=int, default=10, help="Poisson arrival seeds 0..N-1 (default 10)")
     ap.add_argument("--variants", default="fcfs,mars,mars-queue-wait-slot,mars-no-admission,mars-queue-wait-fit",
                     help="comma-separated driver policies or variant labels (fcfs is the baseline and always runs)")
-    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "cpu_default_aimd.toml"))
+    ap.add_argument("--variants-from", default=str(REPO / "experiments" / "studies" / "cpu_default_aimd.toml"))
     ap.add_argument("--rps", type=float, default=4.0)
     ap.add_argument("--stretch", type=float, default=1.0,
                     help="slow the workload's clock by this factor (every tool time and arrival gap x K, rps / K), "
