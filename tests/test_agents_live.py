@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 from test_frontends import MarsServe, _bwrap_ok, _installed
 from vllm_mars.agents.runner import AgentRunConfig, run_agents
 
@@ -27,18 +24,9 @@ TASKS = Path(__file__).resolve().parents[1] / "benchmark" / "tasks" / "coding.js
 
 
 class ScriptedServe(MarsServe):
-    def __init__(self, model: str, tmp: Path) -> None:
-        self.port, engine_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.sched_log, self.events, self.log_path = tmp / "sched.jsonl", tmp / "admission.jsonl", tmp / "serve.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_mars.cli", "serve", model, "--port", str(self.port),
-             "--engine-port", str(engine_port), "--served-model-name", "tiny", "--device", "cpu",
-             "--max-num-seqs", "8", "--telemetry-interval", "0.1", "--events", str(self.events),
-             "--engine-log", str(tmp / "engine.log"), "--scripted", str(TASKS), "--default-max-tokens", "512"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "MARS_SCHED_LOG": str(self.sched_log)})
+    """`mars serve --scripted` with the task set, vLLM's own sizing of the CPU default context."""
+
+    SERVE_ARGS = ("--scripted", str(TASKS), "--default-max-tokens", "512")
 
 
 @pytest.fixture(scope="module")

@@ -305,6 +305,9 @@ class MarsServe(ServerProcess):
     """`mars serve` (vLLM + MarsScheduler + the sidecar) with the tiny model, as a user starts it;
     ``wait_ready`` and ``stop`` (SIGTERM: mars serve then stops its vLLM) are the shared server's."""
 
+    #: the sizing and output flags of this server (a subclass serves with others)
+    SERVE_ARGS: tuple[str, ...] = ("--num-blocks", "2048", "--max-model-len", "32768", "--default-max-tokens", "8")
+
     def __init__(self, model: str, tmp: Path) -> None:
         self.port, engine_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -313,9 +316,8 @@ class MarsServe(ServerProcess):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_mars.cli", "serve", model, "--port", str(self.port),
              "--engine-port", str(engine_port), "--served-model-name", "tiny", "--device", "cpu",
-             "--num-blocks", "2048", "--max-model-len", "32768", "--max-num-seqs", "8",
-             "--telemetry-interval", "0.1", "--events", str(self.events), "--engine-log", str(tmp / "engine.log"),
-             "--default-max-tokens", "8"],
+             "--max-num-seqs", "8", "--telemetry-interval", "0.1", "--events", str(self.events),
+             "--engine-log", str(tmp / "engine.log"), *self.SERVE_ARGS],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MARS_SCHED_LOG": str(self.sched_log)})
 
