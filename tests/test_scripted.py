@@ -166,8 +166,8 @@ def test_serve_sizes_cpu_fits_the_frontends_first_prompts_and_gpu_is_vllms(tiny_
 
 
 def test_default_max_tokens_only_where_none_is_sent_and_the_400_names_the_flag():
-    from vllm_mars.admission.proxy import _context_hint
     from vllm_mars.admission.sidecar import SidecarConfig, set_default_max_tokens
+    from vllm_mars.admission.sidecar.proxy import _context_hint
 
     b: dict = {}
     set_default_max_tokens(b, "/v1/responses", 64)

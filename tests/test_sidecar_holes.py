@@ -336,7 +336,7 @@ def test_body_deadline_and_cap_slots_go_to_new_clients(fake):
 def test_serving_does_not_import_the_sidecar():
     import ast
 
-    from vllm_mars.admission import serving
+    from vllm_mars.admission.sidecar import serving
 
     tree = ast.parse(Path(serving.__file__).read_text())
     names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

@@ -1,6 +1,6 @@
 """Serving the sidecar: uvicorn (with uvloop and httptools, as vLLM runs it) behind a connection
 guard, :func:`serve_app` for the CLI and :class:`ServerThread` for tests and notebooks. It takes
-the app as an argument and imports nothing of :mod:`~vllm_mars.admission.sidecar` (which imports
+the app as an argument and imports nothing of :mod:`~vllm_mars.admission.sidecar.app` (which imports
 this module: one direction, no import circle).
 
 The guard (a subclass of uvicorn's httptools protocol) bounds what one client can hold:
@@ -156,7 +156,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
 
 
 def uvicorn_config(app: Any) -> Any:
-    """The uvicorn config for a :class:`~vllm_mars.admission.sidecar.Sidecar`."""
+    """The uvicorn config for a :class:`~vllm_mars.admission.sidecar.app.Sidecar`."""
     import uvicorn
 
     cfg = app.config
@@ -186,7 +186,7 @@ def sidecar_server(app: Any) -> Any:
 
 
 def serve_app(app: Any) -> None:
-    """Serve ``app`` (a :class:`~vllm_mars.admission.sidecar.Sidecar`) until interrupted."""
+    """Serve ``app`` (a :class:`~vllm_mars.admission.sidecar.app.Sidecar`) until interrupted."""
     cfg = app.config
     logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", cfg.host, cfg.port,
                    ", ".join(cfg.backends), cfg.controller)
