@@ -4,17 +4,14 @@ a run that names no ``--server``."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from vllm_mars.agents.config import AgentRunConfig
+from vllm_mars.process import free_port, stop_group, wait_http_ok
 
 
 def server_model(server_root: str, api_key: str | None) -> str:
@@ -29,18 +26,12 @@ def server_model(server_root: str, api_key: str | None) -> str:
         raise ValueError(f"--server {server_root}: cannot list its models ({e}); is it up? (or pass --model)") from None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServeProcess:
     """``mars serve`` started for a run (no ``--server``): the run's policy, KV blocks and scripted
     task file, pinned to ``cpu_server``; its log and admission events in the run dir."""
 
     def __init__(self, cfg: AgentRunConfig, out: Path) -> None:
-        self.port, engine_port = _free_port(), _free_port()
+        self.port, engine_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine_url = f"http://127.0.0.1:{engine_port}"
         cmd = [sys.executable, "-m", "vllm_mars.cli", "serve", str(cfg.model_path), "--port", str(self.port),
@@ -60,25 +51,9 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mars serve exited with code {self.proc.returncode}: see {self._log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"mars serve was not ready within {timeout:.0f} s: see {self._log.name}")
+        wait_http_ok(self.url + "/v1/models", self.proc, timeout, what="mars serve", interval_s=1.0,
+                     detail=lambda: f": see {self._log.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, timeout=60)
         self._log.close()
