@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from vllm_mars.process import free_port, stop_group, wait_http_ok
 
 # In-process engines in tests: no spawn, 2 s start instead of 15 s (see the feasibility notes).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -45,12 +44,6 @@ def tiny_model() -> str:
     return str(build_tiny_model())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1."""
 
@@ -70,30 +63,11 @@ class ServerProcess:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log_path.read_text()[-4000:]}")
+        wait_http_ok(self.url + "/health", self.proc, timeout, what="the vLLM server",
+                     detail=lambda: f":\n{self.log_path.read_text()[-4000:]}")
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, timeout=30)
         self._log.close()
 
 

@@ -21,10 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess, free_port
+from vllm_mars.agents.config import AgentRunConfig, plan_sessions
 from vllm_mars.agents.frontends import CliSettings, Codex, OpenCode, SessionPaths, get_frontend
 from vllm_mars.agents.proxy import usage_from_tail
-from vllm_mars.agents.runner import BRIDGE_PORT, AgentRunConfig, find_cli, run_agents, sandboxed_argv
+from vllm_mars.agents.runner import run_agents
+from vllm_mars.agents.sandbox import BRIDGE_PORT, find_cli, sandbox_mode, sandboxed_argv
 from vllm_mars.agents.tasks import load_agent_tasks
+from vllm_mars.agents.traces import session_workflow, write_workload
 from vllm_mars.engine.tool_calling import choose_tool_parser
 from vllm_mars.workload.schema import WorkloadError
 
@@ -189,7 +192,6 @@ def test_bad_agents_run_arguments_exit_2(tmp_path, capsys):
 
 
 def test_a_live_session_becomes_a_replayable_workflow(tmp_path):
-    from vllm_mars.agents.runner import session_workflow, write_workload
     from vllm_mars.workload.schema import WorkloadLine
 
     def call(t, prompt, out, tools=True):
@@ -211,7 +213,6 @@ def test_a_live_session_becomes_a_replayable_workflow(tmp_path):
 
 
 def test_session_plan_mixes_frontends_and_arrives_open_loop(tmp_path):
-    from vllm_mars.agents.runner import plan_sessions
 
     tasks = load_agent_tasks(Path(__file__).resolve().parents[1] / "benchmark" / "tasks" / "coding.jsonl")
     cfg = AgentRunConfig(frontend="openhands,codex,opencode", tasks="t", model_path="m", rps=2.0, max_requests=16)
@@ -231,10 +232,9 @@ def test_session_plan_mixes_frontends_and_arrives_open_loop(tmp_path):
 
 # -- the sandbox --------------------------------------------------------------------------------------
 def test_no_bwrap_means_no_run_unless_unsandboxed(monkeypatch):
-    from vllm_mars.agents.runner import sandbox_mode
-    from vllm_mars.driver import tools
+    from vllm_mars.agents import sandbox
 
-    monkeypatch.setattr(tools, "detect_sandbox", lambda: "landlock")  # Landlock cannot cut the network
+    monkeypatch.setattr(sandbox, "detect_sandbox", lambda: "landlock")  # Landlock cannot cut the network
     with pytest.raises(ValueError, match="--unsandboxed"):
         sandbox_mode(False)
     mode, why = sandbox_mode(True)

@@ -24,191 +24,45 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
+from vllm_mars.agents.config import AgentRunConfig, Session, plan_sessions
 from vllm_mars.agents.frontends import CliSettings, Frontend, SessionPaths, get_frontend
 from vllm_mars.agents.proxy import CallRecord, SessionProxy
+from vllm_mars.agents.sandbox import (
+    BRIDGE_PORT,
+    bwrap_argv_plain,
+    check_env,
+    cli_env,
+    find_cli,
+    sandbox_mode,
+    sandboxed_argv,
+)
+from vllm_mars.agents.serve import ServeProcess, server_model
 from vllm_mars.agents.tasks import AgentTask, load_agent_tasks
+from vllm_mars.agents.traces import sessions_table, write_workload
 from vllm_mars.driver.runner import RunClock, default_out_dir
-from vllm_mars.metrics.events import EventLog
+from vllm_mars.metrics.compare import compare_record, write_compare_report
+from vllm_mars.metrics.events import EventLog, read_events
+from vllm_mars.metrics.report import write_run_report
+from vllm_mars.metrics.summary import summarize
+from vllm_mars.policies import get_policy_class
 from vllm_mars.workflow import safe_dirname
 
 logger = logging.getLogger(__name__)
 
-_EXEC = str(Path(__file__).with_name("_agent_exec.py"))
-#: the loopback port a sandboxed CLI calls (its own network namespace: any free number works)
-BRIDGE_PORT = 8000
 _TAIL = 2000
-
-
-@dataclass
-class AgentRunConfig:
-    """Everything ``mars agents run`` reads (flags map 1:1)."""
-
-    #: one frontend, or a comma list: a mix (session i uses the (i mod n)-th)
-    frontend: str
-    tasks: str
-    #: the server's base URL (``mars serve`` / the sidecar, or any OpenAI-compatible server); None:
-    #: ``mars serve --model-path ...`` is started for the run (and stopped after it)
-    server: str | None = None
-    #: sessions at once (None: as many as there are; with --rps, open-loop arrivals)
-    concurrency: int | None = 1
-    #: open-loop session arrivals per second (None: all at the start)
-    rps: float | None = None
-    #: ``fixed`` (i / rps) or ``poisson``
-    arrival: str = "fixed"
-    #: sessions in all (tasks are reused in order; default: one per task)
-    max_requests: int | None = None
-    seed: int = 0
-    #: when ``server`` is None: the model ``mars serve`` serves, its policy, KV blocks, scripted task
-    #: file and extra ``mars serve`` arguments
-    model_path: str | None = None
-    policy: str = "mars"
-    num_blocks: int | None = None
-    scripted: str | None = None
-    serve_args: tuple[str, ...] = ()
-    #: cores for the started server and for the agents (``taskset -c`` lists; default $CPU_SERVER, $CPU_AGENT)
-    cpu_server: str | None = None
-    cpu_agent: str | None = None
-    #: served model name (default: the server's first in /v1/models)
-    model: str | None = None
-    session_timeout_s: float = 600.0
-    #: follow-up prompts continue the CLI's last session (``resume --last`` / ``--continue``) instead
-    #: of naming it by id
-    resume_last: bool = False
-    #: run the CLIs without bubblewrap (required where bwrap is not usable)
-    unsandboxed: bool = False
-    #: npm prefix holding the CLIs (default $MARS_AGENTS_PREFIX, else ./.agents, else PATH)
-    agents_prefix: str | None = None
-    api_key: str | None = None
-    context_window: int = 32768
-    max_output_tokens: int | None = None
-    sample_interval_s: float = 0.5
-    out: str | None = None
-
-    @property
-    def frontends(self) -> list[str]:
-        return [f.strip() for f in self.frontend.split(",") if f.strip()]
-
-    def validate(self) -> None:
-        if not self.frontends:
-            raise ValueError("--frontend: name one of codex, opencode, openhands (or a comma list)")
-        for f in self.frontends:
-            get_frontend(f)
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
-        if self.session_timeout_s <= 0:
-            raise ValueError(f"--session-timeout must be > 0, got {self.session_timeout_s}")
-        if self.server is None and not self.model_path:
-            raise ValueError("give --server URL (a running server) or --model-path MODEL (mars serve is started)")
-        if self.server is not None and not self.server.startswith(("http://", "https://")):
-            raise ValueError(f"--server {self.server!r} must start with http:// or https://")
-        if self.rps is not None and not self.rps > 0:
-            raise ValueError(f"--rps must be > 0, got {self.rps}")
-        if self.arrival not in ("fixed", "poisson"):
-            raise ValueError(f"--arrival {self.arrival!r} unknown; allowed: fixed, poisson")
-        if self.max_requests is not None and self.max_requests < 1:
-            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
-        if self.context_window < 1 or (self.max_output_tokens is not None and self.max_output_tokens < 1):
-            raise ValueError("--context-window and --max-output-tokens must be >= 1")
-
-    @property
-    def server_root(self) -> str:
-        """The server URL without a trailing /v1."""
-        s = (self.server or "").rstrip("/")
-        return s.removesuffix("/v1")
-
-
-def find_cli(fe: Frontend, prefix: str | None = None) -> str:
-    """The CLI's executable: in ``prefix`` (or $MARS_AGENTS_PREFIX, or this checkout's .agents), else
-    on PATH. FileNotFoundError says how to install it."""
-    roots = [prefix] if prefix else []
-    if os.environ.get("MARS_AGENTS_PREFIX"):
-        roots.append(os.environ["MARS_AGENTS_PREFIX"])
-    roots.append(str(Path(__file__).resolve().parents[3] / ".agents"))
-    for r in roots:
-        exe = fe.executable(Path(r))
-        if exe.exists():
-            return str(exe)
-    found = shutil.which(fe.binary) if fe.name != "openhands" else None  # not any python on PATH
-    if found:
-        return found
-    raise FileNotFoundError(f"the {fe.name} CLI ({fe.binary}) is not installed (looked in "
-                            f"{', '.join(roots)} and PATH): run scripts/setup_agents.sh")
-
-
-def sandbox_mode(unsandboxed: bool) -> tuple[str, str | None]:
-    """(``bwrap`` | ``none``, why none). Raises ValueError when bwrap is unusable and not opted out."""
-    if unsandboxed:
-        return "none", "unsandboxed by request (--unsandboxed)"
-    from vllm_mars.driver.tools import detect_sandbox
-
-    if detect_sandbox() == "bwrap":
-        return "bwrap", None
-    raise ValueError("bubblewrap (bwrap) is not usable here, so the agent sessions cannot be sandboxed: install "
-                     "it (scripts/setup_agents.sh does, as root) or pass --unsandboxed to run them without one")
-
-
-def sandboxed_argv(cmd: list[str], paths: SessionPaths, sock_dir: str) -> list[str]:
-    """``cmd`` under bubblewrap: writes only in ``paths.root`` (and ``sock_dir``, which holds the proxy's
-    socket), no network but 127.0.0.1:BRIDGE_PORT, which leads to ``sock_dir/proxy.sock``."""
-    from vllm_mars.driver._sandbox_exec import bwrap_argv
-
-    inner = [sys.executable, "-I", _EXEC, "--port", str(BRIDGE_PORT), "--unix", f"{sock_dir}/proxy.sock",
-             "--chdir", str(paths.workspace), "--", *cmd]
-    return bwrap_argv(str(paths.root), inner, net=False, binds=(sock_dir,))
 
 
 def _safe(s: str) -> str:
     return safe_dirname(s)  # one directory per session, never "." or ".." (the one encoder)
-
-
-def bwrap_argv_plain(workspace: str, cmd: list[str]) -> list[str]:
-    """``cmd`` under bubblewrap with no network, writing only in ``workspace`` (a task's check)."""
-    from vllm_mars.driver._sandbox_exec import bwrap_argv
-
-    return bwrap_argv(workspace, cmd, net=False)
-
-
-def _check_env() -> dict[str, str]:
-    keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
-    return {**keep, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
-
-
-def _cli_env(fe: Frontend, paths: SessionPaths, settings: CliSettings) -> dict[str, str]:
-    """A clean environment: PATH and locale from ours, the rest from the frontend (no user secrets)."""
-    keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ", "SSL_CERT_FILE") if k in os.environ}
-    return {**keep, **fe.env(paths, settings)}
-
-
-@dataclass(frozen=True)
-class Session:
-    """One planned session: its workflow key, task, frontend and arrival offset (s)."""
-
-    key: str
-    task: AgentTask
-    frontend: str
-    offset: float = 0.0
-
-
-def plan_sessions(cfg: AgentRunConfig, tasks: list[AgentTask]) -> list[Session]:
-    """``max_requests`` sessions (default: one per task): session i runs task i mod len(tasks) with
-    frontend i mod len(frontends), arriving at the i-th offset of the arrival process."""
-    from vllm_mars.driver.arrivals import arrival_times
-
-    fes = cfg.frontends
-    n = cfg.max_requests or len(tasks)
-    offsets = arrival_times(n, process=cfg.arrival, rps=cfg.rps, seed=cfg.seed) if cfg.rps else [0.0] * n
-    plain = n == len(tasks) and len(fes) == 1
-    return [Session(tasks[i % len(tasks)].task_id if plain else f"{i:03d}-{fes[i % len(fes)]}-"
-                    f"{tasks[i % len(tasks)].task_id}", tasks[i % len(tasks)], fes[i % len(fes)], offsets[i])
-            for i in range(n)]
 
 
 class AgentRun:
@@ -297,7 +151,7 @@ class AgentRun:
                                    max_output_tokens=self.cfg.max_output_tokens,
                                    timeout_s=self.cfg.session_timeout_s)
             fe.write_config(paths, settings)
-            env = _cli_env(fe, paths, settings)
+            env = cli_env(fe, paths, settings)
             for k, prompt in enumerate(task.prompts):
                 if k and client_session is None:
                     error = "cannot resume: the first run reported no session id"
@@ -360,7 +214,7 @@ class AgentRun:
         """Run the task's check in its workspace (in the sandbox when there is one): solved = exit 0."""
         cmd = ["bash", "-c", task.check or "false"]
         argv = bwrap_argv_plain(str(paths.workspace), cmd) if self.sandbox == "bwrap" else cmd
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=str(paths.workspace), env=_check_env(),
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=str(paths.workspace), env=check_env(),
                                                     stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT, start_new_session=True)
@@ -374,8 +228,6 @@ class AgentRun:
 
     # -- the server's own gauges ---------------------------------------------------------------------
     async def _sampler(self) -> None:
-        import aiohttp
-
         names = {"mars_admission_active": "active", "mars_admission_queued": "queued",
                  "mars_admission_limit": "limit", "mars_sidecar_in_flight": "in_flight"}
         # the engine's own gauges where its address is known (mars serve started for the run)
@@ -425,89 +277,9 @@ class AgentRun:
             self.traces.close()
 
 
-def server_model(server_root: str, api_key: str | None) -> str:
-    """The first model the server lists (GET /v1/models)."""
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(server_root + "/v1/models",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            data = json.loads(r.read())
-        return str(data["data"][0]["id"])
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
-        raise ValueError(f"--server {server_root}: cannot list its models ({e}); is it up? (or pass --model)") from None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServeProcess:
-    """``mars serve`` started for a run (no ``--server``): the run's policy, KV blocks and scripted
-    task file, pinned to ``cpu_server``; its log and admission events in the run dir."""
-
-    def __init__(self, cfg: AgentRunConfig, out: Path) -> None:
-        self.port, engine_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.engine_url = f"http://127.0.0.1:{engine_port}"
-        cmd = [sys.executable, "-m", "vllm_mars.cli", "serve", str(cfg.model_path), "--port", str(self.port),
-               "--engine-port", str(engine_port), "--policy", cfg.policy, "--events", str(out / "admission.jsonl"),
-               "--engine-log", str(out / "engine.log"), "--default-max-tokens", "512"]
-        if cfg.model:
-            cmd += ["--served-model-name", cfg.model]
-        if cfg.num_blocks is not None:
-            cmd += ["--num-blocks", str(cfg.num_blocks)]
-        if cfg.scripted:
-            cmd += ["--scripted", cfg.scripted]
-        cmd += list(cfg.serve_args)
-        if cfg.cpu_server:
-            cmd = ["taskset", "-c", cfg.cpu_server, *cmd]
-        (out / "serve_command.txt").write_text(" ".join(cmd) + "\n")
-        self._log = open(out / "serve.log", "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 900.0) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mars serve exited with code {self.proc.returncode}: see {self._log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"mars serve was not ready within {timeout:.0f} s: see {self._log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
 
 def run_agents(cfg: AgentRunConfig) -> Path:
     """Run the sessions; write and return the run directory (summary.json and report.md included)."""
-    from dataclasses import replace
-
-    from vllm_mars.metrics.events import read_events
-    from vllm_mars.metrics.report import write_run_report
-    from vllm_mars.metrics.summary import summarize
-
     cfg = replace(cfg, cpu_server=cfg.cpu_server or os.environ.get("CPU_SERVER") or None,
                   cpu_agent=cfg.cpu_agent or os.environ.get("CPU_AGENT") or None)
     cfg.validate()
@@ -560,11 +332,6 @@ def run_agents(cfg: AgentRunConfig) -> Path:
 def compare_agents(cfg: AgentRunConfig, policies: list[str]) -> tuple[Path, dict[str, Any]]:
     """The same session set once per policy (mars serve started for each), in ``mars compare``'s
     format: ``out/rps<R>/<policy>/`` run dirs, ``compare.json`` and ``report.md``."""
-    from dataclasses import replace
-
-    from vllm_mars.metrics.compare import compare_record, write_compare_report
-    from vllm_mars.policies import get_policy_class
-
     if not policies:
         raise ValueError("--policies: name at least one policy, e.g. mars,fcfs")
     for p in policies:
@@ -593,61 +360,3 @@ def compare_agents(cfg: AgentRunConfig, policies: list[str]) -> tuple[Path, dict
     record["wall_s"] = time.monotonic() - t0
     write_compare_report(out, record, {rps: summaries})
     return out, record
-
-
-def session_workflow(trace: dict[str, Any]) -> dict[str, Any] | None:
-    """One session's agent calls as a ``mars_workload`` workflow line: the first call's prompt, per
-    later call the tokens its prompt grew by beyond the previous call's prompt and output (a prompt
-    that shrank restarts it: schema v2 ``compact``), each call's output tokens, and the gap until the
-    next call as its tool time. Side calls (no tools) are left out. None without an agent call."""
-    calls = [c for c in trace["calls"] if c.get("has_tools") and c.get("prompt_tokens")]
-    if not calls:
-        return None
-    turns: list[dict[str, Any]] = []
-    prev_ctx = 0
-    for k, c in enumerate(calls):
-        t: dict[str, Any] = {"output_tokens": max(int(c.get("output_tokens") or 0), 1)}
-        if k:
-            grow = int(c["prompt_tokens"]) - prev_ctx
-            if grow >= 0:
-                t["append_tokens"] = grow
-            else:
-                t["compact"] = {"keep_tokens": int(c["prompt_tokens"]), "summary_tokens": 0}
-            prev = calls[k - 1]
-            turns[-1]["tool_s"] = round(max(c["submit_ts"] - (prev.get("end_ts") or prev["submit_ts"]), 0.0), 6)
-        prev_ctx = int(c["prompt_tokens"]) + t["output_tokens"]
-        turns.append(t)
-    schema = "mars_workload_v2" if any("compact" in t for t in turns) else "mars_workload_v1"
-    return {"schema": schema, "workflow_id": str(trace["task"]), "arrival_s": round(float(trace["start_ts"]), 6),
-            "prompt_tokens": int(calls[0]["prompt_tokens"]), "turns": turns, "source": "mars agents run",
-            "meta": {"frontend": trace.get("frontend"), "task": trace.get("task_id"),
-                     "client_session": trace.get("client_session"), "solved": trace.get("solved"),
-                     "side_calls": trace.get("side_calls")}}
-
-
-def write_workload(traces: list[dict[str, Any]], path: Path) -> int:
-    """What the run did as a replayable workload (``mars replay --workload PATH``); validated by the
-    workload schema. Returns the number of workflows written."""
-    from vllm_mars.workload.schema import WorkloadLine
-
-    rows = [w for w in (session_workflow(t) for t in sorted(traces, key=lambda t: t["start_ts"])) if w]
-    base = min((w["arrival_s"] for w in rows), default=0.0)
-    with open(path, "w") as f:
-        for w in rows:
-            w["arrival_s"] = round(w["arrival_s"] - base, 6)
-            WorkloadLine.model_validate(w)
-            f.write(json.dumps(w, separators=(",", ":")) + "\n")
-    return len(rows)
-
-
-def sessions_table(traces: list[dict[str, Any]]) -> str:
-    """Markdown: one row per session (what report.md adds to the replay report)."""
-    lines = ["", "## Sessions", "", ("| task | outcome | solved | tool calls | E2E (s) | calls (side) | prompt tok | "
-             "output tok | client session | sidecar workflow |"), "|" + "---|" * 10]
-    for t in sorted(traces, key=lambda t: t["task"]):
-        outcome = "ok" if t["error"] is None else str(t["error"])[:60].replace("|", "/")
-        solved = {True: "yes", False: "no"}.get(t.get("solved"), "-")
-        lines.append(f"| {t['task']} | {outcome} | {solved} | {t.get('tool_calls', '-')} | {t['e2e_s']:.2f} | {len(t['calls'])} ({t['side_calls']}) | "
-                     f"{t['prompt_tokens']} | {t['output_tokens']} | {t['client_session'] or '-'} | "
-                     f"{', '.join(t['sidecar_workflows']) or '-'} |")
-    return "\n".join(lines) + "\n"

@@ -12,10 +12,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from vllm_mars.process import stop_group, wait_http_ok
 
 logger = logging.getLogger(__name__)
 
@@ -256,24 +257,6 @@ def _sidecar(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the vLLM server at {url} was not healthy within {timeout:.0f} s")
-
-
 def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> tuple[list[str], str | None]:
     """Tool calling on by default with the parser that fits the model (issue 12); logged.
     Returns the server arguments to add and the parser in use (the scheduler reads the next tool
@@ -388,18 +371,12 @@ def _serve(args: argparse.Namespace) -> int:
     # with the default action the vLLM server was left running)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        _wait_healthy(f"http://127.0.0.1:{engine_port}", proc, args.engine_timeout)
+        wait_http_ok(f"http://127.0.0.1:{engine_port}/health", proc, args.engine_timeout, what="the vLLM server")
         print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",
               file=sys.stderr)
         run_sidecar(cfg)
         return 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, timeout=30)
         if log is not None:
             log.close()

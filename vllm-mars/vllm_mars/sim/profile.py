@@ -19,6 +19,9 @@ for a GPU or model the tables lack and for refits on a real GPU.
 Files: TOML or JSON with the fields of :data:`_TOP` and the tables of :data:`_SECTIONS`; the shipped
 ones live in ``profiles/`` beside this module (``available_profiles()``). No vllm or torch import. Formulas and sources:
 docs/sim.md.
+
+Over 450 lines on purpose: the profile's fields, the file schema that reads them and its writer are
+one format that changes together (the kernel tables live in :mod:`~vllm_mars.sim.kernels`).
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.workload.schema import Workflow, load_workload
+from vllm_mars.workload.schema import CallLengths, Workflow, load_workload
 
 #: Ids below this are left alone (pad/bos/eos live there in small vocabularies).
 FIRST_TOKEN_ID = 3
@@ -54,7 +55,7 @@ class TurnPlan:
 
 
 @dataclass(frozen=True)
-class WorkflowPlan:
+class WorkflowPlan(CallLengths):
     """A workflow with materialized token ids; children are nested plans."""
 
     workflow_id: str
@@ -91,23 +92,12 @@ class WorkflowPlan:
     def total_tool_s(self) -> float:
         return sum(t.tool_s for t in self.turns)
 
-    def prompt_lengths(self) -> list[int]:
-        """Prompt length of every call, assuming every call emits its full output_tokens."""
-        n, out = len(self.initial_ids), []
-        for k, t in enumerate(self.turns):
-            if k:
-                n = (t.keep_tokens + len(t.summary_ids) if t.keep_tokens is not None
-                     else n + self.turns[k - 1].output_tokens) + len(t.appended_ids)
-            out.append(n)
-        return out
+    def first_prompt_tokens(self) -> int:
+        return len(self.initial_ids)
 
-    def final_prompt_tokens(self) -> int:
-        """Prompt length of the last call, assuming every call emits its full output_tokens."""
-        return self.prompt_lengths()[-1]
-
-    def peak_context_tokens(self) -> int:
-        """The most context any call needs (prompt + output): what must fit max_model_len."""
-        return max(p + t.output_tokens for p, t in zip(self.prompt_lengths(), self.turns, strict=True))
+    def turn_tokens(self) -> Iterator[tuple[int, int, int | None, int]]:
+        for t in self.turns:
+            yield t.output_tokens, len(t.appended_ids), t.keep_tokens, len(t.summary_ids)
 
     def walk(self):
         """This plan and all descendants, depth first."""

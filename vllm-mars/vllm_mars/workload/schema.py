@@ -112,7 +112,39 @@ class Turn(_Strict):
     tool_cmd: str | None = Field(default=None, description="shell command for real tool execution")
 
 
-class Workflow(_Strict):
+class CallLengths:
+    """The prompt and context lengths of a workflow's calls, for the schema's :class:`Workflow` and
+    the driver's token-id plan alike: call 0's prompt is :meth:`first_prompt_tokens`; call k's is
+    call k-1's prompt + output + append, or after a compaction the kept head + summary + append
+    (each turn's tokens from :meth:`turn_tokens`; every call emits its full output)."""
+
+    def first_prompt_tokens(self) -> int:
+        raise NotImplementedError
+
+    def turn_tokens(self) -> Iterator[tuple[int, int, int | None, int]]:
+        """(output, append, kept head or None without a compaction, summary) tokens per turn."""
+        raise NotImplementedError
+
+    def prompt_lengths(self) -> list[int]:
+        """Prompt length of every call."""
+        n, out, prev_output = self.first_prompt_tokens(), [], 0
+        for k, (output, append, keep, summary) in enumerate(self.turn_tokens()):
+            if k:
+                n = (keep + summary if keep is not None else n + prev_output) + append
+            out.append(n)
+            prev_output = output
+        return out
+
+    def final_prompt_tokens(self) -> int:
+        """Prompt length of the last call."""
+        return self.prompt_lengths()[-1]
+
+    def peak_context_tokens(self) -> int:
+        """The most context any call needs (its prompt + its output): what must fit max_model_len."""
+        return max(p + t[0] for p, t in zip(self.prompt_lengths(), self.turn_tokens(), strict=True))
+
+
+class Workflow(CallLengths, _Strict):
     """A workflow (root session or child sub-agent)."""
 
     workflow_id: str = Field(min_length=1, max_length=MAX_WORKFLOW_ID_CHARS)
@@ -172,24 +204,14 @@ class Workflow(_Strict):
         for c in self.children:
             yield from c.workflow.walk()
 
-    def prompt_lengths(self) -> list[int]:
-        """Prompt length of every call: turn k-1's prompt + output + append, or after a compaction
-        keep + summary + append."""
-        n, out = self.initial_tokens, []
-        for k, t in enumerate(self.turns):
-            if k:
-                n = (t.compact.keep_tokens + t.compact.summary_tokens if t.compact is not None
-                     else n + self.turns[k - 1].output_tokens) + t.append_tokens
-            out.append(n)
-        return out
+    def first_prompt_tokens(self) -> int:
+        return self.initial_tokens
 
-    def final_prompt_tokens(self) -> int:
-        """Prompt length of the last call."""
-        return self.prompt_lengths()[-1]
-
-    def peak_context_tokens(self) -> int:
-        """The most context any call needs (its prompt + its output): what must fit max_model_len."""
-        return max(p + t.output_tokens for p, t in zip(self.prompt_lengths(), self.turns, strict=True))
+    def turn_tokens(self) -> Iterator[tuple[int, int, int | None, int]]:
+        for t in self.turns:
+            c = t.compact
+            yield (t.output_tokens, t.append_tokens, None if c is None else c.keep_tokens,
+                   0 if c is None else c.summary_tokens)
 
     def uses_compaction(self) -> bool:
         """Whether this workflow or a descendant uses schema v2's ``compact``."""
