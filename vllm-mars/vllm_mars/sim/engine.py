@@ -14,15 +14,19 @@ KV pool, with no model executor and no KV tensors (the pool is bookkeeping only)
    the waiting driver coroutines, stamped at the virtual end of the step.
 
 Decode fast-forward (``SimBackend.fast_forward``, on by default). While every running request is
-decoding, nothing waits and nothing else on the loop is due before the step ends, a step's outcome
-is known without vLLM's ``schedule()``/``update_from_output()``: every request computes one token,
-and the only KV work is at block boundaries. Such steps run here directly: the scheduler's policy
+decoding and nothing waits, a step's outcome is known without vLLM's
+``schedule()``/``update_from_output()``: every request computes one token, and the only KV work is
+at block boundaries. Such steps run here directly: the scheduler's policy
 hooks (``MarsScheduler._mars_begin_step``/``_mars_end_step``, at the step's virtual start), vLLM's
 ``allocate_slots`` for exactly the requests whose step starts or fills a block (in running order,
 as ``schedule()`` calls it), one computed token and vLLM's ``append_output_token_ids`` per request,
-the step's time from the profile, and the clock advanced as ``advance_if_idle`` would. Any step
-that could differ (an arrival, a finish, a prefill, a possible preemption, a timer due, an abort)
-runs the full path. Results are identical with it off (tests/test_sim_fast_forward.py).
+the step's time from the profile, and the clock advanced as ``advance_if_idle`` would. A step
+during which something else on the loop is due (the admission tick every 0.2 virtual s, a tool's
+end, the sampler) runs the same way and then sleeps through the loop, as the full path sleeps
+between ``schedule()`` and ``update_from_output()``; the engine then starts over (what ran may have
+submitted or aborted calls). Any step that could differ (an arrival, a finish, a prefill, a
+possible preemption, an abort) runs the full path. Results are identical with it off
+(tests/test_sim_fast_forward.py).
 
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
@@ -167,8 +171,9 @@ class SimBackend:
         self.steps = 0
         self.busy_s = 0.0
         self.idle_steps = 0
-        #: of ``steps``, those the decode fast-forward ran
+        #: of ``steps``, those the decode fast-forward ran; of those, the ones it slept through the loop
         self.ff_steps = 0
+        self.ff_crossed = 0
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
@@ -240,8 +245,8 @@ class SimBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if ff is not None:
-                    ff()
+                if ff is not None and await ff():
+                    continue  # it ended on a step across a timer: back to the arrivals and aborts
                 so = s.schedule()
                 prefill, decode = batch_shape(s, so)
                 if prefill or decode:
@@ -275,15 +280,17 @@ class SimBackend:
             self._calls.clear()
             raise
 
-    def _fast_forward(self) -> None:
+    async def _fast_forward(self) -> bool:
         """Run the decode-only steps that are due now without vLLM's schedule/update (module
-        docstring). Returns before the first step that needs the full path; that step runs next."""
+        docstring). Returns False before the first step that needs the full path (that step runs
+        next), True after a step during which something else on the loop ran (a timer, a wake-up):
+        that step slept through the loop as the full path does, and the caller starts over."""
         s = self.scheduler
         running = s.running
         n = len(running)
         if (not n or self._incoming or self._aborts or len(s.waiting) or len(s.kv_holding_waiting)
                 or n > s.max_num_scheduled_tokens or n > s.scheduler_config.max_num_batched_tokens):
-            return
+            return False
         # How many steps every running request decodes without finishing (the finishing step and
         # the one at the model-length limit run the full path).
         bs = s.block_size
@@ -293,13 +300,13 @@ class SimBackend:
         for r in running:
             c = r.num_computed_tokens
             if not _decode_ready(r, step0):
-                return
+                return False
             left = min(r.max_tokens - r.num_output_tokens, max_len - c - 2)
             if horizon is None or left < horizon:
                 horizon = left
         horizon -= 1
         if horizon <= 0:
-            return
+            return False
         loop = self._loop
         profile = self.profile
         kvm = s.kv_cache_manager
@@ -317,11 +324,15 @@ class SimBackend:
             fills[(bs - 1 - c) % bs].append(r)
         done = 0
         out = _StepOut()
+        crossed = False
         while done < horizon:
             decode = [r.num_computed_tokens for r in running]
             dt = profile.step_seconds(_NO_PREFILL, decode)
-            if not dt > 0 or not idle(dt):
+            if not dt > 0:
                 break
+            # Something else runs before the step ends (a timer, a ready callback): the step still
+            # runs here, and sleeps through the loop as the full path does; the caller starts over.
+            crossed = not idle(dt)
             k = done % bs
             new = starts[k]
             if new and len(new) > pool.get_num_free_blocks():
@@ -349,15 +360,19 @@ class SimBackend:
             out.total_num_scheduled_tokens = n
             end(out, now)
             # the step runs: clock, counters; update_from_output(): one sampled token each
-            if not advance(dt):
-                raise RuntimeError("sim fast-forward: the loop stopped being idle during a step")
             self.steps += 1
             self.busy_s += dt
+            if crossed:
+                await asyncio.sleep(dt)
+            elif not advance(dt):
+                raise RuntimeError("sim fast-forward: the loop stopped being idle during a step")
             for r in running:
                 r.append_output_token_ids(token)
             done += 1
+            if crossed:
+                break
         if not done:
-            return
+            return False
         if not s.use_v2_model_runner:
             s.prev_step_scheduled_req_ids.clear()
             s.prev_step_scheduled_req_ids.update(r.request_id for r in running)
@@ -367,6 +382,8 @@ class SimBackend:
             if call is not None:
                 call.ids.extend([token] * done)
         self.ff_steps += done
+        self.ff_crossed += crossed
+        return crossed
 
     def _deliver(self, o: Any, now: float) -> None:
         call = self._calls.get(o.request_id)
