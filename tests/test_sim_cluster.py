@@ -178,3 +178,42 @@ def test_placement_rule_is_checked_by_the_options_validator():
     with pytest.raises(ValueError, match="placement 'nope' unknown; allowed: mars, round-robin, session-hash, "
                                          "least-loaded"):
         Placement([], None, rule="nope")
+
+
+def test_sidecar_placement_flag_is_validated_and_reaches_its_placement():
+    import os
+    import subprocess
+    import sys
+
+    from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+
+    p = subprocess.run([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", "http://127.0.0.1:9",
+                        "--placement", "rr"], check=False, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "--placement 'rr' unknown; allowed: mars, round-robin, session-hash, least-loaded" \
+        in err[0], p.stderr
+    sc = Sidecar(SidecarConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10"), placement="round-robin"))
+    assert sc.placement.rule == "round-robin"
+    assert [sc.placement.place(f"r{i}").url for i in range(4)] == ["http://127.0.0.1:9", "http://127.0.0.1:10"] * 2
+
+
+def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_path):
+    from vllm_mars.driver.compare import policy_config
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    exp = load_experiment(REPO / "experiments" / "scale_out" / "scale_out.toml")
+    cfg = policy_config(exp.base, "rr-n16", exp.variants["rr-n16"], rps=1.6)
+    assert (cfg.replicas, cfg.placement, cfg.policy, cfg.admission_options["window_max"]) == (16, "round-robin",
+                                                                                             "mars", 4096)
+    assert {w.name: (w.num_workflows, w.rps) for w in exp.workloads} == {
+        "N1": (100, (0.1,)), "N4": (400, (0.4,)), "N16": (1600, (1.6,)), "N64": (6400, (6.4,))}
+    bad = tmp_path / "bad.toml"
+    for table, text in (('{ replicas = 2, placement = "rr" }', "variants.x.replay: placement 'rr' unknown; allowed:"),
+                        ("{ replicas = 2, rps = 3.0 }", "variants.x.replay.rps: unknown key"),
+                        ('{ replicas = "2" }', "variants.x.replay: replicas must be int, got '2'")):
+        bad.write_text(f'backend = "sim"\nprofile = "{TINY}"\npolicies = ["x"]\n[variants.x]\npolicy = "mars"\n'
+                       f'replay = {table}\n[[workloads]]\nname = "w"\npreset = "ILR-1"\nrps = [1.0]\n')
+        with pytest.raises(ExperimentError, match=text.replace("(", r"\(")):
+            load_experiment(bad)

@@ -56,7 +56,7 @@ from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_c
 from vllm_mars.admission.continuity import Continuity, ToolCallScan, offers_tools
 from vllm_mars.admission.held import HeldBody, QueueBudget, give_back_memory
 from vllm_mars.admission.identity import Identity, apply_to_body, estimate_prompt_tokens
-from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry, prompt_token_ids
+from vllm_mars.admission.placement import Backend, Placement, check_placement, pooled_telemetry, prompt_token_ids
 from vllm_mars.admission.proxy import (
     MAX_JSON_VALUES,
     PARSED_BYTES_PER_VALUE,
@@ -179,6 +179,9 @@ class SidecarConfig:
     #: The output limit a call that sends none gets (chat/completions ``max_tokens``, Responses
     #: ``max_output_tokens``); calls that send a limit keep theirs. None: the server's (context left).
     default_max_tokens: int | None = None
+    #: Where a new root goes: ``mars`` (most KV budget + cached prefix), ``round-robin``,
+    #: ``session-hash``, ``least-loaded`` (:mod:`~vllm_mars.admission.placement`).
+    placement: str = "mars"
     #: KV event streams to follow, one per backend in order (``tcp://HOST:PORT`` of the server's
     #: ``--kv-events-config`` publisher, rank 0); empty: /metrics only.
     kv_events: tuple[str, ...] = ()
@@ -191,6 +194,7 @@ class SidecarConfig:
                 raise ValueError(f"SidecarConfig.backends: {b!r} must start with http:// or https://")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"SidecarConfig.backends: duplicate URL in {list(self.backends)}")
+        check_placement(self.placement, "SidecarConfig.placement")
         if self.kv_events and len(self.kv_events) != len(self.backends):
             raise ValueError(f"SidecarConfig.kv_events: give one endpoint per backend ({len(self.backends)}), "
                              f"got {len(self.kv_events)}")
@@ -279,7 +283,7 @@ class Sidecar:
                                  telemetry_stale_s=config.telemetry_stale_s,
                                  connect_timeout_s=config.connect_timeout_s, clock=self.clock)
                          for u in config.backends]
-        self.placement = Placement(self.backends, self.controller, config.kv_target)
+        self.placement = Placement(self.backends, self.controller, config.kv_target, rule=config.placement)
         self.counters: dict[str, int] = {"requests": 0, "rejected_503": 0, "queue_full_503": 0, "upstream_errors": 0,
                                          "client_disconnects": 0, "event_write_errors": 0}
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
