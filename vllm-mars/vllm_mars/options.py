@@ -44,6 +44,13 @@ def check_value(name: str, annotation: Any, value: Any, *, minimum: float | None
     return value
 
 
+def check_choice(name: str, value: Any, allowed: tuple[str, ...] | list[str]) -> Any:
+    """``value`` if it is one of ``allowed``, else ValueError naming ``name`` and every allowed value."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} {value!r} unknown; allowed: {', '.join(allowed)}")
+    return value
+
+
 def check_options(cls: type, options: Mapping[str, Any] | None, *, owner: str = "", context: str = "",
                   convert_lists: bool = False) -> Any:
     """Build config dataclass ``cls`` from ``options``.

@@ -13,11 +13,21 @@ the root's prompt tokens are known and the backend's KV events are followed (``-
 the blocks of that prompt the backend already holds (they need no new allocation). Promises are
 counted in the controller only (:meth:`ControllerBase.promised_blocks`); ties go to the backend
 with fewer roots. A root stays on its backend for life (its KV is there).
+
+That scoring is the ``mars`` placement rule. The others, for comparison (``--placement``, the
+cluster sim's ``--placement``): ``round-robin`` (new roots in turn over the live backends),
+``session-hash`` (the backend a stable hash of the root id picks; the next live one when that one is
+down) and ``least-loaded`` (the fewest requests in the engine, running + waiting, by its last
+reading; ties to fewer roots). Every rule places roots only: a root's later turns and children
+stay where it was placed. One Placement serves the sidecar, the Ray router and the cluster sim
+(:mod:`vllm_mars.sim.cluster`): a backend there is anything with ``name``, ``roots``, ``up`` and a
+reader ``telemetry`` (``last``, ``budget_blocks``, ``cache``).
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +35,7 @@ from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.telemetry import HttpTelemetry, RankTelemetry, TelemetryState
 from vllm_mars.admission.upstream import UpstreamPool
 from vllm_mars.clock import Clock
+from vllm_mars.options import check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +43,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_TARGET = 0.9
 #: vLLM's request header that pins a call to one data-parallel rank (read by its OpenAI server)
 RANK_HEADER = b"x-data-parallel-rank"
+#: the placement rules (module docstring); ``mars`` is the default
+PLACEMENT_RULES = ("mars", "round-robin", "session-hash", "least-loaded")
+
+
+def check_placement(rule: str, name: str = "placement") -> str:
+    """``rule`` if it is a placement rule, else ValueError naming ``name`` and the allowed rules."""
+    return check_choice(name, rule, PLACEMENT_RULES)
 
 
 class Backend:
@@ -82,7 +100,9 @@ def pooled_telemetry(backends: Sequence[Backend]) -> Telemetry | None:
     return Telemetry(ts=min(t.ts for t in tels), free_blocks=free, total_blocks=total,
                      block_size=tels[0].block_size, kv_usage=(1 - free / total) if total else None,
                      prefix_hit_rate=tels[0].prefix_hit_rate if len(tels) == 1 else None,
-                     running=summed("running"), waiting=summed("waiting"), preemptions=summed("preemptions"))
+                     running=summed("running"), waiting=summed("waiting"), preemptions=summed("preemptions"),
+                     retained_blocks=summed("retained_blocks"), recomputed_tokens=summed("recomputed_tokens"),
+                     kv_blocks_removed=summed("kv_blocks_removed"))
 
 
 #: chat fields that change how vLLM renders a prompt (passed to /tokenize as the call has them)
@@ -125,12 +145,16 @@ async def prompt_token_ids(pool: UpstreamPool, path: str, body: dict, headers: l
 class Placement:
     """Chooses the backend of each new root (see the module docstring)."""
 
-    def __init__(self, backends: Sequence[Backend], controller: Any, kv_target: float | None = None) -> None:
+    def __init__(self, backends: Sequence[Backend], controller: Any, kv_target: float | None = None,
+                 rule: str = "mars") -> None:
+        self.rule = check_placement(rule)
         self.backends = list(backends)
         #: the servers polled for /metrics (one per URL, whatever its ranks)
         self.servers = list(self.backends)
         self.controller = controller
         self._kv_target = kv_target
+        #: roots placed so far (round-robin's turn)
+        self.placed = 0
 
     def expand_ranks(self) -> list[Backend]:
         """Split every server whose last /metrics page shows more than one ``engine`` label into one
@@ -190,10 +214,29 @@ class Placement:
         return b.telemetry.budget_blocks(self.kv_target) - owed + cached
 
     def place(self, root: str, tokens: Sequence[int] | None = None) -> Backend:
+        """The backend of new root ``root`` by this placement's rule (``tokens``: its prompt, for
+        the ``mars`` rule's prefix term); the root is counted on it until :meth:`release`."""
         live = [b for b in self.backends if b.up] or self.backends
-        best = max(live, key=lambda b: (self.score(b, tokens), -len(b.roots)))
+        rule = self.rule
+        if rule == "mars":
+            best = max(live, key=lambda b: (self.score(b, tokens), -len(b.roots)))
+        elif rule == "round-robin":
+            best = live[self.placed % len(live)]
+        elif rule == "session-hash":
+            n = len(self.backends)
+            start = zlib.crc32(root.encode("utf-8", "surrogatepass")) % n
+            best = next((b for i in range(n) if (b := self.backends[(start + i) % n]) in live), live[0])
+        else:  # least-loaded
+            best = min(live, key=lambda b: (self.load(b), len(b.roots)))
+        self.placed += 1
         best.roots.add(root)
         return best
+
+    @staticmethod
+    def load(b: Backend) -> int:
+        """Requests in ``b``'s engine (running + waiting) by its last reading; 0 when unknown."""
+        t = b.telemetry.last
+        return 0 if t is None else (t.running or 0) + (t.waiting or 0)
 
     @staticmethod
     def release(root: str, b: Backend | None) -> None:

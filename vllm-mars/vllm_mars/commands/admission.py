@@ -70,6 +70,10 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                        help="follow this backend's vLLM KV event stream (tcp://HOST:PORT of its "
                             "--kv-events-config zmq publisher, rank 0); repeat once per --backend, in the "
                             "same order; new roots then also go where their prompt's blocks are cached")
+        g.add_argument("--placement", default="mars", metavar="RULE",
+                       help="where a new root goes over the --backend replicas: mars (most KV budget, plus its "
+                            "cached prefix with --kv-events), round-robin, session-hash, least-loaded (fewest "
+                            "requests running + waiting); a root's later calls stay on its replica (default mars)")
         g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
         g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
     from vllm_mars.admission.base import available_controllers
@@ -147,7 +151,7 @@ _FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeou
           "keep_alive_s": "--keep-alive", "port": "--port", "api_key": "--api-key",
           "backend_api_key": "--backend-api-key", "spill_dir": "--spill-dir", "events_path": "--events",
           "default_max_tokens": "--default-max-tokens",
-          "backends": "--backend", "kv_events": "--kv-events"}
+          "backends": "--backend", "kv_events": "--kv-events", "placement": "--placement"}
 
 
 def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: str, port: int):
@@ -169,7 +173,8 @@ def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: s
             max_queued_bytes=args.max_queued_bytes, spill_bytes=args.spill_bytes, spill_dir=args.spill_dir,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             max_connections=args.max_connections, body_deadline_s=args.body_deadline, keep_alive_s=args.keep_alive,
-            default_max_tokens=args.default_max_tokens, kv_events=tuple(getattr(args, "kv_events", None) or ()))
+            default_max_tokens=args.default_max_tokens, kv_events=tuple(getattr(args, "kv_events", None) or ()),
+            placement=getattr(args, "placement", "mars"))
     except ValueError as e:
         msg = str(e)
         for fld, flag in _FLAGS.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from dataclasses import replace
 from typing import Any
 
 from vllm_mars.costmodel import CostModel
@@ -50,7 +51,8 @@ async def calibrate_apart(plan: RunPlan, backend: Any, clock: Any) -> CostModel:
     time); the in-process engine calibrates on itself and then empties its prefix cache; a server
     behind ``--backend http`` keeps the calibration prompts in its cache."""
     if isinstance(plan.engine, SimEngine):
-        cal = plan.make_backend(clock)
+        # one engine of the run's shape, whatever its --replicas (every replica is that engine)
+        cal = replace(plan, engine=replace(plan.engine, replicas=None)).make_backend(clock)
         await cal.start()
         try:
             # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.

@@ -58,7 +58,8 @@ def check_admission_options(options: Mapping[str, Any], policies: Sequence[str])
 
 def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | None = None, **kw: Any) -> ReplayConfig:
     """``base`` for the run labelled ``label``: the driver policy is ``variant["policy"]`` (default:
-    the label itself); the variant's ``policy_options`` / ``admission_options`` update the base's.
+    the label itself); the variant's ``policy_options`` / ``admission_options`` update the base's,
+    its ``replay`` fields (an experiment's ``[variants.LABEL.replay]``) replace the base's.
     The base's admission options reach the policies whose controller takes them (``mars compare
     --admission-option window_max=8`` caps mars and leaves fcfs, which has no admission, alone)."""
     v = dict(variant or {})
@@ -67,7 +68,7 @@ def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | N
     shared = {k: val for k, val in base.admission_options.items() if k in takes}
     return replace(base, policy=policy,
                    policy_options={**base.policy_options, **v.get("policy_options", {})},
-                   admission_options={**shared, **v.get("admission_options", {})}, **kw)
+                   admission_options={**shared, **v.get("admission_options", {})}, **{**v.get("replay", {}), **kw})
 
 
 def run_policies(base: ReplayConfig, policies: Sequence[str], rps: float, out: str | Path,

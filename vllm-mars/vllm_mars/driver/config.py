@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm_mars.admission.base import ControllerBase, make_controller
+from vllm_mars.admission.placement import PLACEMENT_RULES, check_placement
 from vllm_mars.config import REPLAY_RANGES, check_engine_options, rps_arg
 from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES
@@ -27,12 +28,15 @@ from vllm_mars.driver.control import DriverPolicy, check_policy
 from vllm_mars.driver.tools import SANDBOX_MODES
 from vllm_mars.engine import local
 from vllm_mars.options import check_fields
+from vllm_mars.sim.cluster import SimCluster
 from vllm_mars.sim.engine import SimBackend, get_profile
 from vllm_mars.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: The bundled compact workload (``mars compare`` with no arguments runs it).
 DEFAULT_WORKLOAD = REPO_ROOT / "benchmark" / "workloads" / "compact.jsonl"
+#: The most replicas a sim cluster runs (``--replicas``): a typo's guard, not a limit of the design.
+SIM_MAX_REPLICAS = 1024
 #: The sim's largest KV pool (blocks). The pool is bookkeeping only, one small Python object per block
 #: (~140 B: 10x the H200 profile's 45k blocks adds ~55 MB and ~0.7 s of start-up), so this cap only
 #: keeps a typo from eating the machine's memory (5M blocks ~ 0.7 GB).
@@ -78,6 +82,13 @@ class ReplayConfig:
     profile: str | None = _opt(None, help="step-time profile for --backend sim (shipped name, e.g. "
                                           "h200-qwen3-coder-30b-a3b, or a profile file); it sets the KV pool and "
                                           "the engine limits (block size, context, batch)")
+    replicas: int | None = _opt(None, help="--backend sim: N simulated engines (each with --profile's KV pool and step "
+                                           "times) behind the sidecar's placement and one admission controller, on "
+                                           "one virtual clock (default: one engine, no placement)")
+    placement: str = _opt("mars", choices=PLACEMENT_RULES,
+                          help="with --replicas: where a new root goes: mars (most KV budget + cached prefix), "
+                               "round-robin, session-hash, least-loaded (fewest requests in the engine); a root's "
+                               "turns and children stay on its replica")
     url: str | None = _opt(None, help="server URL for --backend http, e.g. http://127.0.0.1:8000")
     model: str | None = _opt(None, help="model dir (default: the tiny CPU model); for --backend http the served "
                                         "model name (default: the server's first)")
@@ -156,6 +167,15 @@ def _only(cfg: ReplayConfig, backend: str, given: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _no_cluster(cfg: ReplayConfig) -> None:
+    _only(cfg, "sim", cfg.replicas is not None,
+          "replicas runs N simulated engines: it needs --backend sim (servers: mars sidecar --backend URL "
+          "--backend URL ... places roots over them)")
+    _only(cfg, "sim", cfg.placement != "mars",
+          "placement chooses among the sim's --replicas: it needs --backend sim --replicas N (servers: mars "
+          "sidecar --placement)")
+
+
 # -- one settings class per backend ----------------------------------------------------------------
 @dataclass(frozen=True)
 class InProcessEngine:
@@ -180,6 +200,7 @@ class InProcessEngine:
     def of(cls, cfg: ReplayConfig) -> InProcessEngine:
         _only(cfg, "sim", cfg.kv_scale is not None,
               "kv_scale scales the sim profile's KV pool: it needs --backend sim")
+        _no_cluster(cfg)
         blocks = cfg.engine_num_blocks()
         cap = local.kv_capacity_tokens(blocks, cfg.block_size, local.on_cpu())
         return cls(cfg.model, blocks, cfg.block_size,
@@ -221,6 +242,7 @@ class HTTPEngine:
             raise ValueError("the http backend needs --url")
         _only(cfg, "sim", cfg.kv_scale is not None,
               "kv_scale scales the sim profile's KV pool: it needs --backend sim")
+        _no_cluster(cfg)
         _only(cfg, "inprocess", cfg.record_steps,
               "--record-steps times the in-process engine's steps: it needs --backend inprocess")
         _only(cfg, "inprocess", bool(cfg.engine_args),
@@ -255,6 +277,10 @@ class SimEngine:
     #: the KV pool (blocks): ``num_blocks``, else ``kv_scale`` (default 1) x the profile's
     num_blocks: int
     max_model_len: int
+    #: engines behind the placement (None: one engine, no cluster); each has ``num_blocks``
+    replicas: int | None = None
+    #: the placement rule of a cluster (:data:`~vllm_mars.admission.placement.PLACEMENT_RULES`)
+    placement: str = "mars"
 
     @classmethod
     def of(cls, cfg: ReplayConfig) -> SimEngine:
@@ -269,6 +295,10 @@ class SimEngine:
         if cfg.engine_args:
             raise ValueError("engine arguments configure the in-process engine; with --backend http pass them to "
                              "the server (mars serve --engine-arg ...); the sim takes its engine from --profile")
+        if cfg.replicas is not None and not 1 <= cfg.replicas <= SIM_MAX_REPLICAS:
+            raise ValueError(f"replicas must be 1..{SIM_MAX_REPLICAS}, got {cfg.replicas!r}")
+        if cfg.replicas is None and cfg.placement != "mars":
+            raise ValueError(f"placement {cfg.placement!r} places roots over replicas: give --replicas N")
         p = get_profile(cfg.profile)
         base = p.num_kv_blocks()
         if cfg.num_blocks:
@@ -281,7 +311,7 @@ class SimEngine:
         if what and not 2 <= n <= SIM_MAX_KV_BLOCKS:
             raise ValueError(f"{what}: the sim's KV pool must be 2..{SIM_MAX_KV_BLOCKS} blocks (profile {p.name}: "
                              f"{base} blocks, so kv_scale {2 / base:.3g}..{SIM_MAX_KV_BLOCKS / base:.4g})")
-        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size))
+        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size), cfg.replicas, cfg.placement)
 
     def shaped(self, cfg: ReplayConfig) -> ReplayConfig:
         """``cfg`` with the profile's engine shape and the pool as ``num_blocks``."""
@@ -295,8 +325,14 @@ class SimEngine:
         """The policy options are checked when the sim's scheduler is built."""
 
     def make(self, clock: Callable[[], float], policy: str, policy_options: dict[str, Any], seed: int) -> Any:
-        return SimBackend(self.profile, clock, policy=policy, policy_options=policy_options, seed=seed,
-                          max_model_len=self.max_model_len, num_blocks=self.num_blocks)
+        """One engine, or with ``replicas`` a :class:`~vllm_mars.sim.cluster.SimCluster` of that many."""
+        def one() -> SimBackend:
+            return SimBackend(self.profile, clock, policy=policy, policy_options=policy_options, seed=seed,
+                              max_model_len=self.max_model_len, num_blocks=self.num_blocks)
+
+        if self.replicas is None:
+            return one()
+        return SimCluster([one() for _ in range(self.replicas)], clock, rule=self.placement)
 
 
 EngineSettings = InProcessEngine | HTTPEngine | SimEngine
@@ -337,6 +373,7 @@ class RunPlan:
             raise ValueError(f"sample_interval_s must be > 0, got {cfg.sample_interval_s}")
         if cfg.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox {cfg.sandbox!r} unknown; allowed: {', '.join(SANDBOX_MODES)}")
+        check_placement(cfg.placement)
         engine = ENGINES[cfg.backend].of(cfg)
         policy = check_policy(cfg.policy)
         engine.check_policy(policy, cfg.policy_options)

@@ -68,6 +68,9 @@ class Replay:
         self.cost = cost
         self.policy = plan.policy
         self.ctrl = plan.controller(cost)
+        bind = getattr(backend, "bind_controller", None)  # a sim cluster places roots by this controller
+        if bind is not None:
+            bind(self.ctrl)
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
                                      timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
@@ -187,6 +190,9 @@ class Replay:
             self.events.emit("workflow_error", workflow=wid, root=wid, root_done=True, error=repr(e)[:500])
         finally:
             self.ctrl.finish(wid, self.clock(), final_tokens=final_tokens)
+            end = getattr(self.backend, "end_root", None)  # a sim cluster releases the root's replica
+            if end is not None:
+                end(wid)
             self.remaining -= 1
             self.progress.done()
             if self.remaining == 0:

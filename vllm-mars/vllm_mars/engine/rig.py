@@ -403,3 +403,21 @@ def assert_no_leaks(s: Scheduler) -> None:
         assert not mgr.req_to_blocks, f"blocks still owned by {sorted(mgr.req_to_blocks)[:10]}"
     acc = kv_block_accounting(s)
     assert acc["referenced"] == 0 and acc["free"] == acc["total"], f"KV blocks leaked: {acc}"
+
+
+def prompt_block_hashes(tokens: Sequence[int], block_size: int, hash_name: str = DEFAULT_HASH) -> list:
+    """vLLM's block hashes of the full blocks of a prompt of ``tokens`` (as a request gets them)."""
+    return list(make_request("mars-prefix-probe", prompt_token_ids=tokens, max_tokens=1, block_size=block_size,
+                             hash_name=hash_name).block_hashes)
+
+
+def cached_prefix_blocks(s: Scheduler, hashes: Sequence[Any]) -> int:
+    """How many leading blocks of ``hashes`` scheduler ``s``'s prefix cache holds now (a read: no
+    stats, no allocation, nothing touched)."""
+    pool = s.kv_cache_manager.block_pool
+    n = 0
+    for h in hashes:
+        if pool.get_cached_block(h, [0]) is None:
+            break
+        n += 1
+    return n

@@ -6,7 +6,8 @@ the field (``ExperimentError``, a ValueError: the CLI exits 2).
 
 Keys (top level): ``name``, ``description``, ``backend``, ``profile``, ``arrival``, ``seeds``,
 ``num_workflows``, ``policies``, ``[variants.LABEL]`` (``policy``, ``policy_options``,
-``admission_options``), ``status`` (``canonical``, ``ablation``, or ``retired COMMIT``: it no longer runs, COMMIT last ran
+``admission_options``, ``replay``: ReplayConfig fields of this variant's runs, e.g. the sim's
+``replicas`` and ``placement``), ``status`` (``canonical``, ``ablation``, or ``retired COMMIT``: it no longer runs, COMMIT last ran
 it), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
 one of ``preset`` / ``path`` / ``weka``, ``rps``, and optionally ``num_workflows``, ``scale``,
 ``arrival``, ``max_context``, ``max_tool_s``, ``policies``: a subset of the top-level list run on this
@@ -37,7 +38,7 @@ TOP_KEYS = ("name", "description", "status", "backend", "profile", "arrival", "s
             "variants", "replay", "workloads", "limit")
 WORKLOAD_KEYS = ("name", "preset", "path", "weka", "rps", "num_workflows", "scale", "arrival", "max_context",
                  "max_tool_s", "policies")
-VARIANT_KEYS = ("policy", "policy_options", "admission_options")
+VARIANT_KEYS = ("policy", "policy_options", "admission_options", "replay")
 #: ReplayConfig fields the grid sets itself (not allowed under [replay]).
 GRID_FIELDS = ("workload", "policy", "rps", "seed", "out", "progress", "arrival", "num_workflows", "backend",
                "profile", "policy_options", "admission_options")
@@ -207,7 +208,18 @@ def _variants(path: Path, raw: dict) -> dict[str, dict]:
             raise _err(path, f"{where}.admission_options", str(e)) from None
         out[label] = {"policy": pol, "policy_options": dict(v.get("policy_options", {})),
                       "admission_options": dict(v.get("admission_options", {}))}
+        if "replay" in v:
+            out[label]["replay"] = _variant_replay(path, f"{where}.replay", v["replay"])
     return out
+
+
+def _variant_replay(path: Path, where: str, table: Any) -> dict[str, Any]:
+    """A variant's own ReplayConfig fields (not those the grid sets), typed as in ``[replay]``."""
+    if not isinstance(table, dict):
+        raise _err(path, where, "expected a table of ReplayConfig fields")
+    fields = {f.name: f for f in dataclasses.fields(ReplayConfig)}
+    _unknown(path, f"{where}.", table, tuple(n for n in fields if n not in GRID_FIELDS))
+    return {k: _typed(path, f"{where}.{k}", fields[k], v) for k, v in table.items()}
 
 
 def _workload(path: Path, i: int, w: Any, arrivals: tuple[str, ...], policies: tuple[str, ...]) -> WorkloadSpec:
@@ -350,6 +362,12 @@ def load_experiment(path: str | Path) -> Experiment:
     if dup:
         raise _err(path, "workloads", f"workload name {dup[0]!r} is used twice")
     base = _base(path, raw)
+    for label, v in variants.items():  # a variant's own replay fields, on the file's base
+        if v.get("replay"):
+            try:
+                dataclasses.replace(base, **v["replay"]).validate()
+            except (TypeError, ValueError) as e:
+                raise _err(path, f"variants.{label}.replay", str(e)) from None
     limit = None
     if "limit" in raw:
         limit = (path.parent / _str(path, "limit", raw["limit"])).resolve()

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from vllm_mars.admission.placement import check_placement
 from vllm_mars.options import check_value
 
 #: (lowest, highest) of each numeric option; None: unbounded on that side. Checked by one function.
@@ -106,6 +107,9 @@ class SidecarConfig:
     #: The output limit a call that sends none gets (chat/completions ``max_tokens``, Responses
     #: ``max_output_tokens``); calls that send a limit keep theirs. None: the server's (context left).
     default_max_tokens: int | None = None
+    #: Where a new root goes: ``mars`` (most KV budget + cached prefix), ``round-robin``,
+    #: ``session-hash``, ``least-loaded`` (:mod:`~vllm_mars.admission.placement`).
+    placement: str = "mars"
     #: KV event streams to follow, one per backend in order (``tcp://HOST:PORT`` of the server's
     #: ``--kv-events-config`` publisher, rank 0); empty: /metrics only.
     kv_events: tuple[str, ...] = ()
@@ -118,6 +122,7 @@ class SidecarConfig:
                 raise ValueError(f"SidecarConfig.backends: {b!r} must start with http:// or https://")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"SidecarConfig.backends: duplicate URL in {list(self.backends)}")
+        check_placement(self.placement, "SidecarConfig.placement")
         if self.kv_events and len(self.kv_events) != len(self.backends):
             raise ValueError(f"SidecarConfig.kv_events: give one endpoint per backend ({len(self.backends)}), "
                              f"got {len(self.kv_events)}")

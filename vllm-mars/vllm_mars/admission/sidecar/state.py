@@ -46,7 +46,7 @@ class SidecarState:
                                  telemetry_stale_s=config.telemetry_stale_s,
                                  connect_timeout_s=config.connect_timeout_s, clock=self.clock)
                          for u in config.backends]
-        self.placement = Placement(self.backends, self.controller, config.kv_target)
+        self.placement = Placement(self.backends, self.controller, config.kv_target, rule=config.placement)
         self.counters: dict[str, int] = {"requests": 0, "rejected_503": 0, "queue_full_503": 0, "upstream_errors": 0,
                                          "client_disconnects": 0, "event_write_errors": 0}
         self.lifecycle = RootTable(self.controller, self.clock, idle_timeout_s=config.idle_timeout_s,
