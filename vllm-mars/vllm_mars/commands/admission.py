@@ -251,6 +251,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "is on by default with the parser that fits the model: qwen3_coder for Qwen3-Coder, "
                         "hermes for Qwen2/Qwen3 and the tiny model, openai for gpt-oss (docs/frontends.md); "
                         "'none' leaves it off")
+    # -- Ray Serve (issue 33): N replicas behind the gate, on a local or an existing Ray cluster --
+    p.add_argument("--ray", action="store_true",
+                   help="run the engine as --replicas Ray Serve replicas (vllm_mars.serve_ray; needs "
+                        "`pip install 'vllm-mars[ray]'`) with the admission gate here and MarsRouter placing "
+                        "calls; --engine-port is unused (docs/scale-out.md)")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: vLLM replicas (default 1)")
+    p.add_argument("--address", default=None,
+                   help="with --ray: an existing Ray cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379); "
+                        "default: start a local one")
+    p.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="with --ray: Ray CPUs each replica reserves (default 1)")
+    p.add_argument("--replica-log-dir", default=None, metavar="DIR",
+                   help="with --ray: write each replica's vLLM output to DIR/replica-PORT.log")
     p.set_defaults(func=_serve)
 
 
@@ -358,6 +371,8 @@ def _serve(args: argparse.Namespace) -> int:
            *server_args(args.model, host="127.0.0.1", port=engine_port,
                         served_model_name=args.served_model_name, **kw),
            *extra, *tool_args]
+    if args.ray:
+        return _serve_ray(args, cmd[7:], {KEY_ENV: backend_key, "VLLM_API_KEY": backend_key}, cfg)
     # after every argument is checked: a refused start prints its one error line and nothing else
     print("mars serve: max_model_len " + (str(sizes["max_model_len"]) if sizes["max_model_len"] else
                                           "the model's own (vLLM's sizing)"), file=sys.stderr)
@@ -385,3 +400,31 @@ def _serve(args: argparse.Namespace) -> int:
         stop_group(proc, timeout=30)
         if log is not None:
             log.close()
+
+
+def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, str], cfg: Any) -> int:
+    """``mars serve --ray``: deploy the replicas, then serve the admission gate until interrupted."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: give at least 1")
+    if args.replica_cpus <= 0:
+        raise ValueError(f"--replica-cpus {args.replica_cpus}: must be above 0")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise SystemExit("mars serve --ray: Ray Serve is not installed (pip install 'vllm-mars[ray]')") from None
+    from vllm_mars import serve_ray
+    from vllm_mars.admission.serving import serve_app
+
+    where = args.address or "a local Ray cluster"
+    print(f"mars serve: deploying {args.replicas} vLLM replica(s) on {where} (policy {args.policy})",
+          file=sys.stderr)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        handle = serve_ray.start(args.replicas, engine_argv, address=args.address, replica_cpus=args.replica_cpus,
+                                 env=env, startup_timeout_s=args.engine_timeout, log_dir=args.replica_log_dir)
+        print(f"mars serve: gate on http://{args.host}:{args.port}/v1 (controller {args.controller}, "
+              "MarsRouter placing calls)", file=sys.stderr)
+        serve_app(serve_ray.gate_for(handle, cfg))
+        return 0
+    finally:
+        serve_ray.stop()

@@ -1,0 +1,156 @@
+"""mars on Ray Serve (issue 33): two tiny vLLM CPU replicas on a local Ray cluster, the admission
+gate (the sidecar over a Serve handle) in front, MarsRouter placing calls.
+
+Real parts only: a local Ray cluster, Ray Serve, two real vLLM OpenAI servers with MarsScheduler
+(one per replica), the real gate over HTTP. The replica "killed mid-run" is killed for real
+(SIGKILL to its actor process; its vLLM server dies with it). Skipped without ``ray[serve]``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import free_port
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from vllm_mars import serve_ray
+from vllm_mars.admission.serving import ServerThread
+from vllm_mars.admission.sidecar import SidecarConfig
+from vllm_mars.admission.telemetry import parse_prometheus
+
+BLOCKS = 64
+
+
+def wait_until(pred, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+@pytest.fixture(scope="module")
+def gate(tiny_model, tmp_path_factory):
+    from vllm_mars.engine.local import server_args
+
+    logs = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    engine_pids: set[int] = set()
+    try:
+        argv = server_args(tiny_model, served_model_name="tiny", cpu=True, policy="mars", num_blocks=BLOCKS,
+                           max_model_len=1024, max_num_seqs=4)[4:]
+        handle = serve_ray.start(2, argv, replica_cpus=0.5, startup_timeout_s=300, log_dir=str(logs))
+        cfg = SidecarConfig(backends=("http://unused",), controller="mars", port=free_port(),
+                            idle_timeout_s=120.0)
+        with ServerThread(serve_ray.gate_for(handle, cfg)) as th:
+            g = th.app
+            assert wait_until(lambda: len([b for b in g.backends if b.up]) == 2, 120), g.backends
+            for b in g.backends:
+                engine_pids.add(b.stats["engine_pid"])
+            th.engine_pids = engine_pids
+            yield th
+    finally:
+        serve_ray.stop()
+        for pid in engine_pids:  # the replicas stop their servers; make sure no process is left on the box
+            try:
+                os.killpg(pid, signal.SIGKILL)  # (each server leads its own process group)
+            except ProcessLookupError:
+                pass
+
+
+def chat(th, root: str, text: str, max_tokens: int = 4, last: bool = False, stream: bool = False):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream, "ignore_eos": True}
+    if last:
+        body["vllm_xargs"] = {"mars_last_step": True}
+    r = httpx.post(th.url + "/v1/chat/completions", json=body, headers={"X-MARS-Workflow": root}, timeout=240)
+    assert r.status_code == 200, r.text[:500]
+    return r
+
+
+def replica_of(th, root: str) -> str:
+    r = th.app.roots.get(root)
+    assert r is not None and r.backend is not None, root
+    return r.backend.name
+
+
+def engine_metric(url: str, name: str) -> float:
+    m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+    return sum(v for _, v in m.get(name, []))
+
+
+def engine_idle(url: str) -> bool:
+    return all(engine_metric(url, n) == 0 for n in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                     "vllm:kv_cache_usage_perc"))
+
+
+def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(gate):
+    g = gate.app
+    reps = {b.name: b for b in g.backends}
+    assert len(reps) == 2
+
+    # a session's turns stay on its replica (the calls counted on each replica say where they went)
+    text = "the quick brown fox jumps over the lazy dog " * 6
+    chat(gate, "A", text)
+    home = replica_of(gate, "A")
+    other = next(n for n in reps if n != home)
+    before = {n: b.pool.requests for n, b in reps.items()}
+    for turn in range(3):
+        text += f" turn {turn} answer and tool output " * 4
+        chat(gate, "A", text)
+        assert replica_of(gate, "A") == home
+    assert reps[home].pool.requests - before[home] == 3 and reps[other].pool.requests == before[other]
+
+    # a new root goes where the budget is: A's replica owes A's footprint, so B goes to the other one
+    scores = {n: g.placement.score(b) for n, b in reps.items()}
+    assert scores[other] > scores[home], scores
+    chat(gate, "B", "a different task entirely " * 10)
+    assert replica_of(gate, "B") == other
+
+    # a replica killed mid-run loses no workflow: A's next turn is in flight on its replica when
+    # the replica's process is killed; the call is answered from the other replica (A rebuilds
+    # its context there) and A's later turns stay there
+    victim = reps[home]
+    pid, engine_pid = victim.stats["pid"], victim.stats["engine_pid"]
+    out: dict = {}
+
+    def long_turn() -> None:
+        try:
+            out["r"] = chat(gate, "A", text + " now write a long answer", max_tokens=600)
+        except BaseException as e:  # noqa: BLE001 (reported by the assert below)
+            out["e"] = e
+
+    t = threading.Thread(target=long_turn)
+    sent = victim.pool.requests
+    t.start()
+    assert wait_until(lambda: victim.pool.requests > sent, 30)
+    # the call is decoding in the victim's engine (600 tokens: seconds on the CPU) when it dies
+    assert wait_until(lambda: engine_metric(victim.engine_url, "vllm:num_requests_running") >= 1, 30)
+    os.kill(pid, signal.SIGKILL)  # the replica actor, and with it (its process group) its engine
+    os.killpg(engine_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(240)
+    assert not t.is_alive() and "e" not in out, out
+    assert out["r"].json()["usage"]["completion_tokens"] == 600  # answered whole, by the other replica
+    assert replica_of(gate, "A") == other
+    assert g.counters["upstream_errors"] == 0  # resent, not failed: the client saw no error
+    print(f"answered {time.monotonic() - t0:.1f} s after the kill")
+    chat(gate, "A", text + " next turn", last=True)  # A's last step: it ends normally
+    chat(gate, "B", "a different task entirely " * 10 + " more", last=True)
+    assert g.counters["finished"] >= 2
+
+    # leak check: nothing in flight, nothing admitted or queued at the gate, the surviving engine idle
+    assert wait_until(lambda: g.in_flight == 0 and g.controller.num_active == 0 and g.controller.num_queued == 0,
+                      10), (g.in_flight, g.controller.num_active, g.controller.num_queued)
+    assert g.queue_budget.calls == 0 and g.queue_budget.bytes == 0
+    assert not g.roots
+    assert wait_until(lambda: engine_idle(reps[other].engine_url), 60)
