@@ -280,7 +280,7 @@ def test_duplicate_offer_and_bad_config_rejected():
         make_controller("mars", {"window_max": "abc"})
     with pytest.raises(ValueError, match="unknown ConcurConfig"):
         make_controller("concur", {"kv_target": 0.9})
-    with pytest.raises(ValueError, match="available: concur, mars, none"):
+    with pytest.raises(ValueError, match="available: cap, concur, mars, none"):
         make_controller("nope")
 
 

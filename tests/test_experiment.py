@@ -252,8 +252,10 @@ def test_shipped_experiment_files_are_valid_and_cover_every_policy():
     in_files = set(paper.policies) | set(seeds.policies) | set(abl.policies)
     in_files |= {p for w in abl.workloads for p in (w.policies or ())}
     # the paper's figure grids (experiments/paper/) carry every policy, the CONCUR pairings included
+    # and the admission yardstick's capped runs (variants of fcfs-cap / mars-cap)
     for f in sorted((REPO / "experiments" / "paper").glob("*.toml")):
-        in_files |= set(load_experiment(f).policies)
+        e = load_experiment(f)
+        in_files |= set(e.policies) | {v["policy"] for v in e.variants.values()}
     assert set(driver_policy_names()) <= in_files | cut
     text = (REPO / "experiments" / "studies" / "paper_grid.toml").read_text()
     assert all(f"{c} (" in text for c in cut)

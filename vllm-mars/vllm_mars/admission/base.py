@@ -358,7 +358,7 @@ def _load_builtins() -> None:
     # lazy: the built-in controllers import this module (they subclass ControllerBase)
     import importlib
 
-    for mod in ("mars", "concur"):  # registers "mars", "concur"
+    for mod in ("mars", "concur", "cap"):  # registers "mars", "concur", "cap"
         importlib.import_module(f"vllm_mars.admission.{mod}")
 
 

@@ -4,7 +4,17 @@ workflows from KV utilisation and prefix-cache hit rate. Pure Python, no vllm im
 What we know of CONCUR is second hand (the abstract, a blog and reviews; no code was found): an
 additive increase while KV utilisation is below ``u_low`` (0.2), a multiplicative decrease when it
 is above ``u_high`` (0.5) *and* the prefix hit rate falls; hold in between. The thresholds are
-reported numbers, not verified ones. Admission itself is plain arrival order within the window
+reported numbers, not verified ones.
+
+Constants check (2026-12-05, for issue 31): searched the stored public pages, code and docs for the
+paper's text and code. The paper (arXiv 2601.22705v1, HTML title "Concur: Proactive Agent-Level
+Admission Control for Efficient Agentic Batch Inference", https://arxiv.org/html/2601.22705v1) is
+stored only up to its introduction; its authors' blog (https://yezhisheng.me/post/concur/) and the
+reviews describe the loop (AIMD on the number of active agents from KV utilisation and hit rate)
+without constants; no repository in the index implements it. So ``u_low`` = 0.2 and ``u_high`` = 0.5
+stay the secondary-source numbers (a summary of the paper's threshold study: 0.8 thrashes), and
+``inc`` = 1 / ``dec_factor`` = 0.5 are TCP's AIMD constants, our choice. None of them could be
+confirmed or refuted against the primary source; they are unchanged. Admission itself is plain arrival order within the window
 (CONCUR has no footprint model). Our choices where the sources are silent: a hit rate that is
 unknown counts as falling (conservative); missing telemetry gives a small fixed window; stale
 telemetry (older than ``stale_s``) counts as high utilisation with a falling hit rate.

@@ -20,6 +20,9 @@ _SPECIAL = {
     "continuum-concur": ("continuum", "concur"),
     "continuum_dy-concur": ("continuum_dy", "concur"),
     "mars-no-admission": ("mars", "none"),
+    # the admission yardstick (admission/cap.py): a static cap on concurrent roots, swept per cell
+    "fcfs-cap": ("fcfs", "cap"),
+    "mars-cap": ("mars", "cap"),
     "mars-no-cost-admission": ("mars", "mars"),
     "mars-no-life-admission": ("mars", "mars"),
 }
@@ -37,6 +40,12 @@ class DriverPolicy:
     controller: str
     #: controller options this driver policy implies (an ablation's switch)
     controller_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def is_yardstick(name: str) -> bool:
+    """``name`` runs behind the static cap (the admission yardstick): reported beside mars, never
+    the "fastest baseline" of a cell."""
+    return resolve_policy(name).controller == "cap"
 
 
 def resolve_policy(name: str) -> DriverPolicy:

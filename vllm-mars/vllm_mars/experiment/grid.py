@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from vllm_mars.driver.compare import run_policies
 from vllm_mars.driver.runner import ReplayConfig
+from vllm_mars.experiment.figures import run_figure_data, workload_stats
 from vllm_mars.experiment.results import write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
 from vllm_mars.metrics.compare import compare_record
@@ -128,12 +129,19 @@ def _run_cell(cfg: ReplayConfig, run: Sequence[str], policies: Sequence[str], va
     return summaries, dirs, cost, time.monotonic() - t0
 
 
-def _cell_record(cell: Cell, mat: Materialized, summaries: dict, dirs: dict, wall_s: float) -> dict[str, Any]:
-
+def _cell_record(cell: Cell, mat: Materialized, summaries: dict, dirs: dict, wall_s: float,
+                 figures: bool = False) -> dict[str, Any]:
+    """The cell's record; with ``figures``, also what the paper's figures read of each run (per
+    policy ``figure``) and of the workload (``workload_stats``, from its first run)."""
     rec = compare_record(cell.workload.name, {cell.rps: summaries}, {cell.rps: dirs})["cells"][0]
-    return {"key": cell.key, "workload": cell.workload.name, "seed": cell.seed, **rec,
-            "roots": mat.roots if mat.roots >= 0 else None, "dropped_over_context": mat.dropped_over_context,
-            "wall_s": round(wall_s, 3)}
+    out = {"key": cell.key, "workload": cell.workload.name, "seed": cell.seed, **rec,
+           "roots": mat.roots if mat.roots >= 0 else None, "dropped_over_context": mat.dropped_over_context,
+           "wall_s": round(wall_s, 3)}
+    if figures and dirs:
+        for p, d in dirs.items():
+            out["policies"][p]["figure"] = run_figure_data(d)
+        out["workload_stats"] = workload_stats(next(iter(dirs.values())))
+    return out
 
 
 def _save_cell(d: Path, rec: dict[str, Any]) -> None:
@@ -221,7 +229,8 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         if not execute:
             run = [p for p in run if p in done]
         if not run or (set(run) <= set(done) and rec.is_file()
-                       and set(json.loads(rec.read_text())["policies"]) == set(done)):
+                       and set(json.loads(rec.read_text())["policies"]) == set(done)
+                       and (not exp.figures or "workload_stats" in json.loads(rec.read_text()))):
             bar.update(1)
             continue
         todo.append((cell, cfg, run))
@@ -234,7 +243,7 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
             cost = c
             (out / "cost_model.json").write_text(json.dumps(c.as_dict(), indent=2) + "\n")
         _save_cell(cell_dir(out, cell), _cell_record(cell, mats[(cell.workload.name, cell.seed)], summaries,
-                                                     dirs, wall))
+                                                     dirs, wall, figures=bool(exp.figures)))
         bar.set_postfix_str(cell.key)
         bar.update(1)
 

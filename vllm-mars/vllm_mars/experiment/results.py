@@ -17,8 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.experiment.figures import draw_figures
 from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
 from vllm_mars.experiment.spec import Experiment
+from vllm_mars.experiment.yardstick import format_yardstick, yardstick_rows
 from vllm_mars.metrics.ideal import CostModel
 from vllm_mars.metrics.report import _fmt, _plt, _save
 from vllm_mars.metrics.summary import DEFAULT_ALPHA
@@ -46,8 +48,11 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
 
         rows, notes = limit_rows(record, load_limit(exp.limit))
         record["limit"] = {"file": _rel(exp.limit, exp.path), "cells": rows, "notes": notes}
+    ystick = yardstick_rows(exp, record["cells"])
+    if ystick:
+        record["yardstick"] = ystick
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    plots = plot_results(exp, record, out) if cells else []
+    plots = plot_results(exp, record, out) + draw_figures(exp, record, out) if cells else []
     (out / "table.md").write_text(format_results(exp, record, plots) + "\n")
     return record
 
@@ -151,7 +156,10 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
 
         lim = record["limit"]
         lines += format_limit(lim["cells"], lim["notes"], f"`{lim['file']}`")
+    if record.get("yardstick"):
+        lines += format_yardstick(record["yardstick"])
     lines += ["## Mean E2E (s), per policy (best in bold)", ""] + _per_policy(cells, pols, "mean_e2e_s") + [""]
+    lines += ["## P90 E2E (s), per policy", ""] + _per_policy(cells, pols, "p90_e2e_s") + [""]
     lines += ["## p95 E2E (s), per policy", ""] + _per_policy(cells, pols, "p95_e2e_s") + [""]
     lines += [f"## Goodput at alpha {a} (workflows/s within {a} x T_ideal), per policy", ""]
     lines += _per_policy(cells, pols, GOODPUT, best=max, digits=3) + [""]

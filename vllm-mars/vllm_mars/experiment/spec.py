@@ -12,7 +12,8 @@ it), ``[replay]`` (any other ReplayConfig field), ``[[workloads]]`` (``name``,
 one of ``preset`` / ``path`` / ``weka``, ``rps``, and optionally ``num_workflows``, ``scale``,
 ``arrival``, ``max_context``, ``max_tool_s``, ``policies``: a subset of the top-level list run on this
 workload only), ``limit`` (another experiment's results.json: the no-thrash limit the report compares
-mars with, see :mod:`vllm_mars.experiment.limit`). Relative paths are relative to the file.
+mars with, see :mod:`vllm_mars.experiment.limit`), ``figures`` (``"all"`` or a list of the paper's
+figures to draw, see :mod:`vllm_mars.experiment.figures`). Relative paths are relative to the file.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from vllm_mars.admission.base import make_controller
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES
 from vllm_mars.driver.config import BACKENDS, ReplayConfig
 from vllm_mars.driver.control import check_policy
+from vllm_mars.experiment.figures import FIGURES
 from vllm_mars.experiment.limit import load_limit
 from vllm_mars.policies import make_policy
 from vllm_mars.sim.engine import get_profile
 from vllm_mars.workload.ilr import load_preset
 
 TOP_KEYS = ("name", "description", "status", "backend", "profile", "arrival", "seeds", "num_workflows", "policies",
-            "variants", "replay", "workloads", "limit")
+            "variants", "replay", "workloads", "limit", "figures")
 WORKLOAD_KEYS = ("name", "preset", "path", "weka", "rps", "num_workflows", "scale", "arrival", "max_context",
                  "max_tool_s", "policies")
 VARIANT_KEYS = ("policy", "policy_options", "admission_options", "replay")
@@ -97,6 +99,8 @@ class Experiment:
     raw: dict[str, Any] = field(default_factory=dict)
     #: results.json of the no-thrash limit (``limit`` key or ``--limit``), None: no limit section
     limit: Path | None = None
+    #: the paper's figures drawn into the results dir (:data:`vllm_mars.experiment.figures.FIGURES`)
+    figures: tuple[str, ...] = ()
 
     def cells(self) -> list[Cell]:
         return [Cell(w, r, s) for w in self.workloads for r in w.rps for s in self.seeds]
@@ -373,7 +377,20 @@ def load_experiment(path: str | Path) -> Experiment:
         limit = (path.parent / _str(path, "limit", raw["limit"])).resolve()
         check_limit(limit, f"{path}: limit")
     return Experiment(path=path, name=name, description=str(raw.get("description", "")), policies=policies,
-                      variants=variants, workloads=workloads, seeds=seeds, base=base, raw=raw, limit=limit)
+                      variants=variants, workloads=workloads, seeds=seeds, base=base, raw=raw, limit=limit,
+                      figures=_figures(path, raw))
+
+
+def _figures(path: Path, raw: dict[str, Any]) -> tuple[str, ...]:
+    v = raw.get("figures", [])
+    if v == "all":
+        return tuple(FIGURES)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _err(path, "figures", f"expected \"all\" or a list of figure names ({', '.join(FIGURES)}), got {v!r}")
+    bad = [x for x in v if x not in FIGURES]
+    if bad:
+        raise _err(path, "figures", f"{bad[0]!r} unknown; allowed: {', '.join(FIGURES)}, or \"all\"")
+    return tuple(dict.fromkeys(v))
 
 
 def check_status(path: Path, raw: dict[str, Any]) -> str:

@@ -18,8 +18,11 @@ def is_mars(policy: str) -> bool:
 
 def is_baseline(label: str, policy: str | None = None) -> bool:
     """A run is a baseline when neither its label nor its driver policy (a labelled variant's
-    ``policy``) is mars."""
-    return not is_mars(label) and not is_mars(policy or label)
+    ``policy``) is mars, and it is not the admission yardstick (a hindsight-tuned static cap,
+    reported beside mars in its own section)."""
+    from vllm_mars.driver.control import is_yardstick
+
+    return not is_mars(label) and not is_mars(policy or label) and not is_yardstick(policy or label)
 
 
 def cell_speedup(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
         for p, s in by_policy.items():
             e = s.get("e2e_s") or {}
             cell["policies"][p] = {
-                "mean_e2e_s": e.get("mean"), "p95_e2e_s": e.get("p95"), "p99_e2e_s": e.get("p99"),
+                "mean_e2e_s": e.get("mean"), "p90_e2e_s": e.get("p90"), "p95_e2e_s": e.get("p95"), "p99_e2e_s": e.get("p99"),
                 f"goodput_wps_alpha{a}": (s.get("goodput_wps") or {}).get(a),
                 f"within_alpha{a}": (s.get("goodput_within") or {}).get(a),
                 "completed": s.get("completed"), "workflows": s.get("workflows"),

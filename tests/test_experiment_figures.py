@@ -1,0 +1,143 @@
+"""The paper's figures and the admission yardstick of ``mars experiment run``: a tiny sim grid with
+``figures = "all"``, a static-cap sweep and an ablation draws every PNG from the recorded cells."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMPACT = REPO / "benchmark" / "workloads" / "compact.jsonl"
+
+GRID = f"""
+name = "figures"
+backend = "sim"
+profile = "h200-qwen3-coder-30b-a3b"
+arrival = "fixed"
+num_workflows = 4
+figures = "all"
+policies = ["mars", "fcfs", "mars-no-admission", "fcfs-cap1", "fcfs-cap2"]
+
+[variants.fcfs-cap1]
+policy = "fcfs-cap"
+admission_options = {{ cap = 1 }}
+
+[variants.fcfs-cap2]
+policy = "fcfs-cap"
+admission_options = {{ cap = 2 }}
+
+[replay]
+num_blocks = 96
+
+[[workloads]]
+name = "compact"
+path = "{COMPACT}"
+rps = [1, 8]
+"""
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    from vllm_mars.experiment.grid import run_experiment
+    from vllm_mars.experiment.spec import load_experiment
+
+    d = tmp_path_factory.mktemp("figures")
+    (d / "exp.toml").write_text(GRID)
+    exp = load_experiment(d / "exp.toml")
+    return exp, d / "out", run_experiment(exp, d / "out", progress=False)
+
+
+def test_every_figure_is_drawn_from_the_cells(grid):
+    from vllm_mars.experiment.figures import FIGURES
+
+    exp, out, record = grid
+    assert exp.figures == tuple(FIGURES)
+    for name, (fname, _) in FIGURES.items():
+        assert (out / fname).stat().st_size > 5000, name
+        assert f"]({fname})" in (out / "table.md").read_text()
+    for c in record["cells"]:
+        d = out / "runs" / "compact" / f"rps{c['rps']:g}" / "seed0"
+        for p, rec in c["policies"].items():
+            s = json.loads((d / p / "summary.json").read_text())
+            assert s["completed"] == 4 and s["engine"]["leak_check"] == "ok", p  # the sim's leak check
+            fig = rec["figure"]
+            assert rec["p90_e2e_s"] == s["e2e_s"]["p90"]
+            assert set(fig["ttft_by_round_p50_p90_p99"]) == set(s["ttft_by_round"])
+            assert len(fig["kv_removed_by_progress"]) == 10 and fig["computed_tokens_per_s"] > 0
+        ws = c["workload_stats"]
+        assert ws["roots"] == 4 and len(ws["t_ideal_s_q"]) == 21 and ws["t_ideal_s_q"][0] > 0
+        assert ws["first_prompt_tokens_q"][0] >= 128
+
+
+def test_series_counts(grid, tmp_path):
+    from vllm_mars.experiment import figures as f
+    from vllm_mars.metrics.report import _plt
+
+    exp, _, record = grid
+    plt, cells = _plt(), record["cells"]
+    drawn = ["mars", "fcfs", "mars-no-admission"]  # the swept caps are in their own table, not lines
+    assert f.fig_e2e(plt, exp, cells, tmp_path / "a.png") == len(drawn)
+    assert f.fig_throughput_goodput(plt, exp, cells, tmp_path / "b.png") == len(drawn)
+    assert f.fig_kv_removals(plt, exp, cells, tmp_path / "c.png") == len(drawn)
+    assert f.fig_ttft_rounds(plt, exp, cells, tmp_path / "d.png") == len(drawn)
+    assert f.fig_inputs(plt, exp, cells, tmp_path / "e.png") == 1
+    assert f.fig_ablations(plt, exp, cells, tmp_path / "g.png") == 1  # mars-no-admission
+
+
+def test_pressure_shows_in_the_removals(grid):
+    """96 blocks for 4 compact workflows at 8 roots/s: fcfs loses context between turns; the
+    removals the figure draws are the rebuilt context blocks (prompt tokens not cached)."""
+    _, _, record = grid
+    hot = next(c for c in record["cells"] if c["rps"] == 8)
+    assert sum(hot["policies"]["fcfs"]["figure"]["kv_removed_by_progress"]) > 0
+
+
+def test_removals_by_progress_counts_the_blocks_a_call_lost():
+    from vllm_mars.experiment.figures import removals_by_progress
+
+    rounds = [{"prompt_tokens": 160, "output_tokens": 20, "cached_tokens": 0},
+              {"prompt_tokens": 200, "output_tokens": 10, "cached_tokens": 176},   # kept all 11 blocks
+              {"prompt_tokens": 240, "output_tokens": 10, "cached_tokens": 64},    # 210 -> 13 blocks, 4 found
+              {"prompt_tokens": 260, "output_tokens": 5, "cached_tokens": 0}]      # 250 -> 15 lost
+    bins = removals_by_progress([{"rounds": rounds}], 16, bins=3)
+    assert bins == [0, 9, 15]  # progress 1/3, 2/3, 1: bins (0, 1/3], (1/3, 2/3], (2/3, 1]
+    assert removals_by_progress([{"rounds": rounds[:1]}], 16) == [0] * 10
+
+
+def test_yardstick_reports_the_best_cap_beside_mars(grid):
+    _exp, out, record = grid
+    rows = record["yardstick"]
+    assert [(r["key"], r["kind"]) for r in rows] == [("compact/rps1/seed0", "fcfs-cap"),
+                                                       ("compact/rps8/seed0", "fcfs-cap")]
+    for r, c in zip(rows, record["cells"]):
+        sweep = {cap: c["policies"][f"fcfs-cap{cap}"]["mean_e2e_s"] for cap in (1, 2)}
+        assert r["best_cap"] == min(sweep, key=sweep.get) and r["edge"]
+        assert r["mars_over_best_cap"] == pytest.approx(sweep[r["best_cap"]] / c["policies"]["mars"]["mean_e2e_s"])
+        assert not c["baseline"].startswith("fcfs-cap")  # a hindsight-tuned cap is no baseline
+    table = (out / "table.md").read_text()
+    assert "## Admission yardstick" in table and "## P90 E2E (s), per policy" in table
+
+
+def test_cap_controller_admits_in_arrival_order_up_to_the_cap():
+    from vllm_mars.admission.base import PendingRoot, make_controller
+
+    c = make_controller("cap", {"cap": 2})
+    for i in range(4):
+        c.offer(PendingRoot(f"r{i}", float(i)))
+    assert c.tick(4.0) == ["r0", "r1"] and c.tick(4.2) == []
+    c.finish("r1", 5.0)
+    assert c.tick(5.0) == ["r2"] and c.num_active == 2 and c.num_queued == 1
+    with pytest.raises(ValueError, match="cap"):
+        make_controller("cap", {"cap": 0})
+    with pytest.raises(ValueError, match="window_max"):
+        make_controller("cap", {"window_max": 4})
+
+
+def test_figures_key_is_checked(tmp_path):
+    from vllm_mars.experiment.spec import ExperimentError, load_experiment
+
+    (tmp_path / "e.toml").write_text(GRID.replace('figures = "all"', 'figures = ["e2e", "fig99"]'))
+    with pytest.raises(ExperimentError, match=r"figures: 'fig99' unknown; allowed: e2e, throughput_goodput"):
+        load_experiment(tmp_path / "e.toml")
