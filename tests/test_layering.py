@@ -40,7 +40,9 @@ def test_the_options_validator_is_the_ground_floor():
     ("admission/base.py", ("vllm_mars.config", "vllm_mars.policies")),
     ("experiment/results.py", ("vllm_mars.experiment.grid",)),
     # the sidecar's lower floors: its config, waiting calls and server know nothing of its routes or state
-    ("admission/sidecar/config.py", ("vllm_mars.admission",)),
+    # (the config reads only the placement rules' names, from the placement floor below the sidecar)
+    ("admission/sidecar/config.py", ("vllm_mars.admission.sidecar", "vllm_mars.admission.base",
+                                     "vllm_mars.admission.mars", "vllm_mars.admission.roots")),
     ("admission/sidecar/held.py", ("vllm_mars.admission",)),
     ("admission/sidecar/serving.py", ("vllm_mars.admission",)),
     ("admission/sidecar/state.py", ("vllm_mars.admission.sidecar.app",)),

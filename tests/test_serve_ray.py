@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from vllm_mars import serve_ray
-from vllm_mars.admission.serving import ServerThread
+from vllm_mars.admission.sidecar.serving import ServerThread
 from vllm_mars.admission.sidecar import SidecarConfig
 from vllm_mars.admission.telemetry import parse_prometheus
 

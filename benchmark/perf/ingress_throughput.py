@@ -102,7 +102,7 @@ def run_ray_gate(port: int, chunks: int, clients: int) -> None:
     from ray.serve.config import RequestRouterConfig
 
     from vllm_mars import serve_ray
-    from vllm_mars.admission.serving import serve_app
+    from vllm_mars.admission.sidecar.serving import serve_app
     from vllm_mars.admission.sidecar import SidecarConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)

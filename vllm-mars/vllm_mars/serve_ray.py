@@ -49,7 +49,7 @@ from typing import Any
 
 from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.placement import Placement
-from vllm_mars.admission.proxy import Forwarder, HTTPError, Unreachable, down_headers, err_body
+from vllm_mars.admission.sidecar.proxy import Forwarder, HTTPError, Unreachable, down_headers, err_body
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
 from vllm_mars.admission.telemetry import TelemetryState, _Reader
 from vllm_mars.clock import Clock, MonotonicClock

@@ -413,7 +413,7 @@ def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, 
     except ImportError:
         raise SystemExit("mars serve --ray: Ray Serve is not installed (pip install 'vllm-mars[ray]')") from None
     from vllm_mars import serve_ray
-    from vllm_mars.admission.serving import serve_app
+    from vllm_mars.admission.sidecar.serving import serve_app
 
     where = args.address or "a local Ray cluster"
     print(f"mars serve: deploying {args.replicas} vLLM replica(s) on {where} (policy {args.policy})",
