@@ -141,3 +141,14 @@ def test_figures_key_is_checked(tmp_path):
     (tmp_path / "e.toml").write_text(GRID.replace('figures = "all"', 'figures = ["e2e", "fig99"]'))
     with pytest.raises(ExperimentError, match=r"figures: 'fig99' unknown; allowed: e2e, throughput_goodput"):
         load_experiment(tmp_path / "e.toml")
+
+
+def test_the_yardstick_is_known_by_name_exactly_where_the_driver_runs_the_static_cap():
+    from vllm_mars.driver.control import _SPECIAL, resolve_policy
+    from vllm_mars.metrics.compare import is_baseline, is_yardstick
+    from vllm_mars.policies import available_policies
+
+    names = set(_SPECIAL) | set(available_policies())
+    assert {n for n in names if resolve_policy(n).controller == "cap"} == {n for n in names if is_yardstick(n)} \
+        == {"fcfs-cap", "mars-cap"}
+    assert not is_baseline("fcfs-cap") and is_baseline("fcfs")

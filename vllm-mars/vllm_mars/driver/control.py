@@ -42,12 +42,6 @@ class DriverPolicy:
     controller_options: Mapping[str, Any] = field(default_factory=dict)
 
 
-def is_yardstick(name: str) -> bool:
-    """``name`` runs behind the static cap (the admission yardstick): reported beside mars, never
-    the "fastest baseline" of a cell."""
-    return resolve_policy(name).controller == "cap"
-
-
 def resolve_policy(name: str) -> DriverPolicy:
     sched, ctrl = _SPECIAL.get(name, (name, "none"))
     return DriverPolicy(name, sched, ctrl, dict(_CONTROLLER_OPTIONS.get(name, {})))

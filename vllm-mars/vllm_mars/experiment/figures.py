@@ -39,9 +39,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.driver.control import is_yardstick
-from vllm_mars.metrics.compare import is_baseline, is_mars
+from vllm_mars.metrics.compare import is_baseline, is_mars, is_yardstick
 from vllm_mars.metrics.report import _plt, _save
+from vllm_mars.metrics.summary import GOODPUT
 
 #: figure name -> (file name, the paper's figure)
 FIGURES: dict[str, tuple[str, str]] = {
@@ -226,7 +226,6 @@ def fig_e2e(plt, exp: Any, cells: Sequence[Mapping], path: Path) -> int:
 
 
 def fig_throughput_goodput(plt, exp: Any, cells: Sequence[Mapping], path: Path) -> int:
-    from vllm_mars.experiment.results import GOODPUT
 
     wls = _workloads(exp, cells)
     fig, axes = _grid(plt, 2, len(wls))

@@ -23,9 +23,8 @@ from vllm_mars.experiment.spec import Experiment
 from vllm_mars.experiment.yardstick import format_yardstick, yardstick_rows
 from vllm_mars.metrics.ideal import CostModel
 from vllm_mars.metrics.report import _fmt, _plt, _save
-from vllm_mars.metrics.summary import DEFAULT_ALPHA
+from vllm_mars.metrics.summary import DEFAULT_ALPHA, GOODPUT
 
-GOODPUT = f"goodput_wps_alpha{DEFAULT_ALPHA}"
 
 
 def experiment_config(exp: Experiment) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_mars.driver.control import is_yardstick
+from vllm_mars.metrics.compare import is_yardstick
 from vllm_mars.metrics.report import _fmt
 
 

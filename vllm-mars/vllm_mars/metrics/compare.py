@@ -16,12 +16,17 @@ def is_mars(policy: str) -> bool:
     return policy == "mars" or policy.startswith("mars-")
 
 
+def is_yardstick(policy: str) -> bool:
+    """``policy`` runs behind the static cap (the admission yardstick, ``admission/cap.py``): its
+    registered names are ``<scheduler>-cap`` (driver/control.py). Reported beside mars, never the
+    "fastest baseline" of a cell."""
+    return policy.endswith("-cap")
+
+
 def is_baseline(label: str, policy: str | None = None) -> bool:
     """A run is a baseline when neither its label nor its driver policy (a labelled variant's
     ``policy``) is mars, and it is not the admission yardstick (a hindsight-tuned static cap,
     reported beside mars in its own section)."""
-    from vllm_mars.driver.control import is_yardstick
-
     return not is_mars(label) and not is_mars(policy or label) and not is_yardstick(policy or label)
 
 

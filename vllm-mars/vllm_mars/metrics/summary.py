@@ -16,6 +16,8 @@ from typing import Any
 
 ALPHAS = (1.5, 2.0, 3.0, 5.0)
 DEFAULT_ALPHA = 3.0
+#: the summary key of goodput at the default alpha
+GOODPUT = f"goodput_wps_alpha{DEFAULT_ALPHA}"
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
