@@ -8,6 +8,7 @@ the valid ones, raised at engine start.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,8 +100,6 @@ def check_rps(name: str, value: Any) -> float:
 
 def rps_arg(text: str) -> float:
     """argparse ``type=`` for ``--rps``: checked at parse time (argparse names the flag)."""
-    import argparse
-
     try:
         return check_rps("rps", float(text))
     except ValueError as e:

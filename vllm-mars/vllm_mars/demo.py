@@ -14,6 +14,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from vllm_mars.engine.local import engine_kwargs
+from vllm_mars.tiny_model import build_tiny_model
+
 
 @dataclass
 class DemoWorkflow:
@@ -78,9 +81,6 @@ def run_demo(policy: str = "fcfs", workflows: int = 16, turns: int = 3, num_bloc
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
-    from vllm_mars.engine.local import engine_kwargs
-    from vllm_mars.tiny_model import build_tiny_model
 
     model = model or str(build_tiny_model())
     args = EngineArgs(**engine_kwargs(model, policy=policy, num_blocks=num_blocks, max_model_len=1024,

@@ -7,6 +7,7 @@ is its own one-call workflow (plain chat traffic mixes with agents), identified 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Mapping
@@ -179,8 +180,6 @@ def safe_dirname(v: str, limit: int = DIRNAME_CHARS) -> str:
     """:func:`safe_id` bounded to ``limit`` characters for a directory name: a longer encoding
     keeps its first characters and ends with ``%h`` and a hash of the whole id (``%h`` is never
     part of an encoding, so a bounded name cannot equal another id's name)."""
-    import hashlib
-
     s = safe_id(v)
     if len(s) <= limit:
         return s

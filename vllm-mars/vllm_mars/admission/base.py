@@ -9,6 +9,7 @@ returns the roots admitted now. Controllers never reach into the engine: they on
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -356,7 +357,6 @@ register_controller = _REGISTRY.register
 
 def _load_builtins() -> None:
     # lazy: the built-in controllers import this module (they subclass ControllerBase)
-    import importlib
 
     for mod in ("mars", "concur", "cap"):  # registers "mars", "concur", "cap"
         importlib.import_module(f"vllm_mars.admission.{mod}")

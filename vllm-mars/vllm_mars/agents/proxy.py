@@ -19,6 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+from aiohttp import web
+
 logger = logging.getLogger(__name__)
 
 #: request headers that carry a frontend's session identity (recorded per call)
@@ -92,9 +95,6 @@ class SessionProxy:
         return f"http://127.0.0.1:{self.port}/v1"
 
     async def start(self) -> SessionProxy:
-        import aiohttp
-        from aiohttp import web
-
         self._client = aiohttp.ClientSession(auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None, connect=10))
         app = web.Application(client_max_size=64 << 20)
@@ -117,8 +117,6 @@ class SessionProxy:
             await self._client.close()
 
     async def _handle(self, request: Any) -> Any:
-        from aiohttp import web
-
         body = await request.read()
         rec = CallRecord(self.session, len(self.calls), request.path, self.clock())
         self.calls.append(rec)

@@ -12,10 +12,23 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.admission.base import available_controllers, make_controller
+from vllm_mars.config import check_engine_options
+from vllm_mars.engine.local import (
+    CPU_SERVE_MAX_MODEL_LEN,
+    SERVER_MAX_NUM_SEQS,
+    on_cpu,
+    parse_engine_arg_items,
+    serve_sizes,
+    server_args,
+)
+from vllm_mars.policies import make_policy
 from vllm_mars.process import stop_group, wait_http_ok
 
 logger = logging.getLogger(__name__)
@@ -43,8 +56,6 @@ def _load_options(path: str | None, flag: str) -> dict[str, Any]:
         raise FileNotFoundError(f"{flag}: no such file {path}")
     text = p.read_text()
     if p.suffix == ".toml":
-        import tomllib
-
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -76,7 +87,6 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
                             "requests running + waiting); a root's later calls stay on its replica (default mars)")
         g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: local only)")
         g.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
-    from vllm_mars.admission.base import available_controllers
 
     g.add_argument("--controller", choices=available_controllers(), default="mars",
                    help="admission controller: mars (KV/CPU-aware AIMD + footprint selection), concur "
@@ -155,7 +165,6 @@ _FLAGS = {"max_body_bytes": "--max-body-bytes", "idle_timeout_s": "--idle-timeou
 
 
 def _sidecar_config(args: argparse.Namespace, backends: tuple[str, ...], host: str, port: int):
-    from vllm_mars.admission.base import make_controller
     from vllm_mars.admission.sidecar import SidecarConfig
 
     options = {**_load_options(args.controller_config, "--controller-config"),
@@ -217,7 +226,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks (num_gpu_blocks_override); default: vLLM's sizing (GPU) / 256 MiB (CPU)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens (default: 32 on the CPU build, vLLM's choice on GPU)")
-    from vllm_mars.engine.local import CPU_SERVE_MAX_MODEL_LEN, SERVER_MAX_NUM_SEQS
 
     p.add_argument("--max-model-len", type=int, default=None,
                    help="max context length (default: the model's own on GPU; on the CPU build "
@@ -305,17 +313,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
-    from vllm_mars.config import check_engine_options
-    from vllm_mars.engine.local import server_args
-    from vllm_mars.policies import make_policy
 
     check_engine_options(args.policy, _kv(args.policy_option, "--policy-option"))  # before vLLM starts
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
         raise ValueError(f"--engine-port {engine_port} must differ from --port")
     if args.cost_model:
-        import tempfile
-
         from vllm_mars.sim.profile import load_cost_model
 
         cost = load_cost_model(args.cost_model)  # ValueError naming the file or the bad field
@@ -328,7 +331,6 @@ def _serve(args: argparse.Namespace) -> int:
     # the policy and its options, checked here before launching vLLM (not 20 s into its tracebacks)
     policy = make_policy(args.policy, _kv(args.policy_option, "--policy-option"))
     cfg = _sidecar_config(args, (f"http://127.0.0.1:{engine_port}",), args.host, args.port)
-    from vllm_mars.engine.local import on_cpu, parse_engine_arg_items, serve_sizes
 
     cpu = on_cpu() if args.device == "auto" else args.device == "cpu"
     policy_options = _kv(args.policy_option, "--policy-option")

@@ -9,6 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from vllm_mars.metrics.compare import format_table
+from vllm_mars.metrics.report import summary_table
+
 
 def _session_options(r: argparse.ArgumentParser, *, compare: bool) -> None:
     r.add_argument("--frontend", required=True, metavar="NAME[,NAME...]",
@@ -105,7 +108,6 @@ def _config(args: argparse.Namespace, **over):
 
 def _run(args: argparse.Namespace) -> int:
     from vllm_mars.agents.runner import run_agents
-    from vllm_mars.metrics.report import summary_table
 
     out = run_agents(_config(args))
     summary = json.loads(Path(out, "summary.json").read_text())
@@ -116,7 +118,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from vllm_mars.agents.runner import compare_agents
-    from vllm_mars.metrics.compare import format_table
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     out, record = compare_agents(_config(args), policies)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from vllm_mars.options import dataclass_doc
+from vllm_mars.policies import available_policies, get_policy_class
+from vllm_mars.tiny_model import TinyModelSpec, build_tiny_model
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiny-model", help="build (or find) the tiny random Qwen3 model; prints its dir",
@@ -32,17 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from vllm_mars.tiny_model import TinyModelSpec, build_tiny_model
-
     spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seed=args.seed)
     print(build_tiny_model(args.dir, spec, force=args.force))
     return 0
 
 
 def _policies(args: argparse.Namespace) -> int:
-    from vllm_mars.options import dataclass_doc
-    from vllm_mars.policies import available_policies, get_policy_class
-
     for name in available_policies():
         cls = get_policy_class(name)
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""

@@ -14,15 +14,21 @@ import math
 import os
 import sys
 import typing
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from vllm_mars.config import check_rps
-from vllm_mars.driver.compare import DEFAULT_POLICIES, DEFAULT_RPS
+from vllm_mars.driver.compare import DEFAULT_POLICIES, DEFAULT_RPS, run_compare
 from vllm_mars.driver.config import ReplayConfig
 from vllm_mars.driver.control import check_policy
+from vllm_mars.driver.runner import run_replay
 from vllm_mars.engine import local
+from vllm_mars.metrics.compare import format_table, write_compare_report
+from vllm_mars.metrics.events import read_events
+from vllm_mars.metrics.report import summary_table, write_run_report
+from vllm_mars.metrics.summary import summarize
 
 #: fields each command sets itself (replay: --policy, --rps as one value; compare: lists of them)
 _COMPARE_OWN = ("policy", "rps", "backend", "url")
@@ -200,16 +206,12 @@ def _check_workload(path: str) -> None:
 def _quiet_engine(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not getattr(args, "verbose", False):
-        import warnings
-
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def _replay(args: argparse.Namespace) -> int:
     _quiet_engine(args)
-    from vllm_mars.driver.runner import run_replay  # imports the engine stack: after _quiet_engine
-    from vllm_mars.metrics.report import summary_table
 
     cfg = config_from_args(args)
     _check_workload(cfg.workload)
@@ -236,8 +238,6 @@ def compare_config(args: argparse.Namespace) -> tuple[ReplayConfig, list[str]]:
 
 def _compare(args: argparse.Namespace) -> int:
     _quiet_engine(args)
-    from vllm_mars.driver.compare import run_compare
-    from vllm_mars.metrics.compare import format_table
 
     cfg, policies = compare_config(args)
     out, record = run_compare(cfg, policies, _floats(args.rps_list, "--rps"), cfg.out)
@@ -248,11 +248,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from vllm_mars.metrics.compare import format_table, write_compare_report
-    from vllm_mars.metrics.events import read_events
-    from vllm_mars.metrics.report import summary_table, write_run_report
-    from vllm_mars.metrics.summary import summarize
-
     d = Path(args.run_dir)
     if (d / "compare.json").exists():
         record = json.loads((d / "compare.json").read_text())

@@ -8,7 +8,12 @@ import json
 import os
 import platform
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+from vllm_mars.engine.local import SCHEDULER_CLS, on_cpu
+from vllm_mars.engine.profiler import GRIDS, profile_engine
+from vllm_mars.tiny_model import build_tiny_model
 
 #: engine limits of a CPU profile: `mars replay`'s defaults, so the sim and the real engine agree
 CPU_LIMITS = {"block_size": 32, "max_model_len": 2048, "max_num_batched_tokens": 1024, "max_num_seqs": 32,
@@ -16,8 +21,6 @@ CPU_LIMITS = {"block_size": 32, "max_model_len": 2048, "max_num_batched_tokens":
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from vllm_mars.engine.profiler import GRIDS
-
     p = sub.add_parser(
         "profile", help="time a real engine's steps over a grid and fit a step-time profile for --backend sim",
         description="Run the real vLLM engine (in this process: the CPU engine with the tiny model by default, "
@@ -67,8 +70,6 @@ def _base_profile(args: argparse.Namespace, model: str | None):
         base = load_profile(args.base)
         return base, model or base.model_dir()
     if model is None:
-        from vllm_mars.tiny_model import build_tiny_model
-
         model = str(build_tiny_model())
     shipped = _shipped_model_name(model, available_models())
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -116,9 +117,7 @@ def _profile(args: argparse.Namespace) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if args.repeats is not None and args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats}: must be >= 1")
-    from dataclasses import replace
 
-    from vllm_mars.engine.profiler import GRIDS, profile_engine
     from vllm_mars.sim.fit import fit_profile
 
     if args.model is not None and not (Path(args.model) / "config.json").exists():
@@ -133,8 +132,6 @@ def _profile(args: argparse.Namespace) -> int:
               "max_num_batched_tokens": max(base.max_num_batched_tokens, chunk),
               "max_num_seqs": max(base.max_num_seqs, batch), "policy": "fcfs"}
     if gpu:
-        from vllm_mars.engine.local import SCHEDULER_CLS
-
         # synchronous scheduling, so each timed step() is exactly the batch it scheduled (async scheduling
         # would overlap the next schedule with this forward pass; the sim has no overlap either)
         kw.update(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=base.gpu_memory_utilization,
@@ -152,12 +149,9 @@ def _profile(args: argparse.Namespace) -> int:
         source = (f"fitted by `mars profile --from-steps` to {len(args.from_steps)} recorded run(s) at "
                   f"{t0:%Y-%m-%d %H:%M} UTC")
     else:
-        if gpu:
-            from vllm_mars.engine.local import on_cpu
-
-            if on_cpu():
-                raise ValueError(f"--base {args.base}: profiling a GPU profile ({base.hardware.name}) needs a CUDA build of vLLM on a GPU "
-                                 "host (this vLLM runs on CPU); --from-steps fits recorded steps anywhere")
+        if gpu and on_cpu():
+            raise ValueError(f"--base {args.base}: profiling a GPU profile ({base.hardware.name}) needs a CUDA build of vLLM on a GPU "
+                             "host (this vLLM runs on CPU); --from-steps fits recorded steps anywhere")
         print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
               f"(repeats {grid.repeats})", file=sys.stderr)
         samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed, clock=args.clock,

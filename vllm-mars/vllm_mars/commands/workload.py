@@ -7,6 +7,10 @@ import json
 import os
 import statistics
 
+from vllm_mars.workload.ilr import generate, load_preset
+from vllm_mars.workload.schema import load_workload, write_workload
+from vllm_mars.workload.weka import iter_convert_dir
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gen-workload", help="generate a synthetic workload (ILR-1..4, compact) as schema-v1 JSONL",
@@ -66,9 +70,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _gen(args: argparse.Namespace) -> int:
-    from vllm_mars.workload.ilr import generate, load_preset
-    from vllm_mars.workload.schema import write_workload
-
     cfg = load_preset(args.preset, num_workflows=args.num_workflows, scale=args.scale, seed=args.seed)
     n = write_workload(args.output, generate(cfg))
     print(f"wrote {n} workflows ({cfg.name}, scale {cfg.scale:g}, seed {cfg.seed}) to {args.output}")
@@ -76,9 +77,6 @@ def _gen(args: argparse.Namespace) -> int:
 
 
 def _convert_weka(args: argparse.Namespace) -> int:
-    from vllm_mars.workload.schema import write_workload
-    from vllm_mars.workload.weka import iter_convert_dir
-
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.summary_tokens is not None and args.max_context is None:
@@ -108,7 +106,6 @@ def _convert_weka(args: argparse.Namespace) -> int:
 
 
 def _convert_sessions(args: argparse.Namespace) -> int:
-    from vllm_mars.workload.schema import write_workload
     from vllm_mars.workload.sessions import CONVERTERS
 
     wfs = CONVERTERS[args.frontend](args.src, scale=args.scale, max_tool_s=args.max_tool_s)
@@ -122,7 +119,6 @@ def _convert_sessions(args: argparse.Namespace) -> int:
 
 
 def _convert_tracelab(args: argparse.Namespace) -> int:
-    from vllm_mars.workload.schema import write_workload
     from vllm_mars.workload.tracelab import convert_csv
 
     n = write_workload(args.output, convert_csv(args.src, scale=args.scale,
@@ -133,8 +129,6 @@ def _convert_tracelab(args: argparse.Namespace) -> int:
 
 def workload_stats(path: str) -> dict:
     """Counts and token/tool statistics of a schema-v1 workload (validates it)."""
-    from vllm_mars.workload.schema import load_workload
-
     roots = load_workload(path)
     allw = [w for r in roots for w in r.walk()]
     turns = [t for w in allw for t in w.turns]

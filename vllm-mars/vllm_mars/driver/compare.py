@@ -14,6 +14,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.admission.base import get_controller_class, make_controller
 from vllm_mars.driver.config import ReplayConfig, RunPlan
 from vllm_mars.driver.control import check_policy, resolve_policy
 from vllm_mars.driver.runner import run_replay
@@ -33,8 +34,6 @@ DEFAULT_NUM_BLOCKS = COMPARE_CPU_NUM_BLOCKS  # CPU build only: GPUs use vLLM's s
 
 def controller_fields(policy: str) -> frozenset[str]:
     """The admission options driver policy ``policy``'s controller takes (none for no admission)."""
-    from vllm_mars.admission.base import get_controller_class
-
     cfg = get_controller_class(resolve_policy(policy).controller).config_cls
     return frozenset(f.name for f in fields(cfg)) if is_dataclass(cfg) else frozenset()
 
@@ -48,7 +47,6 @@ def check_admission_options(options: Mapping[str, Any], policies: Sequence[str])
         if key not in known:
             raise ValueError(f"admission option {key!r}: none of the compared policies' admission controllers "
                              f"takes it ({', '.join(policies)}; they take: {sorted(known) or 'no options'})")
-    from vllm_mars.admission.base import make_controller
 
     for p, keys in takes.items():  # the values, for each controller they reach, before anything runs
         policy = resolve_policy(p)

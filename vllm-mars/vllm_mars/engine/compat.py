@@ -6,6 +6,7 @@ expectations below say exactly what moved (tests/test_compat.py runs them).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from importlib import metadata
@@ -104,8 +105,6 @@ EXPECTED_REQUEST_ATTRS = ("request_id", "priority", "num_prompt_tokens", "num_co
 
 
 def _resolve(qualname: str):
-    import importlib
-
     parts = qualname.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:

@@ -20,7 +20,10 @@ import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
+
+from vllm_mars.policies import get_policy_class
 
 SCHEDULER_CLS = "vllm_mars.engine.scheduler.MarsScheduler"
 
@@ -102,8 +105,6 @@ def validate_engine_args(args: Mapping[str, Any], flag: str = "--engine-arg") ->
 
 def check_policy_engine(policy: str, cpu: bool, engine_args: Mapping[str, Any]) -> None:
     """Refuse, before vLLM starts, a policy the platform or the engine arguments cannot serve."""
-    from vllm_mars.policies import get_policy_class
-
     cls = get_policy_class(policy)
     cls().check_platform("cpu" if cpu else "cuda")
     if cls.needs_kv_connector and engine_args.get("kv_offloading_size") is None \
@@ -115,8 +116,6 @@ def check_policy_engine(policy: str, cpu: bool, engine_args: Mapping[str, Any]) 
 def model_context_length(model: str) -> int | None:
     """The context length a local model dir declares (config.json ``max_position_embeddings``, or
     its ``text_config``'s); None when it cannot be read (a hub name, no such key)."""
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
@@ -199,8 +198,6 @@ def engine_kwargs(model: str, *, policy: str = "fcfs", policy_options: Mapping[s
     if num_blocks:
         kw["num_gpu_blocks_override"] = num_blocks
     if scripted:
-        from pathlib import Path
-
         from vllm_mars.engine.scripted import CONFIG_KEY, PROCESSOR, load_scripts
 
         load_scripts(scripted)  # its errors name the file and line before vLLM starts

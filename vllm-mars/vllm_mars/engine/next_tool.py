@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_mars.engine.tool_calling import validate_parser
 from vllm_mars.workflow import MAX_ID_CHARS
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,6 @@ class NextToolReader:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.tool_parsers import ToolParserManager
 
-        from vllm_mars.engine.tool_calling import validate_parser
-
         validate_parser(parser)  # ValueError naming vLLM's parsers
         self.parser = parser
         self._cls = ToolParserManager.get_tool_parser(parser)
@@ -50,8 +49,6 @@ class NextToolReader:
         """A reader over ``model_config``'s tokenizer; None (with a warning) when it cannot load.
         An unknown parser name is a ValueError (a configuration error, raised at engine start)."""
         from vllm.tokenizers import cached_get_tokenizer
-
-        from vllm_mars.engine.tool_calling import validate_parser
 
         validate_parser(parser)
         try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.backend import Sample
+from vllm_mars.engine.local import engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ def make_llm_engine(model: str, **kwargs: Any):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-
-    from vllm_mars.engine.local import engine_kwargs
 
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(model, disable_log_stats=True, **kwargs)))
     core = getattr(engine.engine_core, "engine_core", None)

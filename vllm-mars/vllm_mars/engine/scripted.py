@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.workload.mas_task import load_tasks
+
 logger = logging.getLogger(__name__)
 
 #: vLLM ``additional_config`` key that turns scripting on: ``{"tasks": PATH}``
@@ -116,8 +118,6 @@ def parse_script(raw: Any, where: str) -> tuple[Step, ...]:
 
 def load_scripts(path: str | Path) -> dict[str, TaskScript]:
     """task id -> script, from a ``mas_task_v1`` JSONL (tasks without ``payload.script`` skipped)."""
-    from vllm_mars.workload.mas_task import load_tasks
-
     out = {}
     for t in load_tasks(path):
         raw = t.payload.get("script")

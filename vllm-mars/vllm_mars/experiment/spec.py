@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mars.admission.base import make_controller
+from vllm_mars.config import check_rps
 from vllm_mars.driver.arrivals import ARRIVAL_PROCESSES
 from vllm_mars.driver.config import BACKENDS, ReplayConfig
 from vllm_mars.driver.control import check_policy
@@ -141,8 +142,6 @@ def _unknown(path: Path, where: str, table: dict, allowed: tuple[str, ...]) -> N
 
 
 def _rps_value(path: Path, where: str, v: Any) -> float:
-    from vllm_mars.config import check_rps
-
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _err(path, where, f"expected a positive number, got {v!r}")
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mars.metrics.events import read_events
+from vllm_mars.metrics.summary import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,6 @@ def plot_runs(runs: Mapping[str, Sequence[dict]], out: Path, suffix: str = "") -
     for label, d in data.items():
         turns = list(d["ttft"])
         if turns:
-            from vllm_mars.metrics.summary import percentile
-
             ax.plot(turns, [percentile(d["ttft"][t], 50) for t in turns], marker="o", label=f"{label} p50")
             ax.plot(turns, [percentile(d["ttft"][t], 90) for t in turns], ls="--", marker=".", label=f"{label} p90")
     ax.set_xlabel("round (turn index)")

@@ -36,6 +36,7 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -232,8 +233,6 @@ def _grid(top: int, points: Sequence[int]) -> list[int]:
 
 def library_version() -> str:
     """The installed aiconfigurator-core version; ImportError naming the extra when it is absent."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(LIBRARY)
     except PackageNotFoundError:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.options import check_options
 from vllm_mars.workload.schema import Child, Segment, Turn, Workflow
 from vllm_mars.workload.tooltime import WEKA_TOOL_MIX, ToolMix
 
@@ -99,8 +100,6 @@ FIELDS = {f.name: f for f in dataclasses.fields(IlrConfig)}
 
 def config_from_mapping(raw: dict[str, Any], where: str = "<preset>") -> IlrConfig:
     """Build an IlrConfig from a TOML/JSON mapping; unknown keys are an error naming the valid ones."""
-    from vllm_mars.options import check_options
-
     try:
         return check_options(IlrConfig, raw, convert_lists=True)
     except ValueError as e:
