@@ -645,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--minutes must be a positive number")
     if args.kill_every < 0 or args.rps <= 0:
         ap.error("--kill-every must be >= 0 and --rps > 0")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop: the cleanup in run_soak runs
     res = run_soak(args)
     if args.record:
         (HERE / "results" / "soak.json").write_text(json.dumps(res, indent=1) + "\n")
