@@ -10,8 +10,10 @@ how many of the tests that pass on stock pass, and names every loss.
     .venv/bin/python scripts/vllm_core_suite.py --policies fcfs,mars --check   # CI
     .venv/bin/python scripts/vllm_core_suite.py --all --out results.json      # every policy
 
-``--check`` exits 1 when a policy loses a test that stock passes, unless the policy gates admission
-and the loss is its gate's (:data:`GATES`: the test passes with the gate off; :data:`LISTED_LOSSES`). Network failures fail loudly (exit 2):
+``--check`` exits 1 when a policy loses a test that stock passes, unless the loss is one of the
+policy's own decisions: its admission gate's (:data:`GATES`) or its victim ranking's
+(:data:`VICTIMS`), the test passing with that decision turned off, or read by hand
+(:data:`LISTED_LOSSES`). Network failures fail loudly (exit 2):
 the suite is never skipped silently.
 
 Why not ``pip download --no-binary :all:``: pip prepares an sdist's metadata before it saves it,
@@ -62,31 +64,34 @@ _SNAPSHOT = "0" * 40
 #: Policies whose decisions gate admission (hold a waiting call vLLM's tests expect to start), with
 #: the options that turn the gate off. A test such a policy loses is re-run with the gate off: if it
 #: passes then, the loss is the gate's (listed with this reason); otherwise it is a defect.
+_RESERVE = ({"reserve_prefills": False}, "as mars (prefill reserve)")
 GATES: dict[str, tuple[dict, str]] = {
     "mars": ({"reserve_prefills": False}, ("mars's prefill reserve holds a waiting call while the "
                                            "running calls' decode growth needs the free blocks")),
-    "mars-no-cost-reclaim": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-elastic": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-evicted-order": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-mlfq": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-priced-reserve": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-retention": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-scaled-mlfq": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
-    "mars-no-value-retention": ({"reserve_prefills": False}, "as mars (prefill reserve)"),
+    **{p: _RESERVE for p in ("mars-no-cost-reclaim", "mars-no-elastic", "mars-no-evicted-order", "mars-no-mlfq",
+                             "mars-no-priced-reserve", "mars-no-retention", "mars-no-scaled-mlfq",
+                             "mars-no-value-retention")},
 }
-#: lightllm's gate is the policy itself (admit only when the predicted peak token demand fits):
-#: there is no option to turn it off, so each of its losses is listed by hand after reading it.
-#: mars ranks its own victim right before vLLM preempts (SPEC: lowest level first, then the largest
-#: KV holder; ``engine/reclaim.py``). In this test the call whose allocation fails is ranked the victim,
-#: so vLLM preempts it and does not retry the allocation, where the test expects fcfs's victim (the
-#: newest call) and a retry. Inferred from the allocate call count (1 where fcfs makes 2); it is lost
-#: with every mars ablation too, since none turns the ranking off.
-_MARS_VICTIM = ("mars's priority-aware victim: the failing call itself is preempted (no retry), "
-                "not fcfs's newest call")
-_MARS_LISTED = {"tests.v1.core.test_deferred_block_free::test_allocation_retry_waits_for_fence_then_succeeds"
-                "[fcfs-1]": _MARS_VICTIM}
+_MARS_FAMILY = ("mars", *(p for p in GATES if p.startswith("mars-")), "mars-no-prefill-reserve")
+#: Policies that rank their own preemption victim (SPEC: mars preempts the lowest level first, then
+#: the largest KV holder; ``engine/reclaim.py``), with the option that hands the choice back to
+#: vLLM's order. A loss that passes with it is the victim ranking's: in
+#: ``test_allocation_retry_waits_for_fence_then_succeeds[fcfs-1]`` the call whose allocation fails
+#: is ranked the victim, so vLLM preempts it and does not retry, where the test expects fcfs's
+#: victim (the newest call) and a retry.
+VICTIMS: dict[str, tuple[dict, str]] = {
+    p: ({"priority_reclaim": False}, ("mars's priority-aware victim: the failing call itself is preempted (no "
+                                     "retry), not fcfs's newest call")) for p in _MARS_FAMILY}
+#: Losses read by hand, where no option turns the deciding rule off. autellix ranks victims by
+#: (level, computed tokens, arrival), its policy (``policies/autellix.py``): in the test above the
+#: failing call holds the most computed tokens, so it is preempted and not retried. Checked: the
+#: test passes under autellix with ``custom_victims`` off (vLLM's order), see RESULTS.md.
 LISTED_LOSSES: dict[str, dict[str, str]] = {
-    "lightllm": {}, **{p: _MARS_LISTED for p in GATES if p.startswith("mars")}}
+    "autellix": {"tests.v1.core.test_deferred_block_free::test_allocation_retry_waits_for_fence_then_succeeds"
+                 "[fcfs-1]": "autellix's victim rank (level, computed tokens, arrival): the failing call itself "
+                             "is preempted (no retry), not fcfs's newest call"},
+    "lightllm": {},
+}
 
 
 def cache_root() -> Path:
@@ -265,16 +270,17 @@ def node_id(root: Path, test: str) -> str:
 
 def explain_losses(root: Path, site: Path, policy: str, out: Path, options: dict | None, lost: list[str],
                    timeout: float) -> dict[str, str]:
-    """The reason for each loss of ``policy``: its gate's (when the test passes with the gate off),
-    a listed reason, or UNEXPLAINED."""
+    """The reason for each loss of ``policy``: a listed reason, its gate's or its victim ranking's
+    (when the test passes with that decision turned off), or UNEXPLAINED."""
     listed = LISTED_LOSSES.get(policy, {})
     why = {t: listed[t] for t in lost if t in listed}
-    rest = [t for t in lost if t not in why]
-    if rest and policy in GATES:
-        off, reason = GATES[policy]
-        again = run_suite(root, site, policy, out, {**(options or {}), **off}, [node_id(root, t) for t in rest],
-                          [], timeout, tag=f"{policy}-gate-off")
-        why.update({t: f"gate: {reason}" for t in rest if again.get(t) == "passed"})
+    for kind, switches in (("gate", GATES), ("victim", VICTIMS)):
+        rest = [t for t in lost if t not in why]
+        if rest and policy in switches:
+            off, reason = switches[policy]
+            again = run_suite(root, site, policy, out, {**(options or {}), **off}, [node_id(root, t) for t in rest],
+                              [], timeout, tag=f"{policy}-{kind}-off")
+            why.update({t: f"{kind}: {reason}" for t in rest if again.get(t) == "passed"})
     return {t: why.get(t, "UNEXPLAINED") for t in lost}
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -212,7 +213,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve", help="vLLM's OpenAI server with MarsScheduler plus the admission sidecar in front",
         description="Start `python -m vllm.entrypoints.openai.api_server` with MarsScheduler on 127.0.0.1 "
                     "(--engine-port), wait until it is healthy, then serve the admission sidecar on "
-                    "--host:--port. Clients talk to the sidecar. Ctrl-C stops both.")
+                    "--host:--port. Clients talk to the sidecar. A vLLM server that exits later is restarted "
+                    "(same port and key; back-off while it keeps dying). Ctrl-C stops both.")
     p.add_argument("model", help="model path or name (offline: a local directory)")
     p.add_argument("--host", default="127.0.0.1", help="sidecar listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="sidecar port, the one clients use (default 8000)")
@@ -281,6 +283,84 @@ def _sidecar(args: argparse.Namespace) -> int:
     cfg = _sidecar_config(args, tuple(args.backend), args.host, args.port)
     run_sidecar(cfg)
     return 0
+
+
+class _Engine:
+    """The vLLM server behind ``mars serve``, in its own process group. Once it was healthy, a
+    watcher thread restarts it (same command, port and key) whenever it exits while the sidecar
+    serves: a killed or crashed engine comes back instead of leaving the sidecar answering 503
+    for good. Restarts back off (1 s doubling to 30 s) while the engine dies within a minute of
+    its start; ``stop`` ends the watcher and the engine's whole process group."""
+
+    #: an engine that lived this long resets the back-off
+    STABLE_S = 60.0
+    MAX_BACKOFF_S = 30.0
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Any, url: str, timeout: float) -> None:
+        import threading
+
+        self.cmd, self.env, self.log, self.url, self.timeout = cmd, env, log, url, timeout
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.proc = self._spawn()
+        self._started = time.monotonic()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
+                                start_new_session=True, env=self.env)
+
+    def wait_healthy(self) -> None:
+        wait_http_ok(self.url + "/health", self.proc, self.timeout, what="the vLLM server")
+
+    def supervise(self) -> None:
+        import threading
+
+        threading.Thread(target=self._watch, name="mars-serve-engine", daemon=True).start()
+
+    def _watch(self) -> None:
+        fails = 0
+        while True:
+            proc = self.proc
+            rc = proc.wait()
+            if self._stopping.is_set():
+                return
+            _kill_group(proc.pid, signal.SIGKILL)  # what is left of it (engine core, workers)
+            fails = 0 if time.monotonic() - self._started >= self.STABLE_S else fails + 1
+            delay = min(self.MAX_BACKOFF_S, 2.0 ** fails - 1.0)
+            print(f"mars serve: the vLLM server exited with code {rc}; restarting it"
+                  + (f" in {delay:.0f} s" if delay else ""), file=sys.stderr, flush=True)
+            if self._stopping.wait(delay):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.proc = self._spawn()
+                self._started = time.monotonic()
+                self.restarts += 1
+            try:
+                self.wait_healthy()
+                print(f"mars serve: the vLLM server is back (restart {self.restarts})", file=sys.stderr, flush=True)
+            except (RuntimeError, TimeoutError) as e:
+                if self._stopping.is_set():
+                    return
+                print(f"mars serve: the restarted vLLM server failed: {e}", file=sys.stderr, flush=True)
+                if self.proc.poll() is None:
+                    _kill_group(self.proc.pid, signal.SIGKILL)  # not healthy in time: start over
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            proc = self.proc
+        stop_group(proc, timeout=30)
+        _kill_group(proc.pid, signal.SIGKILL)  # children that outlived the server
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> tuple[list[str], str | None]:
@@ -387,19 +467,19 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"mars serve: starting vLLM on 127.0.0.1:{engine_port} (policy {args.policy})", file=sys.stderr)
     logger.debug("vLLM command: %s", shlex.join(cmd))
     env = {**os.environ, KEY_ENV: backend_key, "VLLM_API_KEY": backend_key}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
-                            env=env)
+    engine = _Engine(cmd, env, log, f"http://127.0.0.1:{engine_port}", args.engine_timeout)
     # SIGTERM must run the cleanup below too (uvicorn re-raises the signal it caught once it has stopped;
     # with the default action the vLLM server was left running)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        wait_http_ok(f"http://127.0.0.1:{engine_port}/health", proc, args.engine_timeout, what="the vLLM server")
+        engine.wait_healthy()
+        engine.supervise()  # from now on a vLLM server that dies is restarted
         print(f"mars serve: sidecar on http://{args.host}:{args.port}/v1 (controller {args.controller})",
               file=sys.stderr)
         run_sidecar(cfg)
         return 0
     finally:
-        stop_group(proc, timeout=30)
+        engine.stop()
         if log is not None:
             log.close()
 

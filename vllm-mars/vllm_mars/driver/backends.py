@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -251,6 +252,32 @@ class InProcessBackend:
             self.scheduler = None
 
 
+#: answers after which the HTTP backend sends a call again: the server (or the sidecar in front of
+#: it) lost its engine, or says to retry later
+_RETRY_STATUS = frozenset({502, 503, 504})
+#: a 500 (what vLLM answers a call whose engine core died under it) is sent again this many times
+_RETRY_500 = 3
+#: the longest wait between two tries of a call
+_RETRY_MAX_S = 10.0
+
+
+class _Transient(Exception):
+    """A call's try failed in a way that sending it again can fix."""
+
+    def __init__(self, msg: str, retry_after: float | None = None, status: int | None = None) -> None:
+        super().__init__(msg)
+        self.retry_after = retry_after
+        self.status = status
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    try:
+        v = float(headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and v >= 0 else None
+
+
 #: counters the HTTP backend reports as deltas since its start
 _COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
@@ -282,6 +309,8 @@ class HTTPBackend:
         self._metrics: dict[str, float] = {}
         self._metrics0: dict[str, float] | None = None
         self._hit_counters: tuple[float, float] | None = None
+        #: calls sent again after a transient failure (see _stream)
+        self.retries = 0
 
     async def start(self) -> None:
         import httpx  # not a dependency of the package (vllm's, and the dev extra's): only http runs need it
@@ -359,6 +388,33 @@ class HTTPBackend:
 
     async def _stream(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                       extra_args: Mapping[str, Any], ignore_eos: bool) -> CallResult:
+        """One call, sent again after a transient failure (connection refused or lost, 502/503/504,
+        a stream cut off or ended by a 502 error event: the server or the sidecar lost its engine)
+        until it succeeds; the caller's call timeout bounds the whole. A 500 (answer or error
+        event) is sent again at most ``_RETRY_500`` times. Nothing of a failed try is kept: replay
+        asks for a fixed output, so the call is simply run again."""
+        import httpx  # see start()
+
+        tries = fives = 0
+        while True:
+            try:
+                return await self._stream_once(request_id, prompt_ids, max_tokens, extra_args, ignore_eos)
+            except (_Transient, httpx.TransportError) as e:
+                if isinstance(e, _Transient) and e.status == 500:
+                    fives += 1
+                    if fives > _RETRY_500:
+                        raise RuntimeError(f"{request_id}: {e} ({fives} times)") from None
+                tries += 1
+                self.retries += 1
+                wait = min(_RETRY_MAX_S, 0.5 * 2 ** min(tries - 1, 4))
+                if isinstance(e, _Transient) and e.retry_after is not None:
+                    wait = min(_RETRY_MAX_S, max(wait, e.retry_after))
+                logger.warning("%s: %s; sending it again in %.1f s (try %d)", request_id,
+                               e if isinstance(e, _Transient) else f"{type(e).__name__}: {e}", wait, tries + 1)
+                await asyncio.sleep(wait)
+
+    async def _stream_once(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                           extra_args: Mapping[str, Any], ignore_eos: bool) -> CallResult:
         xargs = {k: (int(v) if isinstance(v, bool) else v) for k, v in extra_args.items() if v is not None}
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
                 "ignore_eos": ignore_eos, "temperature": 0.0, "stream": True, "return_token_ids": True,
@@ -367,20 +423,29 @@ class HTTPBackend:
         first = None
         usage: dict[str, Any] = {}
         finish = None
+        done = False
         async with self._client.stream("POST", "/v1/completions", json=body,
                                        headers={"X-Request-Id": request_id}) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
+                if r.status_code in _RETRY_STATUS or r.status_code == 500:
+                    raise _Transient(f"HTTP {r.status_code}: {text[:200]}", _retry_after(r.headers), r.status_code)
                 raise RuntimeError(f"{request_id}: HTTP {r.status_code}: {text[:500]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if chunk.get("error"):
-                    raise RuntimeError(f"{request_id}: server error {chunk['error']}")
+                    err = chunk["error"]
+                    code = err.get("code") if isinstance(err, dict) else None
+                    if code in _RETRY_STATUS or code == 500:
+                        raise _Transient(f"error event {code} mid-stream: {str(err.get('message'))[:200]}", None,
+                                         code)
+                    raise RuntimeError(f"{request_id}: server error {err}")
                 for ch in chunk.get("choices") or ():
                     toks = ch.get("token_ids") or []
                     if toks and first is None:
@@ -389,6 +454,8 @@ class HTTPBackend:
                     finish = ch.get("finish_reason") or finish
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+        if not done:
+            raise _Transient(f"the stream ended without [DONE] after {len(ids)} tokens")
         details = usage.get("prompt_tokens_details") or {}
         return CallResult(ids, int(usage.get("prompt_tokens", len(prompt_ids))), details.get("cached_tokens"),
                           first, self.clock(), finish)
@@ -399,7 +466,7 @@ class HTTPBackend:
     def engine_stats(self) -> dict[str, Any]:
         base = self._metrics0 or {}
         m = self._metrics
-        out: dict[str, Any] = {"source": f"{self.url}/metrics"}
+        out: dict[str, Any] = {"source": f"{self.url}/metrics", "call_retries": self.retries}
         for key, name in (("preemptions", "vllm:num_preemptions"), ("prefix_cache_hits", "vllm:prefix_cache_hits"),
                           ("prefix_cache_queries", "vllm:prefix_cache_queries")):
             if name in m:
