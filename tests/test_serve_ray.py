@@ -1,5 +1,5 @@
 """mars on Ray Serve (issue 33): two tiny vLLM CPU replicas on a local Ray cluster, the admission
-gate (the sidecar over a Serve handle) in front, MarsRouter placing calls.
+gate (the sidecar over the replicas, fed by MarsRouter) in front.
 
 Real parts only: a local Ray cluster, Ray Serve, two real vLLM OpenAI servers with MarsScheduler
 (one per replica), the real gate over HTTP. The replica "killed mid-run" is killed for real
@@ -59,7 +59,9 @@ def gate(tiny_model, tmp_path_factory):
             th.engine_pids = engine_pids
             yield th
     finally:
-        serve_ray.stop()
+        # the killed replica's replacement may still be starting: leave Ray without waiting for it,
+        # then end every engine process group the replicas recorded
+        serve_ray.stop(wait=False, log_dir=str(logs))
         for pid in engine_pids:  # the replicas stop their servers; make sure no process is left on the box
             try:
                 os.killpg(pid, signal.SIGKILL)  # (each server leads its own process group)
@@ -110,6 +112,11 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
         assert replica_of(gate, "A") == home
     assert reps[home].pool.requests - before[home] == 3 and reps[other].pool.requests == before[other]
 
+    # calls through the Serve handle go where MarsRouter sends them: the pinned replica
+    for name in reps:
+        rid, status, _, _ = g.handle.call.remote("/v1/models", b"", [], "GET", mars_replica=name).result()
+        assert (rid, status) == (name, 200)
+
     # a new root goes where the budget is: A's replica owes A's footprint, so B goes to the other one
     scores = {n: g.placement.score(b) for n, b in reps.items()}
     assert scores[other] > scores[home], scores
@@ -134,7 +141,7 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
     t.start()
     assert wait_until(lambda: victim.pool.requests > sent, 30)
     # the call is decoding in the victim's engine (600 tokens: seconds on the CPU) when it dies
-    assert wait_until(lambda: engine_metric(victim.engine_url, "vllm:num_requests_running") >= 1, 30)
+    assert wait_until(lambda: engine_metric(victim.url, "vllm:num_requests_running") >= 1, 30)
     os.kill(pid, signal.SIGKILL)  # the replica actor, and with it (its process group) its engine
     os.killpg(engine_pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -153,4 +160,4 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
                       10), (g.in_flight, g.controller.num_active, g.controller.num_queued)
     assert g.queue_budget.calls == 0 and g.queue_budget.bytes == 0
     assert not g.roots
-    assert wait_until(lambda: engine_idle(reps[other].engine_url), 60)
+    assert wait_until(lambda: engine_idle(reps[other].url), 60)
