@@ -161,3 +161,44 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
     assert g.queue_budget.calls == 0 and g.queue_budget.bytes == 0
     assert not g.roots
     assert wait_until(lambda: engine_idle(reps[other].url), 60)
+
+
+# -- the replica set the router feeds (plain data: Serve's RunningReplica fields the set reads) ----
+
+class _Rep:
+    def __init__(self, rid: str, stats: dict) -> None:
+        self.replica_id = type("Id", (), {"unique_id": rid})()
+        self.routing_stats = stats
+
+
+def _stats(url: str, seq: int, free: int, total: int = 100) -> dict:
+    return {"url": url, "seq": seq, "telemetry": {"free_blocks": free, "total_blocks": total, "block_size": 16,
+                                                  "kv_usage": 1 - free / total}}
+
+
+def test_replica_set_follows_serve_and_places_by_budget():
+    from vllm_mars.admission.placement import Placement
+
+    s = serve_ray.ReplicaSet(stale_s=5.0)
+    changes = []
+    s.on_change = changes.append
+    # a replica that has not reported yet is no target; readings become Telemetry
+    s.sync([_Rep("r1", _stats("http://h:1", 1, 80)), _Rep("r2", {})])
+    assert list(s.by_id) == ["r1"] and s.by_id["r1"].up and changes == [True]
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 1, 90))])
+    b1, b2 = s.by_id["r1"], s.by_id["r2"]
+    assert (b1.telemetry.last.free_blocks, b2.telemetry.last.free_blocks) == (30, 90)
+    assert Placement(s.backends, None).place("root") is b2  # the most budget
+    # a failure sticks until a new reading (same seq: the same reading re-sent by Serve)
+    b2.telemetry._fail("broken")
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 1, 90))])
+    assert not b2.up and Placement(s.backends, None).place("root2") is b1
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 2, 90))])
+    assert b2.up
+    # a replica that left, or died, is gone from the set
+    s.drop("r2")
+    assert list(s.by_id) == ["r1"] and not b2.up and changes[-1] is True
+    s.sync([])
+    assert s.backends == []
+    for b in (b1, b2):
+        b.pool.close()

@@ -452,24 +452,6 @@ def deployment(num_replicas: int, engine_argv: Sequence[str], *, env: Mapping[st
     return dep.bind(list(engine_argv), dict(env or {}), startup_timeout_s, log_dir, engine_host)
 
 
-def build_app(args: Mapping[str, Any]) -> Any:
-    """``serve run vllm_mars.serve_ray:build_app model=PATH replicas=2 [policy=mars num_blocks=...]``:
-    the replica deployment alone (route calls with a DeploymentHandle; MarsRouter places them)."""
-    from vllm_mars.engine.local import server_args
-
-    a = dict(args)
-    model = a.pop("model")
-    n = int(a.pop("replicas", 1))
-    argv = server_args(model, **{k: _num(v) for k, v in a.items()})[4:]  # without --host/--port
-    return deployment(n, argv)
-
-
-def _num(v: Any) -> Any:
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    return v
-
-
 def start(num_replicas: int, engine_argv: Sequence[str], *, address: str | None = None,
           num_cpus: float | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0, env: Mapping[str, str] | None = None,
           startup_timeout_s: float = 600.0, log_dir: str | None = None, app_name: str = "mars") -> Any:
