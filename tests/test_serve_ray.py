@@ -1,5 +1,5 @@
 """mars on Ray Serve (issue 33): two tiny vLLM CPU replicas on a local Ray cluster, the admission
-gate (the sidecar over a Serve handle) in front, MarsRouter placing calls.
+gate (the sidecar over the replicas, fed by MarsRouter) in front.
 
 Real parts only: a local Ray cluster, Ray Serve, two real vLLM OpenAI servers with MarsScheduler
 (one per replica), the real gate over HTTP. The replica "killed mid-run" is killed for real
@@ -59,7 +59,9 @@ def gate(tiny_model, tmp_path_factory):
             th.engine_pids = engine_pids
             yield th
     finally:
-        serve_ray.stop()
+        # the killed replica's replacement may still be starting: leave Ray without waiting for it,
+        # then end every engine process group the replicas recorded
+        serve_ray.stop(wait=False, log_dir=str(logs))
         for pid in engine_pids:  # the replicas stop their servers; make sure no process is left on the box
             try:
                 os.killpg(pid, signal.SIGKILL)  # (each server leads its own process group)
@@ -110,6 +112,11 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
         assert replica_of(gate, "A") == home
     assert reps[home].pool.requests - before[home] == 3 and reps[other].pool.requests == before[other]
 
+    # calls through the Serve handle go where MarsRouter sends them: the pinned replica
+    for name in reps:
+        rid, status, _, _ = g.handle.call.remote("/v1/models", b"", [], "GET", mars_replica=name).result()
+        assert (rid, status) == (name, 200)
+
     # a new root goes where the budget is: A's replica owes A's footprint, so B goes to the other one
     scores = {n: g.placement.score(b) for n, b in reps.items()}
     assert scores[other] > scores[home], scores
@@ -134,7 +141,7 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
     t.start()
     assert wait_until(lambda: victim.pool.requests > sent, 30)
     # the call is decoding in the victim's engine (600 tokens: seconds on the CPU) when it dies
-    assert wait_until(lambda: engine_metric(victim.engine_url, "vllm:num_requests_running") >= 1, 30)
+    assert wait_until(lambda: engine_metric(victim.url, "vllm:num_requests_running") >= 1, 30)
     os.kill(pid, signal.SIGKILL)  # the replica actor, and with it (its process group) its engine
     os.killpg(engine_pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -153,4 +160,45 @@ def test_ray_replicas_pin_sessions_place_by_budget_and_survive_a_killed_replica(
                       10), (g.in_flight, g.controller.num_active, g.controller.num_queued)
     assert g.queue_budget.calls == 0 and g.queue_budget.bytes == 0
     assert not g.roots
-    assert wait_until(lambda: engine_idle(reps[other].engine_url), 60)
+    assert wait_until(lambda: engine_idle(reps[other].url), 60)
+
+
+# -- the replica set the router feeds (plain data: Serve's RunningReplica fields the set reads) ----
+
+class _Rep:
+    def __init__(self, rid: str, stats: dict) -> None:
+        self.replica_id = type("Id", (), {"unique_id": rid})()
+        self.routing_stats = stats
+
+
+def _stats(url: str, seq: int, free: int, total: int = 100) -> dict:
+    return {"url": url, "seq": seq, "telemetry": {"free_blocks": free, "total_blocks": total, "block_size": 16,
+                                                  "kv_usage": 1 - free / total}}
+
+
+def test_replica_set_follows_serve_and_places_by_budget():
+    from vllm_mars.admission.placement import Placement
+
+    s = serve_ray.ReplicaSet(stale_s=5.0)
+    changes = []
+    s.on_change = changes.append
+    # a replica that has not reported yet is no target; readings become Telemetry
+    s.sync([_Rep("r1", _stats("http://h:1", 1, 80)), _Rep("r2", {})])
+    assert list(s.by_id) == ["r1"] and s.by_id["r1"].up and changes == [True]
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 1, 90))])
+    b1, b2 = s.by_id["r1"], s.by_id["r2"]
+    assert (b1.telemetry.last.free_blocks, b2.telemetry.last.free_blocks) == (30, 90)
+    assert Placement(s.backends, None).place("root") is b2  # the most budget
+    # a failure sticks until a new reading (same seq: the same reading re-sent by Serve)
+    b2.telemetry._fail("broken")
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 1, 90))])
+    assert not b2.up and Placement(s.backends, None).place("root2") is b1
+    s.sync([_Rep("r1", _stats("http://h:1", 2, 30)), _Rep("r2", _stats("http://h:2", 2, 90))])
+    assert b2.up
+    # a replica that left, or died, is gone from the set
+    s.drop("r2")
+    assert list(s.by_id) == ["r1"] and not b2.up and changes[-1] is True
+    s.sync([])
+    assert s.backends == []
+    for b in (b1, b2):
+        b.pool.close()

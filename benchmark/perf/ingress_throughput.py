@@ -4,9 +4,11 @@ many replicas one ingress serves at the paper's call rates.
 The ingress is ``mars sidecar`` (controller ``mars``, window = clients so admission never throttles
 and every call still takes the full path: identity, offer/tick, placement, finish) in front of the
 trivial backend of ``sidecar_overhead.py`` (reused: a uvicorn app that streams ``--chunks`` SSE
-chunks, no delay by default, so the ingress is the slowest part). With ``--ray`` the Ray ingress
-is measured too: the gate of :mod:`vllm_mars.serve_ray` (the same sidecar over a Serve handle,
-MarsRouter placing calls) in front of two trivial Serve replicas that answer the same chunks.
+chunks, no delay, so the ingress is the slowest part). With ``--ray`` the Ray ingress is measured
+too: the gate of :mod:`vllm_mars.serve_ray` (the sidecar whose backends are Serve replicas, fed by
+MarsRouter) over two trivial Serve replicas whose engine is that same backend; and, in the gate's
+process, the CPU one call costs when it goes through the Serve handle instead (300 calls, 16 at a
+time), the data path the gate does not use.
 
 For each closed-loop concurrency in ``--levels``, phases alternate direct / through the ingress
 ``--rounds`` times. Reported per level (medians over rounds): calls/s through the ingress, p50/p99
@@ -34,13 +36,14 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-import sidecar_overhead as so  # noqa: E402  (the trivial backend and the load generator, reused)
+import sidecar_overhead as so
 
 
 # -- the paper's call rate per replica -------------------------------------------------------------
@@ -67,40 +70,47 @@ def paper_call_rate(grid: Path = REPO / "experiments" / "paper" / "fig10_h200.to
 
 # -- the Ray ingress (runs in its own process) ------------------------------------------------------
 class TrivialReplica:
-    """A Serve replica answering like the trivial backend: ``chunks`` SSE chunks, at once."""
+    """A Serve replica whose "engine" is the trivial backend at ``url`` (what the gate dials), with
+    a canned KV reading, and a ``call`` method for calls made through the Serve handle."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, url: str, chunks: int) -> None:
         from ray import serve
 
         self.rid = serve.get_replica_context().replica_id.unique_id
-        piece = json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake",
-                            "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]})
-        self.event = b"data: " + piece.encode() + b"\n\n"
-        self.chunks = chunks
+        self.url = url
+        self.payload = b"data: {}\n\n" * chunks + b"data: [DONE]\n\n"
         self.seq = 0
 
     def record_routing_stats(self) -> dict:
         self.seq += 1
-        return {"replica": self.rid, "seq": self.seq,
+        return {"replica": self.rid, "url": self.url, "seq": self.seq,
                 "telemetry": {"free_blocks": 95000, "total_blocks": 100000, "block_size": 16, "kv_usage": 0.05}}
 
     async def call(self, path, body, headers, method="POST", mars_replica=None):
-        if path == "/v1/models":
-            return self.rid, 200, [(b"content-type", b"application/json")], b'{"data":[{"id":"fake"}]}'
-        return self.rid, 200, [(b"content-type", b"text/event-stream")], self.event * self.chunks + b"data: [DONE]\n\n"
-
-    async def stream(self, path, body, headers, mars_replica=None):
-        yield self.rid, 200, [(b"content-type", b"text/event-stream")]
-        for _ in range(self.chunks):
-            yield self.event
-        yield b"data: [DONE]\n\n"
+        return self.rid, 200, [(b"content-type", b"text/event-stream")], self.payload
 
 
-def run_ray_gate(port: int, chunks: int, clients: int) -> None:
+async def _handle_cost(handle, n: int, concurrency: int) -> float:
+    """CPU ms of this process per call made through the Serve handle (what a gate would pay if its
+    calls went through Ray rather than over HTTP)."""
+    import time
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            await handle.call.remote("/v1/chat/completions", b"{}", [])
+
+    await asyncio.gather(*(one() for _ in range(20)))  # warm the router
+    c0 = time.process_time()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return (time.process_time() - c0) * 1e3 / n
+
+
+def run_ray_gate(port: int, backend_url: str, chunks: int, clients: int, handle_out: str) -> None:
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-
     from vllm_mars import serve_ray
     from vllm_mars.admission.sidecar.serving import serve_app
     from vllm_mars.admission.sidecar import SidecarConfig
@@ -112,7 +122,8 @@ def run_ray_gate(port: int, chunks: int, clients: int) -> None:
                            request_router_config=RequestRouterConfig(
                                request_router_class="vllm_mars.serve_ray_router.MarsRouter",
                                request_routing_stats_period_s=serve_ray.STATS_PERIOD_S))
-    handle = serve.run(dep.bind(chunks), name="mars", route_prefix=None, blocking=False)
+    handle = serve.run(dep.bind(backend_url, chunks), name="mars", route_prefix=None, blocking=False)
+    Path(handle_out).write_text(json.dumps({"handle_cpu_ms_per_call": asyncio.run(_handle_cost(handle, 300, 16))}))
     cfg = SidecarConfig(backends=("http://unused",), controller="mars", port=port,
                         controller_options={"window_min": clients, "window_max": clients})
     try:
@@ -134,9 +145,11 @@ def main() -> int:
     ap.add_argument("--role", default="bench", choices=("bench", "raygate"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--clients-max", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--handle-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "raygate":
-        run_ray_gate(args.port, args.chunks, args.clients_max)
+        run_ray_gate(args.port, args.backend, args.chunks, args.clients_max, args.handle_out)
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     top = max(levels)
@@ -159,8 +172,10 @@ def main() -> int:
         ingresses["sidecar"] = f"http://127.0.0.1:{sport}"
         if args.ray:
             rport = so._free_port()
+            handle_out = Path(tempfile.mkdtemp()) / "handle.json"
             procs["ray"] = subprocess.Popen([sys.executable, __file__, "--role", "raygate", "--port", str(rport),
-                                             "--chunks", str(args.chunks), "--clients-max", str(top)])
+                                             "--backend", burl, "--chunks", str(args.chunks),
+                                             "--clients-max", str(top), "--handle-out", str(handle_out)])
             ingresses["ray"] = f"http://127.0.0.1:{rport}"
         for url in ingresses.values():
             so._wait(url, timeout=240)
@@ -212,6 +227,8 @@ def main() -> int:
                          "calls_per_s_one_core": round(per_core, 1),
                          "best_measured_calls_per_s": max(r["calls_per_s"] for r in rows),
                          "replicas_served": int(per_core // rate["calls_per_s_per_replica"])}
+    if args.ray:
+        summary["ray"]["handle_cpu_ms_per_call"] = round(json.loads(handle_out.read_text())["handle_cpu_ms_per_call"], 3)
     out = {"summary": summary, "paper_rate": rate,
            "params": {"levels": levels, "chunks": args.chunks, "duration_s": args.duration, "rounds": args.rounds},
            "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",

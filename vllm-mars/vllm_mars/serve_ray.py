@@ -10,31 +10,34 @@ Three parts, each reusing the one-machine code rather than copying it:
   hands it to every router. Why a child process and not the engine in the actor: the OpenAI layer
   (chat templates, tool parsers, /tokenize, /metrics, the backend key) is what the gate already
   speaks, and vLLM-CPU runs its engine core in a process of its own either way.
-* :class:`MarsRouter` (Ray Serve's public ``RequestRouter``): keeps one
-  :class:`ReplicaBackend` per live replica, fed by the routing stats, in a :class:`ReplicaSet`
-  shared with the gate in the same process. A call carries the replica its root is pinned to
-  (``mars_replica``) and goes there; a call without a pin, or whose replica is gone, goes where
-  :meth:`Placement.score <vllm_mars.admission.placement.Placement.score>` ranks best (budget, then
-  cached prefix): the one placement logic, not a copy.
+* :class:`~vllm_mars.serve_ray_router.MarsRouter` (Ray Serve's public ``RequestRouter``): feeds a
+  :class:`ReplicaSet` (one :class:`ReplicaBackend` per live replica, with its routing stats as its
+  :class:`~vllm_mars.admission.base.Telemetry`) shared with the gate in the same process, and routes
+  calls made through the Serve handle with the one :class:`~vllm_mars.admission.placement.Placement`:
+  a call pinned to a replica (``mars_replica``) goes there, any other where ``Placement.score``
+  ranks best (budget above the guard margin, minus promises, plus cached prefix).
 * :class:`RayGate`: the admission sidecar (:class:`~vllm_mars.admission.sidecar.Sidecar`: routes,
-  identity, admission controller, root lifecycle, placement, /metrics) with its data plane swapped
-  for the Serve handle. It places a root at admission with the sidecar's own :class:`Placement`
-  over the replica backends and pins every call of the root there. A replica that dies with a call
-  in flight (Ray reports the actor dead; the answer can never come, and the client has seen
-  nothing) is marked down, and the root is placed on a live replica and the call resent there: the
-  root keeps its admission and rebuilds its KV on the new replica. A replica that dies after a
-  streamed answer began ends the call with an SSE ``error`` event and ends the root, as the sidecar
-  does for a backend that breaks mid-stream.
+  identity, admission controller, root lifecycle, /metrics) whose backends are the replicas of the
+  :class:`ReplicaSet`. It places a root at admission with that same :class:`Placement` and pins the
+  root's calls to the replica, and sends them with the sidecar's own pooled HTTP client straight to
+  the replica's vLLM server (its address comes in the routing stats). Why not through the Serve
+  handle: a handle call cost the gate 6-12 ms of CPU per call against 0.4 ms for the HTTP client
+  (``benchmark/perf/ingress_throughput.py``, RESULTS.md "Ingress throughput"), which would cap one
+  gate at about 10 replicas at the paper's call rates instead of about 200. A replica that dies with
+  a call in flight, before the client saw any of the answer (its engine refuses connections: the
+  answer can never come), is marked down, and the root is placed on a live replica and the call
+  resent there: the root keeps its admission and rebuilds its KV on the new replica. After a
+  streamed answer began, the call ends with an SSE ``error`` event and the root ends, as in the
+  sidecar.
 
-The gate runs in the ``mars serve --ray`` process (a Ray driver; Serve's HTTP proxy is not used):
-clients speak OpenAI HTTP to it as to the sidecar. Nothing here is imported by ``mars --help`` or
-the sidecar; ``ray`` is imported only when a Ray path runs (``pip install 'vllm-mars[ray]'``).
+The gate runs in the ``mars serve --ray`` process (a Ray driver; Serve's HTTP proxy is off): clients
+speak OpenAI HTTP to it as to the sidecar. Nothing here is imported by ``mars --help`` or the
+sidecar; ``ray`` is imported only when a Ray path runs (``pip install 'vllm-mars[ray]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -49,8 +52,8 @@ from typing import Any
 
 from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.placement import Placement
-from vllm_mars.admission.sidecar.proxy import Forwarder, HTTPError, Unreachable, down_headers, err_body
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+from vllm_mars.admission.sidecar.proxy import Forwarder, HTTPError, Unreachable
 from vllm_mars.admission.telemetry import TelemetryState, _Reader
 from vllm_mars.clock import Clock, MonotonicClock
 
@@ -65,10 +68,6 @@ STATS_PERIOD_S = 0.5
 
 
 # -- replica side ---------------------------------------------------------------------------------
-
-class ReplicaGone(Exception):
-    """The replica's vLLM server died under a call (the replica is unhealthy; Serve replaces it)."""
-
 
 def _free_port(host: str) -> int:
     import socket
@@ -90,14 +89,15 @@ class VLLMReplicaImpl:
     docstring). ``engine_argv`` is the server's argument list without ``--host``/``--port``."""
 
     def __init__(self, engine_argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 startup_timeout_s: float = 600.0, log_dir: str | None = None) -> None:
+                 startup_timeout_s: float = 600.0, log_dir: str | None = None, engine_host: str | None = None) -> None:
         import ray
 
         from vllm_mars.admission.telemetry import HttpTelemetry
         from vllm_mars.admission.upstream import UpstreamPool
 
-        # only this replica talks to its server: loopback, never exposed on the node's network
-        self.host = "127.0.0.1"
+        # the gate sends calls straight to this server: the node's address on a multi-node cluster
+        # (guarded by the backend key, as `mars serve` guards its engine port), loopback on one machine
+        self.host = engine_host or ray.util.get_node_ip_address()
         self.port = _free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         ctx = ray.get_runtime_context()
@@ -113,6 +113,9 @@ class VLLMReplicaImpl:
                                      env={**os.environ, **(env or {})}, preexec_fn=_own_group_dying_with_parent)  # noqa: PLW1509 (setsid+prctl only)
         logger.info("replica %s (actor %s): vLLM on %s, pid %d", self.replica_id, ctx.get_actor_id(), self.url,
                     self.proc.pid)
+        if log_dir:  # the engine's process group, for a stop that cannot wait for the replicas (stop(wait=False))
+            with open(os.path.join(log_dir, f"replica-{self.port}.pgid"), "w") as f:
+                f.write(str(self.proc.pid))
         self._wait_healthy(startup_timeout_s)
         self.telemetry = HttpTelemetry(self.url, timeout_s=5.0, stale_s=math.inf)
         self.pool = UpstreamPool(self.url, connect_timeout=5.0)
@@ -161,45 +164,14 @@ class VLLMReplicaImpl:
 
         resp = None
         try:
-            resp = await self.pool.request(method, path, headers, body if method == "POST" else None)
+            resp = await self.pool.request(method, path, headers, body)
             payload = b"".join([c async for c in resp.chunks(None)])
             resp.release()
-        except (UpstreamBroken, UpstreamUnreachable) as e:
+        except (UpstreamBroken, UpstreamUnreachable):
             if resp is not None:
                 resp.close()
-            await self._raise_if_gone(e)
             raise
         return self.replica_id, resp.status, list(resp.headers), payload
-
-    async def stream(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
-                     mars_replica: str | None = None) -> Any:
-        """A streamed answer: first ``(replica id, status, headers)``, then the body chunks as they come."""
-        from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
-
-        resp = None
-        done = False
-        try:
-            try:
-                resp = await self.pool.request("POST", path, headers, body)
-            except (UpstreamBroken, UpstreamUnreachable) as e:
-                await self._raise_if_gone(e)
-                raise
-            yield self.replica_id, resp.status, list(resp.headers)
-            try:
-                async for chunk in resp.chunks(None):
-                    yield chunk
-            except UpstreamBroken as e:
-                await self._raise_if_gone(e)
-                raise
-            done = True
-        finally:
-            if resp is not None:
-                resp.release() if done else resp.close()  # closing aborts the request in vLLM
-
-    async def _raise_if_gone(self, e: BaseException) -> None:
-        await asyncio.sleep(0.2)  # a killed server's exit is seen a moment after its socket closes
-        if self.proc.poll() is not None:
-            raise ReplicaGone(f"replica {self.replica_id}: vLLM server exited ({e})") from None
 
     def _stop(self) -> None:
         if self.proc.poll() is None:
@@ -258,29 +230,22 @@ _TEL_FIELDS = ("free_blocks", "total_blocks", "block_size", "kv_usage", "prefix_
                "preemptions")
 
 
-class _ReplicaCalls:
-    """What the sidecar's /metrics reads off a backend's pool: its call count."""
-
-    __slots__ = ("requests",)
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-
 class ReplicaBackend:
-    """One Serve replica as a placement target (what :class:`Placement` reads of a backend:
-    ``up``, ``roots``, ``telemetry``; ``name`` is the replica id)."""
+    """One Serve replica as a placement target and a sidecar backend: what :class:`Placement` reads
+    (``up``, ``roots``, ``telemetry``) and what the sidecar's forwarder sends through (``pool``, the
+    pooled HTTP client to the replica's vLLM server). ``name`` is the Serve replica id."""
 
-    def __init__(self, replica_id: str, clock: Clock, stale_s: float) -> None:
+    def __init__(self, replica_id: str, url: str, clock: Clock, stale_s: float) -> None:
+        from vllm_mars.admission.upstream import UpstreamPool
+
         self.name = replica_id
-        self.url = replica_id  # (logs; the replica's own engine URL is in ``engine_url``)
-        self.engine_url: str | None = None
+        self.url = url
         self.rank = None
         self.rank_headers: list[tuple[bytes, bytes]] = []
         self.roots: set[str] = set()
         self.up = False
         self.telemetry = ReplicaTelemetry(clock, stale_s)
-        self.pool = _ReplicaCalls()
+        self.pool = UpstreamPool(url)
         self.stats: dict[str, Any] = {}
 
     def refresh(self) -> bool:
@@ -288,7 +253,7 @@ class ReplicaBackend:
         return self.up
 
     def __repr__(self) -> str:
-        return f"ReplicaBackend({self.name!r}, up={self.up}, roots={len(self.roots)})"
+        return f"ReplicaBackend({self.name!r}, {self.url}, up={self.up}, roots={len(self.roots)})"
 
 
 class ReplicaSet:
@@ -312,12 +277,14 @@ class ReplicaSet:
             by_id = {}
             for rep in replicas:
                 rid = rep.replica_id.unique_id
-                b = self.by_id.get(rid) or ReplicaBackend(rid, self.clock, self.stale_s)
                 stats = rep.routing_stats or {}
-                if stats:
-                    b.stats = dict(stats)
-                    b.engine_url = stats.get("url")
-                    b.telemetry.ingest(stats)
+                b = self.by_id.get(rid)
+                if b is None:
+                    if not stats.get("url"):
+                        continue  # no report yet: not a target until its first reading
+                    b = ReplicaBackend(rid, stats["url"], self.clock, self.stale_s)
+                b.stats = dict(stats)
+                b.telemetry.ingest(stats)
                 b.refresh()
                 by_id[rid] = b
             changed = by_id.keys() != self.by_id.keys()
@@ -357,99 +324,53 @@ def replica_set(key: str) -> ReplicaSet:
 
 # -- the gate ---------------------------------------------------------------------------------------
 
-class _Answer:
-    """A whole replica answer with the response interface the sidecar's forwarder reads."""
-
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self._payload = payload
-
-    async def chunks(self, timeout: float | None = None) -> Any:
-        yield self._payload
-
-    def release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _died(e: BaseException) -> bool:
-    """The call's replica is dead (Ray says so, or its engine exited): the answer can never come."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError)):
-        return True
-    return "ReplicaGone" in type(e).__name__ or "ReplicaGone" in str(e)[:200]
-
-
 class RayForwarder(Forwarder):
-    """The sidecar's forwarder with the Serve handle as its data plane (see the module docstring)."""
+    """The sidecar's forwarder, plus: a call whose replica is no longer in Serve's live set is
+    re-placed, and so is one that broke before the client saw anything when the replica's server
+    refuses connections (dead: its answer can never come, so resending cannot run it twice)."""
 
     def __init__(self, gate: RayGate, *args: Any) -> None:
         super().__init__(*args)
         self.gate = gate
+        self._dead: set[str] = set()
 
     async def forward(self, r: Any, path: str, body: dict, headers: list[tuple[bytes, bytes]], send: Any,
                       extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
-        b: ReplicaBackend = r.backend
-        if b is None or self.gate.replicas.by_id.get(b.name) is not b or not b.up:
-            raise Unreachable(f"replica {getattr(b, 'name', None)} is not live")
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        b.pool.requests += 1
-        if body.get("stream"):
-            return await self._stream_call(r, b, path, data, headers, send, extra, scan)
+        b = r.backend
+        if self.gate.replicas.by_id.get(b.name) is not b:
+            raise Unreachable(f"replica {b.name} left the deployment")
         try:
-            rid, status, hdrs, payload = await self.gate.handle.call.remote(path, data, headers, mars_replica=b.name)
-        except Exception as e:  # noqa: BLE001 (whatever Ray raised: a dead replica resends, else 502)
-            if _died(e):
-                raise Unreachable(f"replica {b.name} died with the call: {e}") from None
-            return self._broken(r, b, f"{type(e).__name__}: {e}", started=False)
-        self.gate.repin(r, rid)
-        if not 200 <= status <= 599:
-            self.counters["upstream_errors"] += 1
-            raise HTTPError(502, f"replica {rid} answered with HTTP status {status}")
-        return await self._whole(r, r.backend, _Answer(status, hdrs, payload), send, extra, scan)
-
-    async def _stream_call(self, r: Any, b: ReplicaBackend, path: str, data: bytes,
-                           headers: list[tuple[bytes, bytes]], send: Any, extra: Any, scan: Any) -> bool:
-        gen = self.gate.handle.options(stream=True).stream.remote(path, data, headers, mars_replica=b.name)
-        started = False
-        prev = last = b""
-        status = 0
-        try:
-            async for item in gen:
-                if not started:
-                    rid, status, hdrs = item
-                    self.gate.repin(r, rid)
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": [*down_headers(hdrs), *extra]})
-                    started = True
-                    continue
-                if scan is not None:
-                    scan.feed(item)
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-                prev, last = last, item
-        except asyncio.CancelledError:
-            gen.cancel()
+            return await super().forward(r, path, body, headers, send, extra, scan)
+        except HTTPError:
+            if b.name in self._dead:  # _broken found the server dead: resend elsewhere
+                self._dead.discard(b.name)
+                raise Unreachable(f"replica {b.name} died with the call") from None
             raise
-        except Exception as e:  # noqa: BLE001 (whatever Ray raised: a dead replica resends, else 502)
-            if not started and _died(e):
-                raise Unreachable(f"replica {b.name} died with the call: {e}") from None
-            self._broken(r, r.backend, f"{type(e).__name__}: {e}", started=started)
-            msg = err_body(502, f"replica {r.backend.name} failed mid-stream: {e}")
-            await send({"type": "http.response.body", "body": b"data: " + msg + b"\n\n", "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            return False
-        await send({"type": "http.response.body", "body": b""})
-        self._note_tokens(r, prev[-2048:] + last[-2048:])
-        return status < 400
+
+    def _broken(self, r: Any, b: Any, msg: str, *, started: bool) -> bool:
+        if not started and not _accepts(b.url):
+            self._dead.add(b.name)
+            self._backend_failed(b, msg)
+            raise HTTPError(502, msg)  # turned into Unreachable by forward (the root keeps its slot)
+        return super()._broken(r, b, msg, started=started)
+
+
+def _accepts(url: str) -> bool:
+    """Whether a server takes TCP connections at ``url`` (a killed one refuses at once)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 80), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 class RayGate(Sidecar):
     """The admission sidecar whose backends are the Serve replicas (see the module docstring).
-    ``handle``: a DeploymentHandle of :class:`VLLMReplica` (routed by :class:`MarsRouter`)."""
+    ``handle``: a DeploymentHandle of the replicas (its router, MarsRouter, feeds ``replicas``)."""
 
     def __init__(self, config: SidecarConfig, handle: Any, replicas: ReplicaSet,
                  controller: Any = None, clock: Clock | None = None) -> None:
@@ -477,6 +398,8 @@ class RayGate(Sidecar):
     async def shutdown(self) -> None:
         self.replicas.on_change = None
         await super().shutdown()
+        for b in list(self.replicas.by_id.values()):
+            b.pool.close()
 
     def _replicas_changed(self) -> None:
         """Serve's replica set changed (or fresh stats came): the placement sees the live replicas; a
@@ -505,35 +428,14 @@ class RayGate(Sidecar):
                 return
             await asyncio.sleep(0.5)
 
-    def repin(self, r: Any, replica_id: str) -> None:
-        """The replica that answered is the root's (Serve may have routed around a replica that left)."""
-        b = r.backend
-        if b is not None and b.name == replica_id:
-            return
-        nb = self.replicas.by_id.get(replica_id)
-        if nb is None:
-            return
-        self.placement.release(r.root, b)
-        nb.roots.add(r.root)
-        r.backend = nb
-
-    async def _models(self, scope: dict, send: Any) -> None:
-        if not any(b.up for b in self.backends):
-            raise HTTPError(503, "no replica is up", self._retry_after())
-        try:
-            _, status, hdrs, body = await self.handle.call.remote("/v1/models", b"", self._upstream_headers(scope),
-                                                                  "GET")
-        except Exception as e:  # noqa: BLE001
-            raise HTTPError(502, f"replica failed: {type(e).__name__}") from None
-        await self._send(send, status, body, down_headers(hdrs))
-
 
 # -- building and running -------------------------------------------------------------------------
 
 def deployment(num_replicas: int, engine_argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               num_cpus: float = 1.0, startup_timeout_s: float = 600.0, log_dir: str | None = None,
-               max_ongoing_requests: int = 256, set_key: str = DEPLOYMENT) -> Any:
-    """The Serve application of ``num_replicas`` vLLM replicas routed by :class:`MarsRouter`."""
+               num_cpus: float = 1.0, num_gpus: float = 0.0, startup_timeout_s: float = 600.0, log_dir: str | None = None,
+               max_ongoing_requests: int = 256, set_key: str = DEPLOYMENT, engine_host: str | None = None) -> Any:
+    """The Serve application of ``num_replicas`` vLLM replicas routed by :class:`MarsRouter`;
+    ``engine_host``: the address each replica's vLLM server binds (None: its node's address)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -542,34 +444,16 @@ def deployment(num_replicas: int, engine_argv: Sequence[str], *, env: Mapping[st
                                      request_routing_stats_period_s=STATS_PERIOD_S,
                                      request_routing_stats_timeout_s=10.0)
     dep = serve.deployment(VLLMReplicaImpl, name=DEPLOYMENT, num_replicas=num_replicas,
-                           ray_actor_options={"num_cpus": num_cpus},
+                           ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                            max_ongoing_requests=max_ongoing_requests,
                            health_check_period_s=2.0, health_check_timeout_s=30.0,
                            graceful_shutdown_timeout_s=5.0,
                            request_router_config=router_cfg)
-    return dep.bind(list(engine_argv), dict(env or {}), startup_timeout_s, log_dir)
-
-
-def build_app(args: Mapping[str, Any]) -> Any:
-    """``serve run vllm_mars.serve_ray:build_app model=PATH replicas=2 [policy=mars num_blocks=...]``:
-    the replica deployment alone (route calls with a DeploymentHandle; MarsRouter places them)."""
-    from vllm_mars.engine.local import server_args
-
-    a = dict(args)
-    model = a.pop("model")
-    n = int(a.pop("replicas", 1))
-    argv = server_args(model, **{k: _num(v) for k, v in a.items()})[4:]  # without --host/--port
-    return deployment(n, argv)
-
-
-def _num(v: Any) -> Any:
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    return v
+    return dep.bind(list(engine_argv), dict(env or {}), startup_timeout_s, log_dir, engine_host)
 
 
 def start(num_replicas: int, engine_argv: Sequence[str], *, address: str | None = None,
-          num_cpus: float | None = None, replica_cpus: float = 1.0, env: Mapping[str, str] | None = None,
+          num_cpus: float | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0, env: Mapping[str, str] | None = None,
           startup_timeout_s: float = 600.0, log_dir: str | None = None, app_name: str = "mars") -> Any:
     """Connect to (``address``) or start a local Ray cluster, deploy the replicas, return the handle."""
     import ray
@@ -583,8 +467,10 @@ def start(num_replicas: int, engine_argv: Sequence[str], *, address: str | None 
             kw["num_cpus"] = num_cpus
         ray.init(**kw)
     serve.start(proxy_location="Disabled")  # the gate is the ingress: no Serve HTTP proxy (no port taken)
-    app = deployment(num_replicas, engine_argv, env=env, num_cpus=replica_cpus, startup_timeout_s=startup_timeout_s,
-                     log_dir=log_dir)
+    # one machine: the engines listen on loopback; a cluster: on their node's address (the gate dials them)
+    app = deployment(num_replicas, engine_argv, env=env, num_cpus=replica_cpus, num_gpus=replica_gpus,
+                     startup_timeout_s=startup_timeout_s,
+                     log_dir=log_dir, engine_host=None if address else "127.0.0.1")
     return serve.run(app, name=app_name, route_prefix=None, blocking=False)
 
 
@@ -594,14 +480,25 @@ def gate_for(handle: Any, config: SidecarConfig, controller: Any = None) -> RayG
     return RayGate(config, handle, replica_set(DEPLOYMENT), controller)
 
 
-def stop(app_name: str = "mars") -> None:
-    """Delete the application (replicas stop their vLLM servers) and leave Ray."""
+def stop(app_name: str = "mars", *, wait: bool = True, log_dir: str | None = None) -> None:
+    """Delete the application (replicas stop their vLLM servers) and leave Ray. ``wait=False``: do
+    not wait for replicas (one still starting holds a graceful delete until it is up); leave Ray at
+    once and kill the engine process groups recorded in ``log_dir`` (a local cluster)."""
     import ray
     from ray import serve
 
     try:
-        serve.delete(app_name)
-        serve.shutdown()
+        if wait:
+            serve.delete(app_name)
+            serve.shutdown()
     finally:
         _SETS.clear()
         ray.shutdown()
+        if log_dir:
+            import glob
+
+            for path in glob.glob(os.path.join(log_dir, "replica-*.pgid")):
+                try:
+                    os.killpg(int(open(path).read()), signal.SIGKILL)  # noqa: SIM115
+                except (ProcessLookupError, ValueError, OSError):
+                    pass

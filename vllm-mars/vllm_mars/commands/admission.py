@@ -272,6 +272,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "default: start a local one")
     p.add_argument("--replica-cpus", type=float, default=1.0,
                    help="with --ray: Ray CPUs each replica reserves (default 1)")
+    p.add_argument("--replica-gpus", type=float, default=0.0,
+                   help="with --ray: GPUs each replica reserves (1 on a GPU cluster: Ray then gives each its own "
+                        "device through CUDA_VISIBLE_DEVICES; default 0)")
     p.add_argument("--replica-log-dir", default=None, metavar="DIR",
                    help="with --ray: write each replica's vLLM output to DIR/replica-PORT.log")
     p.set_defaults(func=_serve)
@@ -490,6 +493,8 @@ def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, 
         raise ValueError(f"--replicas {args.replicas}: give at least 1")
     if args.replica_cpus <= 0:
         raise ValueError(f"--replica-cpus {args.replica_cpus}: must be above 0")
+    if args.replica_gpus < 0:
+        raise ValueError(f"--replica-gpus {args.replica_gpus}: must be 0 or more")
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -503,7 +508,7 @@ def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         handle = serve_ray.start(args.replicas, engine_argv, address=args.address, replica_cpus=args.replica_cpus,
-                                 env=env, startup_timeout_s=args.engine_timeout, log_dir=args.replica_log_dir)
+                                 replica_gpus=args.replica_gpus, env=env, startup_timeout_s=args.engine_timeout, log_dir=args.replica_log_dir)
         print(f"mars serve: gate on http://{args.host}:{args.port}/v1 (controller {args.controller}, "
               "MarsRouter placing calls)", file=sys.stderr)
         serve_app(serve_ray.gate_for(handle, cfg))
