@@ -204,11 +204,12 @@ def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_pa
     from vllm_mars.experiment.spec import ExperimentError, load_experiment
 
     exp = load_experiment(REPO / "experiments" / "scale_out" / "scale_out.toml")
-    cfg = policy_config(exp.base, "rr-n16", exp.variants["rr-n16"], rps=1.6)
+    cfg = policy_config(exp.base, "rr-n16", exp.variants["rr-n16"], rps=3.2)
     assert (cfg.replicas, cfg.placement, cfg.policy, cfg.admission_options["window_max"]) == (16, "round-robin",
                                                                                              "mars", 4096)
-    assert {w.name: (w.num_workflows, w.rps) for w in exp.workloads} == {
-        "N1": (100, (0.1,)), "N4": (400, (0.4,)), "N16": (1600, (1.6,)), "N64": (6400, (6.4,))}
+    assert cfg.kv_scale == 0.125 and cfg.backend == "sim"
+    assert {w.name: (w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
+        "N1": (100, (0.2,), 8), "N4": (400, (0.8,), 8), "N16": (1600, (3.2,), 8), "N64": (6400, (12.8,), 8)}
     bad = tmp_path / "bad.toml"
     for table, text in (('{ replicas = 2, placement = "rr" }', "variants.x.replay: placement 'rr' unknown; allowed:"),
                         ("{ replicas = 2, rps = 3.0 }", "variants.x.replay.rps: unknown key"),
