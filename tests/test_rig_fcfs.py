@@ -240,6 +240,22 @@ def test_retained_kv_is_reclaimed_before_anyone_is_preempted(retain_policy):
     assert_no_leaks(s)
 
 
+def test_retained_block_seconds_count_on_the_clock_set_after_construction(retain_policy):
+    # the sim and the tests set the scheduler's clock after it is built: a release under pressure
+    # must read that clock, not the wall clock the reclaim wrapper saw at construction
+    clock = VirtualClock()
+    s = make_scheduler(retain_policy, num_blocks=33, clock=clock, policy_options={"tau_s": 60.0})
+    s.add_request(_turn("old-t0", "old", 0, list(range(10, 266))))  # 16 blocks
+    run_to_completion(s)
+    assert s.retention.num_blocks == 16
+    clock.advance(5.0)
+    s.add_request(make_request("big", prompt_len=400, max_tokens=40))  # reclaims "old" at t = 5 s
+    run_to_completion(s)
+    assert s.retention.stats.released_under_pressure == 1
+    assert s.retention.stats.block_seconds == pytest.approx(16 * 5.0)  # not 16 x tau (60 s)
+    assert_no_leaks(s)
+
+
 def test_retention_is_kept_when_releasing_it_could_not_make_a_waiting_call_fit(retain_policy):
     clock = VirtualClock()
     s = make_scheduler(retain_policy, num_blocks=41, clock=clock, policy_options={"tau_s": 60.0})

@@ -37,14 +37,13 @@ def install_reclaim(sched: Any) -> None:
     manager = sched.kv_cache_manager
     allocate = manager.allocate_slots
     store = sched.retention
-    clock = sched.clock
 
     def allocate_slots(request, num_new_tokens, *args, **kwargs):
         blocks = allocate(request, num_new_tokens, *args, **kwargs)
         if blocks is None and store and reclaim_can_help(sched, request, num_new_tokens, kwargs):
             # Retained KV of finished calls goes before anybody's running state.
             while blocks is None and store:
-                store.release_lowest_value(clock.now())
+                store.release_lowest_value(sched.clock.now())  # the clock set_clock may swap in later
                 blocks = allocate(request, num_new_tokens, *args, **kwargs)
         if blocks is None and not sched._victims_ranked and request.status == _RUNNING:
             sched._rank_victims()  # vLLM preempts next, by these ranks
