@@ -8,7 +8,8 @@ still takes the full path: identity, offer/tick, finish), and this process as th
 (aiohttp, one coroutine per client). Phases alternate direct / sidecar ``--rounds`` times so
 machine noise hits both; latency = request sent -> last byte; the added latency and the throughput
 ratio are medians over rounds of the within-round sidecar-vs-direct difference (ratio). Also
-reported: the sidecar's own CPU time per request (from /proc), which machine load barely moves.
+reported: the sidecar's own CPU time per request (from /proc), which machine load barely moves, and
+its ratio to the backend's CPU per request in the same round (``cpu_ratio``, median over rounds).
 
     .venv/bin/python benchmark/perf/sidecar_overhead.py             # prints the table
     .venv/bin/python benchmark/perf/sidecar_overhead.py --record    # + results/sidecar_overhead.json
@@ -216,7 +217,11 @@ def main() -> int:
         vals = [s[key] / d[key] if ratio else s[key] - d[key] for s, d in pairs]
         return round(statistics.median(vals), 3)
 
+    # the sidecar's CPU per request against the backend's in the same round (the target: <= 1.6x)
+    cpu_ratio = statistics.median(s["sidecar_cpu_ms_per_req"] / d["backend_cpu_ms_per_req"]
+                                  for s, d in zip(phases["sidecar"], phases["direct"], strict=True))
     out = {
+        "cpu_ratio": round(cpu_ratio, 3),
         "added_p50_ms": paired("p50_ms"),
         "added_p99_ms": paired("p99_ms"),
         "added_ttft_p50_ms": paired("ttft_p50_ms"),
@@ -230,7 +235,7 @@ def main() -> int:
         "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "rounds": phases,
     }
-    print(json.dumps({k: out[k] for k in ("added_p50_ms", "added_p99_ms", "added_ttft_p50_ms", "throughput_ratio",
+    print(json.dumps({k: out[k] for k in ("cpu_ratio", "added_p50_ms", "added_p99_ms", "added_ttft_p50_ms", "throughput_ratio",
                                            "sidecar_cpu_ms_per_request", "backend_cpu_ms_per_request",
                                            "direct", "sidecar")},
                      indent=1))

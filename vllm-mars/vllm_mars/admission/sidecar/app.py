@@ -65,7 +65,7 @@ from vllm_mars.admission.sidecar.proxy import (
     read_body,
     upstream_headers,
 )
-from vllm_mars.admission.sidecar.serving import ServerThread, serve_app
+from vllm_mars.admission.sidecar.serving import ON_DISCONNECT, ServerThread, serve_app
 from vllm_mars.admission.sidecar.state import SidecarState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.clock import Clock
@@ -261,16 +261,23 @@ class Sidecar(SidecarState):
         task = asyncio.current_task()
         disconnected = False
 
-        async def watch() -> None:
+        def gone() -> None:
             nonlocal disconnected
+            disconnected = True
+            task.cancel()  # type: ignore[union-attr]
+
+        async def watch() -> None:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    disconnected = True
-                    task.cancel()  # type: ignore[union-attr]
+                    gone()
                     return
 
-        watcher = asyncio.create_task(watch())
+        watcher = None
+        if ON_DISCONNECT in scope:  # served by the connection guard: it calls gone() itself
+            scope[ON_DISCONNECT] = gone
+        else:
+            watcher = asyncio.create_task(watch())
         r: RootState | None = None
         started = ok = False
         scan = ToolCallScan() if agent and not side and ident.is_root and not ident.anonymous else None
@@ -304,7 +311,10 @@ class Sidecar(SidecarState):
                 raise
             self.counters["client_disconnects"] += 1
         finally:
-            watcher.cancel()
+            if watcher is None:
+                scope[ON_DISCONNECT] = None
+            else:
+                watcher.cancel()
             if started and r is not None:
                 self.in_flight -= 1
                 self.lifecycle.call_ended(r, ident, ok, final_answer=scan is not None and not scan.saw_tool_call,

@@ -120,7 +120,8 @@ async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float, dea
         try:
             if wait <= 0:
                 raise TimeoutError
-            msg = await asyncio.wait_for(receive(), wait)
+            async with asyncio.timeout(wait):  # (a timer on this task: wait_for would start another task)
+                msg = await receive()
         except TimeoutError:
             if end is not None and loop.time() >= end - 1e-3:
                 raise HTTPError(408, f"request body not complete within {deadline_s} s") from None
@@ -300,14 +301,19 @@ class Forwarder:
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": [*down_headers(resp.headers), *extra]})
             prev = last = b""
+            ended = False
             try:
                 while True:
                     if c._body:
                         chunk = c._take()
                         if scan is not None:
                             scan.feed(chunk)
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         prev, last = last, chunk
+                        if c._done:  # the answer's last bytes end the response: one write, not two
+                            await send({"type": "http.response.body", "body": chunk})
+                            ended = True
+                            break
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         continue
                     if c._done:
                         break
@@ -329,7 +335,8 @@ class Forwarder:
                 await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n", "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
                 return False
-            await send({"type": "http.response.body", "body": b""})
+            if not ended:
+                await send({"type": "http.response.body", "body": b""})
             done = True
             self._note_tokens(r, prev[-2048:] + last[-2048:])
             return resp.status < 400
