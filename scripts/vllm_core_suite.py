@@ -82,14 +82,19 @@ _MARS_FAMILY = ("mars", *(p for p in GATES if p.startswith("mars-")), "mars-no-p
 VICTIMS: dict[str, tuple[dict, str]] = {
     p: ({"priority_reclaim": False}, ("mars's priority-aware victim: the failing call itself is preempted (no "
                                      "retry), not fcfs's newest call")) for p in _MARS_FAMILY}
-#: Losses read by hand, where no option turns the deciding rule off. autellix ranks victims by
-#: (level, computed tokens, arrival), its policy (``policies/autellix.py``): in the test above the
-#: failing call holds the most computed tokens, so it is preempted and not retried. Checked: the
-#: test passes under autellix with ``custom_victims`` off (vLLM's order), see RESULTS.md.
+_FENCE = "tests.v1.core.test_deferred_block_free::test_allocation_retry_waits_for_fence_then_succeeds"
+#: Losses read by hand, where no option turns the deciding rule off (each checked by a run with the
+#: rule patched off: RESULTS.md). autellix ranks victims by (level, computed tokens, arrival)
+#: (``policies/autellix.py``): in ``[fcfs-1]`` the failing call holds the most computed tokens, so it
+#: is preempted and not retried. An ordering policy ranks victims by its own running order (the
+#: last is preempted): ``[priority-2]`` sets the requests' vLLM priorities and expects the worst of
+#: them preempted, which no policy of ours reads.
+_ORDER = ("the policy's running order ranks the victims (the last is preempted), not the requests' vLLM "
+          "priorities this test sets")
 LISTED_LOSSES: dict[str, dict[str, str]] = {
-    "autellix": {"tests.v1.core.test_deferred_block_free::test_allocation_retry_waits_for_fence_then_succeeds"
-                 "[fcfs-1]": "autellix's victim rank (level, computed tokens, arrival): the failing call itself "
-                             "is preempted (no retry), not fcfs's newest call"},
+    "autellix": {f"{_FENCE}[fcfs-1]": "autellix's victim rank (level, computed tokens, arrival): the failing "
+                                      "call itself is preempted (no retry), not fcfs's newest call"},
+    **{p: {f"{_FENCE}[priority-2]": _ORDER} for p in ("continuum", "continuum_dy")},
     "lightllm": {},
 }
 
