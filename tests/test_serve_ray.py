@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from vllm_mars import serve_ray
-from vllm_mars.admission.sidecar.serving import ServerThread
 from vllm_mars.admission.sidecar import SidecarConfig
+from vllm_mars.admission.sidecar.serving import ServerThread
 from vllm_mars.admission.telemetry import parse_prometheus
 
 BLOCKS = 64
@@ -202,3 +202,20 @@ def test_replica_set_follows_serve_and_places_by_budget():
     assert s.backends == []
     for b in (b1, b2):
         b.pool.close()
+
+
+def test_a_dead_replica_server_is_told_from_a_live_one():
+    """What decides a resend: a server that refuses, or whose listening socket nobody accepts on
+    (a killed server's socket kept by a surviving child), gives no HTTP answer; a live one does."""
+    import asyncio
+    import socket
+
+    from faulty_backend import FaultyBackend
+
+    with FaultyBackend(free_port()) as fb:
+        assert asyncio.run(serve_ray._answers_http(fb.url, 3.0))
+    with socket.socket() as s:  # listening, never accepting
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{s.getsockname()[1]}", 0.5))
+    assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{free_port()}", 0.5))  # refused
