@@ -219,3 +219,17 @@ def test_a_dead_replica_server_is_told_from_a_live_one():
         s.listen(8)
         assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{s.getsockname()[1]}", 0.5))
     assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{free_port()}", 0.5))  # refused
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--replicas", "2"], "--replicas: only with --ray"),
+    (["--address", "10.0.0.1:6379", "--replica-gpus", "1"], "--address, --replica-gpus: only with --ray"),
+    (["--ray", "--replicas", "0"], "--replicas 0: give at least 1"),
+    (["--ray", "--replica-cpus", "nan"], "--replica-cpus nan: must be above 0"),
+    (["--ray", "--replica-gpus", "-1"], "--replica-gpus -1.0: must be 0 or more"),
+])
+def test_mars_serve_ray_flags_are_checked_before_anything_starts(tiny_model, capsys, flags, message):
+    from vllm_mars import cli
+
+    assert cli.main(["serve", tiny_model, *flags]) == 2
+    assert message in capsys.readouterr().err
