@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from vllm_mars import serve_ray
-from vllm_mars.admission.sidecar.serving import ServerThread
 from vllm_mars.admission.sidecar import SidecarConfig
+from vllm_mars.admission.sidecar.serving import ServerThread
 from vllm_mars.admission.telemetry import parse_prometheus
 
 BLOCKS = 64
@@ -202,3 +202,34 @@ def test_replica_set_follows_serve_and_places_by_budget():
     assert s.backends == []
     for b in (b1, b2):
         b.pool.close()
+
+
+def test_a_dead_replica_server_is_told_from_a_live_one():
+    """What decides a resend: a server that refuses, or whose listening socket nobody accepts on
+    (a killed server's socket kept by a surviving child), gives no HTTP answer; a live one does."""
+    import asyncio
+    import socket
+
+    from faulty_backend import FaultyBackend
+
+    with FaultyBackend(free_port()) as fb:
+        assert asyncio.run(serve_ray._answers_http(fb.url, 3.0))
+    with socket.socket() as s:  # listening, never accepting
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{s.getsockname()[1]}", 0.5))
+    assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{free_port()}", 0.5))  # refused
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--replicas", "2"], "--replicas: only with --ray"),
+    (["--address", "10.0.0.1:6379", "--replica-gpus", "1"], "--address, --replica-gpus: only with --ray"),
+    (["--ray", "--replicas", "0"], "--replicas 0: give at least 1"),
+    (["--ray", "--replica-cpus", "nan"], "--replica-cpus nan: must be above 0"),
+    (["--ray", "--replica-gpus", "-1"], "--replica-gpus -1.0: must be 0 or more"),
+])
+def test_mars_serve_ray_flags_are_checked_before_anything_starts(tiny_model, capsys, flags, message):
+    from vllm_mars import cli
+
+    assert cli.main(["serve", tiny_model, *flags]) == 2
+    assert message in capsys.readouterr().err

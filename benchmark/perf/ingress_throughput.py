@@ -112,8 +112,8 @@ def run_ray_gate(port: int, backend_url: str, chunks: int, clients: int, handle_
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from vllm_mars import serve_ray
-    from vllm_mars.admission.sidecar.serving import serve_app
     from vllm_mars.admission.sidecar import SidecarConfig
+    from vllm_mars.admission.sidecar.serving import serve_app
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     serve.start(proxy_location="Disabled")

@@ -21,12 +21,11 @@ Three parts, each reusing the one-machine code rather than copying it:
   :class:`ReplicaSet`. It places a root at admission with that same :class:`Placement` and pins the
   root's calls to the replica, and sends them with the sidecar's own pooled HTTP client straight to
   the replica's vLLM server (its address comes in the routing stats). Why not through the Serve
-  handle: a handle call cost the gate 6-12 ms of CPU per call against 0.4 ms for the HTTP client
-  (``benchmark/perf/ingress_throughput.py``, RESULTS.md "Ingress throughput"), which would cap one
-  gate at about 10 replicas at the paper's call rates instead of about 200. A replica that dies with
-  a call in flight, before the client saw any of the answer (its engine refuses connections: the
-  answer can never come), is marked down, and the root is placed on a live replica and the call
-  resent there: the root keeps its admission and rebuilds its KV on the new replica. After a
+  handle: one handle call costs the caller 2.2 ms of CPU, 3.7x the gate's whole call over HTTP
+  (0.6 ms; ``benchmark/perf/ingress_throughput.py``, RESULTS.md "Ingress throughput"). A replica
+  that dies with a call in flight, before the client saw any of the answer (its engine refuses
+  connections: the answer can never come), is marked down, and the root is placed on a live
+  replica and the call resent there: the root keeps its admission and rebuilds its KV on the new replica. After a
   streamed answer began, the call ends with an SSE ``error`` event and the root ends, as in the
   sidecar.
 
@@ -53,7 +52,7 @@ from typing import Any
 from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.placement import Placement
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
-from vllm_mars.admission.sidecar.proxy import Forwarder, HTTPError, Unreachable
+from vllm_mars.admission.sidecar.proxy import Forwarder, Unreachable
 from vllm_mars.admission.telemetry import TelemetryState, _Reader
 from vllm_mars.clock import Clock, MonotonicClock
 
@@ -326,13 +325,15 @@ def replica_set(key: str) -> ReplicaSet:
 
 class RayForwarder(Forwarder):
     """The sidecar's forwarder, plus: a call whose replica is no longer in Serve's live set is
-    re-placed, and so is one that broke before the client saw anything when the replica's server
-    refuses connections (dead: its answer can never come, so resending cannot run it twice)."""
+    re-placed, and so is one that broke before the client saw anything when the replica turns out
+    dead (it left Serve's set, or its server gives no HTTP answer: the call's answer can never
+    come, so resending it cannot run it twice). A replica that still answers gets the sidecar's
+    502 and the root ends, as for any backend that broke."""
 
     def __init__(self, gate: RayGate, *args: Any) -> None:
         super().__init__(*args)
         self.gate = gate
-        self._dead: set[str] = set()
+        self._suspect: dict[int, tuple[Any, str]] = {}
 
     async def forward(self, r: Any, path: str, body: dict, headers: list[tuple[bytes, bytes]], send: Any,
                       extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
@@ -341,31 +342,38 @@ class RayForwarder(Forwarder):
             raise Unreachable(f"replica {b.name} left the deployment")
         try:
             return await super().forward(r, path, body, headers, send, extra, scan)
-        except HTTPError:
-            if b.name in self._dead:  # _broken found the server dead: resend elsewhere
-                self._dead.discard(b.name)
-                raise Unreachable(f"replica {b.name} died with the call") from None
-            raise
+        except _BrokenBeforeAnswer as e:
+            if await self.gate.replica_dead(b):
+                raise Unreachable(f"replica {b.name} died with the call: {e}") from None
+            return super()._broken(r, b, str(e), started=False)  # alive: 502, the root ends
 
     def _broken(self, r: Any, b: Any, msg: str, *, started: bool) -> bool:
-        if not started and not _accepts(b.url):
-            self._dead.add(b.name)
-            self._backend_failed(b, msg)
-            raise HTTPError(502, msg)  # turned into Unreachable by forward (the root keeps its slot)
+        if not started:  # decided in forward, which can wait to see whether the replica is dead
+            raise _BrokenBeforeAnswer(msg)
         return super()._broken(r, b, msg, started=started)
 
 
-def _accepts(url: str) -> bool:
-    """Whether a server takes TCP connections at ``url`` (a killed one refuses at once)."""
-    import socket
+class _BrokenBeforeAnswer(Exception):
+    """A call's connection broke before any of the answer reached the client."""
+
+
+async def _answers_http(url: str, timeout_s: float) -> bool:
+    """Whether the server at ``url`` gives any HTTP answer to ``GET /health`` within ``timeout_s``
+    (a killed server refuses, or leaves a listening socket nobody accepts on: no answer)."""
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
+    writer = None
     try:
-        with socket.create_connection((u.hostname, u.port or 80), timeout=1.0):
-            return True
-    except OSError:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
+            writer.write(f"GET /health HTTP/1.1\r\nhost: {u.netloc}\r\nconnection: close\r\n\r\n".encode())
+            return (await reader.readline()).startswith(b"HTTP/")
+    except (OSError, TimeoutError):
         return False
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 class RayGate(Sidecar):
@@ -416,6 +424,13 @@ class RayGate(Sidecar):
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             self._observe()
+
+    async def replica_dead(self, b: ReplicaBackend) -> bool:
+        """Whether replica ``b`` is dead: Serve dropped it, or its server gives no HTTP answer to
+        ``GET /health`` within 3 s (any status counts as an answer)."""
+        if self.replicas.by_id.get(b.name) is not b:
+            return True
+        return not await _answers_http(b.url, 3.0)
 
     async def _probe(self) -> None:
         """Route one cheap call (GET /v1/models) so the handle's router starts and reports replicas."""

@@ -397,6 +397,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mars.admission.sidecar import run_sidecar
 
+    _check_ray_flags(args)
     check_engine_options(args.policy, _kv(args.policy_option, "--policy-option"))  # before vLLM starts
     engine_port = args.engine_port or args.port + 1
     if engine_port == args.port:
@@ -487,14 +488,25 @@ def _serve(args: argparse.Namespace) -> int:
             log.close()
 
 
-def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, str], cfg: Any) -> int:
-    """``mars serve --ray``: deploy the replicas, then serve the admission gate until interrupted."""
+def _check_ray_flags(args: argparse.Namespace) -> None:
+    """The --ray flags, checked before anything starts (a Ray flag without --ray is an error, not ignored)."""
+    if not args.ray:
+        given = [f for f, on in (("--replicas", args.replicas != 1), ("--address", args.address is not None),
+                                 ("--replica-cpus", args.replica_cpus != 1.0), ("--replica-gpus", args.replica_gpus != 0),
+                                 ("--replica-log-dir", args.replica_log_dir is not None)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --ray (Ray Serve replicas)")
+        return
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: give at least 1")
-    if args.replica_cpus <= 0:
+    if not args.replica_cpus > 0:
         raise ValueError(f"--replica-cpus {args.replica_cpus}: must be above 0")
-    if args.replica_gpus < 0:
+    if not args.replica_gpus >= 0:
         raise ValueError(f"--replica-gpus {args.replica_gpus}: must be 0 or more")
+
+
+def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, str], cfg: Any) -> int:
+    """``mars serve --ray``: deploy the replicas, then serve the admission gate until interrupted."""
     try:
         import ray  # noqa: F401
     except ImportError:
