@@ -435,3 +435,36 @@ def test_mars_serve_checks_the_policy_before_launching_vllm(tmp_path):
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and ("nosuch" in p.stderr or "nope" in p.stderr)
     assert time.monotonic() - t0 < 30  # no vLLM was started
+
+
+# -- issue 35 item 5: a client that goes away is seen without a watcher task per call ----------------------
+@pytest.mark.parametrize("guarded", [True, False], ids=["connection-guard-hook", "plain-uvicorn-watcher"])
+def test_client_gone_mid_call_ends_the_call_with_or_without_the_guard(guarded):
+    """Served by the connection guard, the guard's disconnect hook cancels the call; served by plain
+    uvicorn (no hook in the scope), the watcher task does. Either way the upstream call that never
+    answers is dropped and the sidecar holds nothing for it."""
+    import threading
+
+    import uvicorn
+    from vllm_mars.admission.sidecar import Sidecar
+    from vllm_mars.admission.sidecar.serving import ServerThread
+
+    with FaultyBackend(free_port()) as fb:
+        cfg = SidecarConfig(backends=(fb.url,), controller="none", port=free_port(), telemetry_interval_s=0.1)
+        t = ServerThread(Sidecar(cfg))
+        if not guarded:
+            t.server = uvicorn.Server(uvicorn.Config(t.app, host=cfg.host, port=cfg.port, lifespan="on",
+                                                     log_level="warning"))
+            t.thread = threading.Thread(target=t.server.run, daemon=True)
+        with t as sc:
+            assert wait_until(lambda: _up(sc.url), 5)
+            n0 = fb.posts
+            body = json.dumps(CHAT).encode()
+            s = socket.create_connection(("127.0.0.1", cfg.port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"x-fault: hang\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert wait_until(lambda: fb.posts == n0 + 1 and sc.app.in_flight == 1, 5)
+            s.close()
+            assert wait_until(lambda: sc.app.in_flight == 0, 5), "the call outlived its client"
+            assert sc.app.counters["client_disconnects"] == 1
+            assert not sc.app.roots and sc.app.controller.num_active == 0
