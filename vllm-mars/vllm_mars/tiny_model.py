@@ -4,6 +4,9 @@ Tests and CPU demos need a real model that vLLM can load without a network. The 
 seeded random numbers (the outputs are gibberish; lengths, KV use and scheduling are real). The
 tokenizer is a byte-level BPE trained on a corpus generated here from a fixed seed, so every
 machine gets the same bytes.
+
+torch, transformers and tokenizers are imported only to build a missing model: ``mars --help``
+imports this module and must not import torch.
 """
 
 from __future__ import annotations

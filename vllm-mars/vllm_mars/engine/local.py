@@ -12,6 +12,9 @@ async variant exactly when vLLM turns async scheduling on.
 
 User engine arguments (``--engine-arg KEY=VALUE``) are validated against vLLM's ``EngineArgs``
 fields by :func:`validate_engine_args` and applied last.
+
+vLLM is imported inside the functions that size or start an engine: ``mars --help`` imports this
+module (its defaults are the CLI's) and must not import vLLM or torch.
 """
 
 from __future__ import annotations

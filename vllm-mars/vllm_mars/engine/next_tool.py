@@ -11,6 +11,9 @@ Bounded and safe: only the last :data:`MAX_OUTPUT_TOKENS` output tokens are pars
 whose opening lies before them is not seen), a fresh parser instance per read (no streaming state
 carried between calls), and any failure (the parser's, the tokenizer's, a name that is no valid
 tool id) reads as unknown, logged once at debug level; nothing raises into the scheduler.
+
+vLLM's parser, protocol and tokenizer modules are imported only when a parser is configured: they
+pull in vLLM's OpenAI server stack, which an engine without ``tool_parser`` never needs.
 """
 
 from __future__ import annotations

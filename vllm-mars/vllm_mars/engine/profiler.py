@@ -10,6 +10,8 @@ The real ``LLMEngine`` (with MarsScheduler, in this process) is stepped by hand;
   every step is recorded (the prefill steps, mixed batches included, and the b-wide decode steps).
 
 Prompts are seeded random token ids, fresh per request, so nothing hits the prefix cache by chance.
+
+vLLM is imported when an engine starts, not with the module: ``mars --help`` imports it for its grids.
 """
 
 from __future__ import annotations

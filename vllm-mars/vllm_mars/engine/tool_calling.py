@@ -9,6 +9,8 @@ Rules (first match): a name containing ``qwen3-coder`` -> ``qwen3_coder`` (its X
 ``gpt_oss`` -> ``openai`` (harmony); Qwen2/Qwen3 (also the tiny test model, a Qwen3) -> ``hermes``
 (``<tool_call>{json}</tool_call>``, what Qwen's chat templates emit); Llama -> ``llama3_json``;
 Mistral -> ``mistral``; anything else -> ``hermes`` as a fallback, flagged as a guess in the reason.
+
+vLLM's parser registry is imported only to check a name: ``mars serve`` picks the parser before it imports vLLM.
 """
 
 from __future__ import annotations

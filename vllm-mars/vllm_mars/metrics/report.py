@@ -1,4 +1,7 @@
-"""``report.md`` and PNG plots for one run and for a comparison (matplotlib, Agg backend)."""
+"""``report.md`` and PNG plots for one run and for a comparison (matplotlib, Agg backend).
+
+matplotlib is imported only when a plot is drawn: it is heavy, and the CLI imports this module.
+"""
 
 from __future__ import annotations
 
