@@ -94,7 +94,7 @@ _ORDER = ("the policy's running order ranks the victims (the last is preempted),
 LISTED_LOSSES: dict[str, dict[str, str]] = {
     "autellix": {f"{_FENCE}[fcfs-1]": "autellix's victim rank (level, computed tokens, arrival): the failing "
                                       "call itself is preempted (no retry), not fcfs's newest call"},
-    **{p: {f"{_FENCE}[priority-2]": _ORDER} for p in ("continuum", "continuum_dy")},
+    **{p: {f"{_FENCE}[priority-2]": _ORDER} for p in ("continuum", "continuum_dy", "infercept", "infercept_swap")},
     "lightllm": {},
 }
 
