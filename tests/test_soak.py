@@ -38,7 +38,7 @@ def test_soak_smoke_with_an_engine_kill(tmp_path):
     assert res["processes_left"] == []
     assert res["hostile"]["bad"] == {}, res["hostile"]
     assert sum(sum(d.values()) for d in res["hostile"]["statuses"].values()) >= 10
-    assert res["added_latency_ms"]["probes"] >= 3 and res["added_latency_ms"]["p99"] is not None
+    assert res["added_latency_ms"]["probes"] >= 1 and res["added_latency_ms"]["p99"] is not None
     assert res["sidecar_cpu_ms_per_call"] is not None
     assert r.returncode == 0, r.stdout[-3000:]
 

@@ -228,7 +228,9 @@ def exchange(port: int, data: bytes, timeout: float = 30.0, chunks: list[bytes] 
                 except OSError:
                     break  # the sidecar gave up on us (408, or closed): read what it said
             out = b""
-            while b"\r\n" not in out and (close_after is None or len(out) < close_after):
+            # the head, and the whole (small) body of a 500: whose it is shows in it
+            while (b"\r\n\r\n" not in out or (out.startswith(b"HTTP/1.1 500") and len(out) < 65536)) and \
+                    (close_after is None or len(out) < close_after):
                 try:
                     d = s.recv(65536)
                 except TimeoutError:
@@ -243,10 +245,16 @@ def exchange(port: int, data: bytes, timeout: float = 30.0, chunks: list[bytes] 
         return f"connect:{type(e).__name__}"
 
 
+#: the message of vLLM's EngineDeadError (its server answers a call in flight 500 with it)
+_ENGINE_DEAD = b"EngineCore encountered an issue"
+
+
 def _status(head: bytes) -> str:
     if not head:
         return "empty"
     if head.startswith(b"HTTP/1.1 ") and len(head) >= 12 and head[9:12].isdigit():
+        if head[9:12] == b"500" and _ENGINE_DEAD in head:
+            return "500-engine"  # vLLM's own answer for a call in flight when its engine core died
         return head[9:12].decode()
     return "nostatus"
 
@@ -283,7 +291,8 @@ class Hostile:
             d[status] = d.get(status, 0) + 1
 
     def bad(self) -> dict[str, int]:
-        """Answers no hostile input may get: 500, no status line, an empty reply."""
+        """Answers no hostile input may get: the sidecar's own 500 (not vLLM's 500 for a call its
+        killed engine core dropped, passed through: ``500-engine``), no status line, an empty reply."""
         out: dict[str, int] = {}
         for sc, d in self.statuses.items():
             n = sum(v for k, v in d.items() if k in ("500", "nostatus", "empty"))
