@@ -209,7 +209,8 @@ def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_pa
                                                                                              "mars", 4096)
     assert cfg.kv_scale == 0.125 and cfg.backend == "sim"
     assert {w.name: (w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
-        "N1": (100, (0.2,), 8), "N4": (400, (0.8,), 8), "N16": (1600, (3.2,), 8), "N64": (6400, (12.8,), 8)}
+        "N1": (100, (0.2, 0.4), 8), "N4": (400, (0.8, 1.6), 8), "N16": (1600, (3.2, 6.4), 8),
+        "N64": (6400, (12.8, 25.6), 8)}
     bad = tmp_path / "bad.toml"
     for table, text in (('{ replicas = 2, placement = "rr" }', "variants.x.replay: placement 'rr' unknown; allowed:"),
                         ("{ replicas = 2, rps = 3.0 }", "variants.x.replay.rps: unknown key"),

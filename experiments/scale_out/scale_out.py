@@ -47,7 +47,7 @@ def run(out: Path, only: list[str] | None, policies: list[str] | None) -> None:
     exp = _experiment()
     out.mkdir(parents=True, exist_ok=True)
     for cell in exp.cells():
-        if only and cell.workload.name not in only:
+        if only and cell.workload.name not in only and cell.key not in only:
             continue
         for p in exp.policies_for(cell.workload):
             if policies and p not in policies:
@@ -111,13 +111,14 @@ def report(out: Path) -> str:
             imb = cl.get("imbalance") or {}
             rebuilt = rebuilt_tokens(d / "events.jsonl", rc.get("block_size") or 16)
             c = costs.get((cell.key, p), {})
-            rows.append([str(rc.get("replicas") or 1), cl.get("placement", "(one)"), f"{s['completed']}/{s['workflows']}",
+            rows.append([str(rc.get("replicas") or 1), f"{cell.rps / (rc.get('replicas') or 1):g}",
+                         cl.get("placement", "(one)"), f"{s['completed']}/{s['workflows']}",
                          f"{s['e2e_s']['mean']:.1f}", f"{s['e2e_s']['p95']:.1f}",
                          f"{s['goodput_wps']['3.0']:.3f}", f"{(rebuilt + (s.get('recomputed_tokens') or 0)) / 1e6:.2f}",
                          f"{s['prefix_hit_rate']:.3f}",
                          *(f"{imb[k]:.2f}" if imb.get(k) is not None else "-" for k in ("roots", "busy_s", "kv_mean")),
                          f"{s['makespan_s']:.0f}", str(c.get("wall_s", "-")), str(c.get("cpu_s", "-"))])
-    head = ["replicas", "placement", "done", "mean E2E (s)", "p95 E2E (s)", "goodput a=3 (wf/s)",
+    head = ["replicas", "roots/s per replica", "placement", "done", "mean E2E (s)", "p95 E2E (s)", "goodput a=3 (wf/s)",
             "rebuilt (M tok)", "prefix hit", "imb. roots", "imb. busy", "imb. KV", "virtual s", "wall s", "CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -130,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("run", "report"))
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--only", help="workload names (N1,N4,...), comma-separated")
+    ap.add_argument("--only", help="workload names (N1,N4,...) or cell keys (N4/rps1.6/seed0), comma-separated")
     ap.add_argument("--policies", help="variant labels, comma-separated")
     a = ap.parse_args()
     if a.what == "run":
