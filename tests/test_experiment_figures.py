@@ -97,10 +97,11 @@ def test_pressure_shows_in_the_removals(grid):
 def test_removals_by_progress_counts_the_blocks_a_call_lost():
     from vllm_mars.experiment.figures import removals_by_progress
 
-    rounds = [{"prompt_tokens": 160, "output_tokens": 20, "cached_tokens": 0},
-              {"prompt_tokens": 200, "output_tokens": 10, "cached_tokens": 176},   # kept all 11 blocks
-              {"prompt_tokens": 240, "output_tokens": 10, "cached_tokens": 64},    # 210 -> 13 blocks, 4 found
-              {"prompt_tokens": 260, "output_tokens": 5, "cached_tokens": 0}]      # 250 -> 15 lost
+    rounds = [{"prompt_tokens": 160, "output_tokens": 16, "cached_tokens": 0},
+              # 175 tokens had KV (the last output token never does): 10 full blocks, all found
+              {"prompt_tokens": 200, "output_tokens": 10, "cached_tokens": 160},
+              {"prompt_tokens": 240, "output_tokens": 10, "cached_tokens": 64},    # 209 -> 13 blocks, 4 found
+              {"prompt_tokens": 260, "output_tokens": 5, "cached_tokens": 0}]      # 249 -> 15 lost
     bins = removals_by_progress([{"rounds": rounds}], 16, bins=3)
     assert bins == [0, 9, 15]  # progress 1/3, 2/3, 1: bins (0, 1/3], (1/3, 2/3], (2/3, 1]
     assert removals_by_progress([{"rounds": rounds[:1]}], 16) == [0] * 10

@@ -24,8 +24,8 @@ name                      paper       what
 ``ablations``             13          each mars variant's mean E2E over mars's, per workload and load
 ========================  ==========  =================================================================
 
-``kv_removals`` counts, per LLM call after a workflow's first, the blocks of the previous call's
-prompt + output that the call did not find in the prefix cache (vLLM's cached tokens; the engine
+``kv_removals`` counts, per LLM call after a workflow's first, the full blocks of the previous call's
+prompt + output (less its last token, which never had KV) that the call did not find in the prefix cache (vLLM's cached tokens; the engine
 removed them while the workflow ran its tool): the removals that cost a rebuild. Removals of a
 finished workflow's blocks (harmless) are not in it; a preempted call's recompute is in
 ``recomputed_tokens`` instead.
@@ -91,7 +91,9 @@ def removals_by_progress(traces: Sequence[Mapping[str, Any]], block_size: int,
         last = len(rounds) - 1
         for k in range(1, len(rounds)):
             prev, cur = rounds[k - 1], rounds[k]
-            kept = min(cur.get("prompt_tokens") or 0, (prev.get("prompt_tokens") or 0) + (prev.get("output_tokens") or 0))
+            # the previous call's last sampled token was never fed back: it has no KV to keep
+            left = (prev.get("prompt_tokens") or 0) + max(0, (prev.get("output_tokens") or 0) - 1)
+            kept = min(cur.get("prompt_tokens") or 0, left)
             lost = (kept // block_size) - ((cur.get("cached_tokens") or 0) // block_size)
             if lost > 0:
                 out[(k * bins + last - 1) // last - 1] += lost  # progress k / last in (0, 1]: bins (i/n, (i+1)/n]

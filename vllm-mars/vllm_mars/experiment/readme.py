@@ -23,8 +23,9 @@ def _row(root: Path, path: Path) -> str:
     status = check_status(path, raw) if "status" in raw else "-"
     name = raw.get("name", path.stem)
     what = " ".join(str(raw.get("description", "")).split()).replace("|", "\\|")
-    results = root / "results" / name
-    res = f"`results/{name}/`" if results.is_dir() else "-"
+    # results/<name>/ beside the experiments root, or beside the file (experiments/paper/results/)
+    hits = [d for d in (root / "results" / name, path.parent / "results" / name) if d.is_dir()]
+    res = f"`{hits[0].relative_to(root).as_posix()}/`" if hits else "-"
     return f"| `{path.relative_to(root).as_posix()}` | {status} | {what} | {res} |"
 
 

@@ -26,7 +26,6 @@ from vllm_mars.metrics.report import _fmt, _plt, _save
 from vllm_mars.metrics.summary import DEFAULT_ALPHA, GOODPUT
 
 
-
 def experiment_config(exp: Experiment) -> dict[str, Any]:
     """What results.json records of the experiment's settings."""
     return {"file": str(exp.path), "policies": list(exp.policies), "variants": exp.variants,
