@@ -95,8 +95,8 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def all_procs() -> list[tuple[int, int, int, str]]:
-    """(pid, ppid, pgid, cmdline) of every process."""
+def all_procs(live: bool = False) -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, pgid, cmdline) of every process (``live``: not the zombies)."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -107,6 +107,8 @@ def all_procs() -> list[tuple[int, int, int, str]]:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
+            continue
+        if live and fields[0] in ("Z", "X"):
             continue
         out.append((int(d), int(fields[1]), int(fields[2]), cmd))
     return out
@@ -201,8 +203,13 @@ class Serve:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
-        time.sleep(1)
-        left = [f"{pid} {cmd[:80]}" for pid, _, pgid, cmd in all_procs() if pgid in groups and pid != os.getpid()]
+        deadline = time.monotonic() + 10  # processes still exiting (zombies, reaped by init, are gone)
+        while True:
+            left = [f"{pid} {cmd[:80]}" for pid, _, pgid, cmd in all_procs(live=True)
+                    if pgid in groups and pid != os.getpid()]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         for g in groups:
             try:
                 os.killpg(g, signal.SIGKILL)
