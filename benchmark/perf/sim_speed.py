@@ -22,6 +22,9 @@ checks that both runs wrote byte-identical ``summary.json`` and ``events.jsonl``
 
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 20,200,400 --rps 0.16 --baseline 20,200 --record
 
+The script times whichever ``vllm_mars`` it imports: against another revision's sim, run it again
+with ``PYTHONPATH`` at that checkout's ``vllm-mars`` (side by side, in the same session).
+
 ``--kv-scale`` runs on a pool that many times the profile's (the step times stay the profile's): the
 cost of a huge pool (``max_rss_mb`` is the process's peak resident memory, vLLM's import included).
 """
