@@ -120,7 +120,7 @@ def run_ray_gate(port: int, backend_url: str, chunks: int, clients: int, handle_
     dep = serve.deployment(TrivialReplica, name=serve_ray.DEPLOYMENT, num_replicas=2,
                            ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=4 * clients,
                            request_router_config=RequestRouterConfig(
-                               request_router_class="vllm_mars.serve_ray_router.MarsRouter",
+                               request_router_class="vllm_mars.serve_ray.router.MarsRouter",
                                request_routing_stats_period_s=serve_ray.STATS_PERIOD_S))
     handle = serve.run(dep.bind(backend_url, chunks), name="mars", route_prefix=None, blocking=False)
     Path(handle_out).write_text(json.dumps({"handle_cpu_ms_per_call": asyncio.run(_handle_cost(handle, 300, 16))}))

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "vllm_mars.commands.driver",
     "vllm_mars.commands.workload",
     "vllm_mars.commands.admission",
+    "vllm_mars.commands.serve",
     "vllm_mars.commands.experiment",
     "vllm_mars.commands.profile",
     # issue 5 (admission/sidecar) and issue 6 (driver) add their modules here

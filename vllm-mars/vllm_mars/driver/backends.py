@@ -11,6 +11,11 @@ straight from the scheduler, so this backend runs ``LLMEngine`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on a dedicated stepper thread: requests go in through a
 command queue, outputs come back to the asyncio loop with ``call_soon_threadsafe``, and the
 scheduler (``engine.engine_core.engine_core.scheduler``) is sampled after every step.
+
+Why one module of about 490 lines: both classes are the driver's two implementations of one
+``Backend`` protocol with the request conventions above (token ids, ``ignore_eos``, ``mars_*``
+metadata, engine samples), kept side by side so they stay alike; if it grows, the split is
+in-process / HTTP, one module each.
 """
 
 from __future__ import annotations

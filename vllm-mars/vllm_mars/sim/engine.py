@@ -31,6 +31,10 @@ possible preemption, an abort) runs the full path. Results are identical with it
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
+
+Why one module of about 470 lines: it is one class, one step loop, whose full path and decode
+fast-forward share its per-step state and must give identical results; split apart, the two paths
+that must agree would live in different files.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """MarsRouter: Ray Serve's ``RequestRouter`` for the vLLM replicas of :mod:`vllm_mars.serve_ray`.
 
 Its own module because it subclasses a Ray class: importing it imports ``ray`` (the optional
-``[ray]`` extra), which nothing else on the core path does. Serve loads it by path
-(``vllm_mars.serve_ray_router.MarsRouter``) in every process that holds a handle to the replicas.
+``[ray]`` extra), which nothing else on the core path does (the package does not import it). Serve loads it by path
+(``vllm_mars.serve_ray.router.MarsRouter``) in every process that holds a handle to the replicas.
 
 A call goes to the replica its root is pinned to (``mars_replica``, set by the gate from the one
 :class:`~vllm_mars.admission.placement.Placement`). A pinned replica that is alive but has no room
@@ -18,7 +18,7 @@ from typing import Any
 
 from ray.serve.request_router import RequestRouter
 
-from vllm_mars.serve_ray import DEPLOYMENT, replica_set
+from vllm_mars.serve_ray.replica import DEPLOYMENT, replica_set
 
 
 class MarsRouter(RequestRouter):
