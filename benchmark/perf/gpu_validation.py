@@ -200,7 +200,7 @@ def fit_overheads(rows: list[Row], prompts_per_client: int, progress=None) -> tu
 
 
 def markdown(path: str) -> str:
-    """The docs/sim.md tables of a results file: per GPU x model, then per row."""
+    """The RESULTS.md / docs/sim.md tables of a results file: per GPU x model, then per row."""
     d = json.loads(Path(path).read_text())
     out = [("| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
            "TPOT median abs err | TPOT worst |"), "|---|---|---|---|---|---|---|---|---|"]

@@ -2,7 +2,7 @@
 
     PYTHONPATH=vllm-mars python benchmark/perf/profile_table.py
 
-Pure arithmetic over the profile files (no engine); the numbers in docs/sim.md come from here.
+Pure arithmetic over the profile files (no engine); the numbers in docs/sim-profiles.md come from here.
 """
 
 from __future__ import annotations
