@@ -29,7 +29,7 @@ from vllm_mars.engine.local import (
     server_args,
 )
 from vllm_mars.policies import make_policy
-from vllm_mars.process import stop_group, wait_http_ok
+from vllm_mars.process import kill_group, stop_group, wait_http_ok
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class _Engine:
             rc = proc.wait()
             if self._stopping.is_set():
                 return
-            _kill_group(proc.pid, signal.SIGKILL)  # what is left of it (engine core, workers)
+            kill_group(proc.pid, signal.SIGKILL)  # what is left of it (engine core, workers)
             fails = 0 if time.monotonic() - self._started >= self.STABLE_S else fails + 1
             delay = min(self.MAX_BACKOFF_S, 2.0 ** fails - 1.0)
             print(f"mars serve: the vLLM server exited with code {rc}; restarting it"
@@ -167,21 +167,14 @@ class _Engine:
                     return
                 print(f"mars serve: the restarted vLLM server failed: {e}", file=sys.stderr, flush=True)
                 if self.proc.poll() is None:
-                    _kill_group(self.proc.pid, signal.SIGKILL)  # not healthy in time: start over
+                    kill_group(self.proc.pid, signal.SIGKILL)  # not healthy in time: start over
 
     def stop(self) -> None:
         with self._lock:
             self._stopping.set()
             proc = self.proc
         stop_group(proc, timeout=30)
-        _kill_group(proc.pid, signal.SIGKILL)  # children that outlived the server
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        kill_group(proc.pid, signal.SIGKILL)  # children that outlived the server
 
 
 def _tool_calling_args(args: argparse.Namespace, cmd: list[str]) -> tuple[list[str], str | None]:

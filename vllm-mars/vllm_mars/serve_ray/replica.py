@@ -20,6 +20,7 @@ from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.placement import Placement
 from vllm_mars.admission.telemetry import TelemetryState, _Reader
 from vllm_mars.clock import Clock, MonotonicClock
+from vllm_mars.process import stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +140,7 @@ class VLLMReplicaImpl:
         return self.replica_id, resp.status, list(resp.headers), payload
 
     def _stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, timeout=30)
         if self._log is not None:
             self._log.close()
             self._log = None
