@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry, register_controller
 from vllm_mars.admission.mars.config import MarsAdmissionConfig
-from vllm_mars.admission.mars.projection import Item, pool_keeps, pred_turns
+from vllm_mars.admission.mars.projection import Item, LifeView, pred_turns, reported_turns
 from vllm_mars.admission.mars.selection import Selection
 from vllm_mars.costmodel import CostModel
 
@@ -66,7 +67,15 @@ class MarsAdmissionController(Selection):
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
         self._grown = 0  # turn-growth observations so far
         self._life_version = 0  # bumped when the active set or a root's progress changes
-        self._life_cache: tuple[int, list[Item]] | None = None
+        # The whole-life items, kept sorted as roots change (see _life_items)
+        self._life_built = -1  # the version they are of
+        self._life_turns: float | None = None  # the learned turns they were computed with
+        self._life_rows: dict[str, Item] = {}  # each active root's item
+        self._life_sorted: list[Item] = []  # the items, fewest remaining turns first
+        self._life_dirty: set[str] = set()  # roots admitted, ended or changed since
+        self._life_learned: set[str] = set()  # roots whose turns are the learned mean
+        self._life_items_desc: list[Item] = []  # the same, most remaining turns first
+        self._life_view_cache: tuple[int, float, CostModel | None, LifeView] | None = None
         if cfg.cost_model:
             self.set_cost_model(CostModel.load(cfg.cost_model))
 
@@ -94,6 +103,7 @@ class MarsAdmissionController(Selection):
         if n is not None and n > 0:
             self._turns = (1 - a) * self._turns + a * n
         self._life_version += 1
+        self._life_dirty.add(act.workflow)
         if act.seen > 1:
             return  # its growth was learned turn by turn
         if final_tokens is not None and final_tokens > 0 and n is not None and n > 0:
@@ -111,6 +121,7 @@ class MarsAdmissionController(Selection):
     def _on_reestimate(self, act: _Active, prefill_tokens: int, now: float) -> None:
         # A later turn's prompt: the context grew by one turn (tool output, the previous answer).
         # Learned online from every active root, so early roots are sized before any finishes.
+        self._life_dirty.add(act.workflow)
         if act.prefill_tokens and prefill_tokens > act.prefill_tokens:
             a = self.config.growth_alpha
             step = min(self.config.turn_growth_max_tokens, prefill_tokens - act.prefill_tokens)
@@ -125,6 +136,7 @@ class MarsAdmissionController(Selection):
         if act.shared is None:  # the first call's hit: the root had no KV of its own yet
             act.shared = cached_tokens
             self._life_version += 1
+            self._life_dirty.add(act.workflow)
             self._emit(self._tel.ts if self._tel else 0.0, "admission_shared", {
                 "workflow": act.workflow, "cached_tokens": cached_tokens, "prefill_tokens": act.prefill_tokens,
                 "counted": "unique"})
@@ -170,16 +182,61 @@ class MarsAdmissionController(Selection):
         """LLM calls a queued root makes (its reported ``turns``, else the learned mean)."""
         return pred_turns(root.meta.get("turns") if root.meta else None, self._turns)
 
+    def _life_row(self, a: _Active) -> Item:
+        """(remaining turns, current context tokens) of active root ``a``."""
+        return (max(pred_turns(a.turns, self._turns) - a.seen + 1, 1.0), self._own_tokens(a))
+
     def _life_items(self) -> list[Item]:
-        """(remaining turns, current context tokens) of each active root, remaining turns first
-        (cached until a root is admitted, finishes or shows a new turn)."""
-        c = self._life_cache
-        if c is not None and c[0] == self._life_version:
-            return c[1]
-        items = sorted(((max(pred_turns(a.turns, self._turns) - a.seen + 1, 1.0), self._own_tokens(a))
-                        for a in self._active.values()), reverse=True)
-        self._life_cache = (self._life_version, items)
-        return items
+        """The active roots' items, most remaining turns first, as of the last time a root was
+        admitted, finished or showed a new turn (``_life_version``). Kept sorted incrementally:
+        only the roots that changed since (and, when the learned mean of turns moved, the roots
+        sized by it) are computed again and moved in the order."""
+        if self._life_built != self._life_version:
+            rows, lst, dirty = self._life_rows, self._life_sorted, self._life_dirty
+            if self._life_turns != self._turns:
+                dirty |= self._life_learned
+                self._life_turns = self._turns
+            if 4 * len(dirty) > len(rows) + 8:  # many changed: build it again
+                rows.clear()
+                self._life_learned.clear()
+                dirty = set(self._active)
+                lst.clear()
+            for wf in dirty:
+                old = rows.pop(wf, None)
+                if old is not None:
+                    del lst[bisect_left(lst, old)]
+                a = self._active.get(wf)
+                if a is None:
+                    self._life_learned.discard(wf)
+                    continue
+                rows[wf] = new = self._life_row(a)
+                insort(lst, new)
+                if reported_turns(a.turns) is None:
+                    self._life_learned.add(wf)
+                else:
+                    self._life_learned.discard(wf)
+            self._life_dirty.clear()
+            self._life_items_desc = lst[::-1]
+            self._life_built = self._life_version
+            if LifeView.check:
+                assert self._life_items_desc == sorted((self._life_row(a) for a in self._active.values()),
+                                                       reverse=True), "incremental life items"
+        return self._life_items_desc
+
+    def _life_view(self) -> LifeView:
+        """:class:`LifeView` of :meth:`_life_items` at the learned growth (with what candidates
+        cached in it: kept while the items, the growth and the cost model stay)."""
+        items = self._life_items()
+        g = self._turn_growth
+        c = self._life_view_cache
+        if c is not None and c[0] == self._life_version and c[1] == g and c[2] is self.cost:
+            view = c[3]
+            if len(view.memo) > 10_000:  # (a long spell without any change: bounded)
+                view.memo.clear()
+            return view
+        view = LifeView(items, g)
+        self._life_view_cache = (self._life_version, g, self.cost, view)
+        return view
 
     def life_capacity_tokens(self) -> float | None:
         """Tokens the active roots may project to: ``life_target`` of the pool (None: no telemetry)."""
@@ -193,7 +250,7 @@ class MarsAdmissionController(Selection):
         """Measured rebuilds shrink the window only while the pool keeps ``window_min`` of the
         contexts the roots will have (else fewer active roots are evicted all the same)."""
         cap = self.life_capacity_tokens()
-        return cap is None or pool_keeps(cap, self._life_items(), self._turn_growth, self.config.window_min)
+        return cap is None or self._life_view().pool_keeps(cap, self.config.window_min)
 
     def _queue_cost_s(self, now: float) -> float:
         """Expected wait for the next slot: a root's mean active time over the roots active (before
@@ -253,6 +310,7 @@ class MarsAdmissionController(Selection):
                                            turns if isinstance(turns, int) else None),
                         blocks, self.config.promise_s)
             self._life_version += 1
+            self._life_dirty.add(root.workflow)
             out.append(root.workflow)
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,

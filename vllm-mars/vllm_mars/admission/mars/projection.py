@@ -3,19 +3,32 @@
 Pure functions over ``items``: one ``(remaining turns, context tokens)`` pair per active root,
 sorted by remaining turns, most first. Each context grows by ``growth`` tokens per turn until its
 predicted last turn and is freed after it.
+
+:class:`LifeView` gives the same numbers for a candidate joining ``items`` incrementally: the
+folds over ``items`` are kept, and a candidate recomputes only the part of them it changes (what
+comes after its place in the order, and the turns it lives through). It is what the controller
+uses at every tick; the functions are its definition (``LifeView.check`` compares the two).
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from typing import Any
 
 #: (remaining turns, current context tokens) of one root
 Item = tuple[float, float]
 
 
+def reported_turns(turns: object) -> float | None:
+    """A root's own ``turns`` when it reports them (an int >= 1), else None."""
+    return float(turns) if isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1 else None
+
+
 def pred_turns(turns: object, learned: float) -> float:
     """LLM calls a root makes: its own ``turns`` when it reports them (an int >= 1), else ``learned``."""
-    return float(turns) if isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1 else learned
+    own = reported_turns(turns)
+    return learned if own is None else own
 
 
 def life_peak(items: list[Item], growth: float) -> float:
@@ -64,3 +77,156 @@ def later_items(items: list[Item], turns: float, growth: float) -> list[Item]:
     """``items`` once ``turns`` more turns have passed: the roots still active, each grown by them
     (in ``items`` order)."""
     return [(x - turns, ctx + growth * turns) for x, ctx in items if x > turns]
+
+
+class LifeView:
+    """``items`` (sorted as above) with their folds kept, so that a candidate ``cand`` joining them
+    costs only what it changes. Every method returns exactly (bit for bit) what the functions
+    above return over ``sorted([*items, cand], reverse=True)``: the sums are taken in the same
+    order, from the same partial sums.
+
+    * the roots before the candidate's place in the order are summed as without it: their
+      partial sums and running peak are kept (``life_peak`` resumes from there);
+    * at the turns the candidate does not live through, the projection is that of ``items``, so
+      its marginal overflow there is exactly zero; only its own turns are summed again.
+
+    A view is immutable: :meth:`grown` is the view with a candidate admitted. ``memo`` is the
+    caller's, for results that depend on the view and their own keys only."""
+
+    #: compare every result with the functions above (a test switch; raises AssertionError)
+    check = False
+
+    __slots__ = ("items", "growth", "memo", "_sorted", "_neg", "_base", "_peaks", "_proj", "_ctx", "_keeps",
+                 "_later")
+
+    def __init__(self, items: list[Item], growth: float, is_sorted: bool = True) -> None:
+        self.items = items
+        self.growth = growth
+        #: ``items`` are in the order the functions expect (else a candidate's results are theirs)
+        self._sorted = is_sorted
+        self.memo: dict[Any, Any] = {}
+        self._neg: list[Item] | None = None
+        self._base: list[float] | None = None
+        self._peaks: list[float] | None = None
+        self._proj: list[float] | None = None
+        self._ctx: list[float] | None = None
+        self._keeps: dict[tuple[float, int], bool] = {}
+        self._later: dict[float, LifeView] = {}
+
+    def _folds(self) -> tuple[list[float], list[float]]:
+        if self._base is None:
+            g = self.growth
+            base_l, peak_l = [0.0], [0.0]
+            peak = base = 0.0
+            for n, (rem, ctx) in enumerate(self.items, 1):
+                base += ctx
+                peak = max(peak, base + g * rem * n)
+                base_l.append(base)
+                peak_l.append(peak)
+            self._base, self._peaks = base_l, peak_l
+        assert self._peaks is not None
+        return self._base, self._peaks
+
+    def position(self, cand: Item) -> int:
+        """Where ``cand`` goes in ``items`` (after every item larger than it)."""
+        if self._neg is None:
+            self._neg = [(-rem, -ctx) for rem, ctx in self.items]
+        return bisect_left(self._neg, (-cand[0], -cand[1]))
+
+    def peak(self) -> float:
+        """:func:`life_peak` of ``items``."""
+        out = self._folds()[1][-1]
+        if LifeView.check:
+            assert out == life_peak(self.items, self.growth), "LifeView.peak"
+        return out
+
+    def peak_with(self, cand: Item) -> float:
+        """:func:`life_peak` of ``items`` with ``cand``."""
+        base_l, peak_l = self._folds()
+        p = self.position(cand)
+        g = self.growth
+        base, peak = base_l[p], peak_l[p]
+        n = p + 1
+        base += cand[1]
+        peak = max(peak, base + g * cand[0] * n)
+        items = self.items
+        for i in range(p, len(items)):
+            rem, ctx = items[i]
+            n += 1
+            base += ctx
+            peak = max(peak, base + g * rem * n)
+        if LifeView.check:
+            assert peak == life_peak(sorted([*items, cand], reverse=True), g), "LifeView.peak_with"
+        return peak
+
+    def projection(self) -> list[float]:
+        """:func:`projection` of ``items`` (do not modify)."""
+        if self._proj is None:
+            self._proj = projection(self.items, self.growth)
+        return self._proj
+
+    def marginal_overflow(self, cand: Item, cap: float) -> list[float]:
+        """:func:`marginal_overflow` of ``cand`` over ``items``."""
+        items, g = self.items, self.growth
+        if not self._sorted:
+            return marginal_overflow(items, sorted([*items, cand], reverse=True), cap, g)
+        before = self.projection()
+        nb = len(before)
+        p = self.position(cand)
+        rem_c = cand[0]
+        top = math.ceil(items[0][0] if p > 0 else rem_c)
+        out = [0.0] * top  # the turns past the candidate's own: the projection of ``items``, no change
+        kmax = min(top, math.floor(rem_c))
+        if kmax >= 1:
+            base = self._folds()[0][p] + cand[1]
+            n = p + 1
+            j = p
+            m = len(items)
+            for k in range(kmax, 0, -1):
+                while j < m and items[j][0] >= k:
+                    base += items[j][1]
+                    n += 1
+                    j += 1
+                a = base + g * k * n
+                out[k - 1] = max(0.0, a - cap) - max(0.0, (before[k - 1] if k - 1 < nb else 0.0) - cap)
+        if LifeView.check:
+            assert out == marginal_overflow(items, sorted([*items, cand], reverse=True), cap, g), \
+                "LifeView.marginal_overflow"
+        return out
+
+    def grown(self, cand: Item) -> LifeView:
+        """The view of ``items`` with ``cand`` admitted."""
+        p = self.position(cand)
+        items = self.items
+        out = LifeView([*items[:p], cand, *items[p:]], self.growth)
+        if LifeView.check:
+            assert out.items == sorted([*items, cand], reverse=True), "LifeView.grown"
+        return out
+
+    def pool_keeps(self, cap: float, keep: int, cand: Item | None = None) -> bool:
+        """:func:`pool_keeps` of ``items`` (and ``cand``)."""
+        g = self.growth
+        if self._ctx is None:
+            self._ctx = [c + g * rem for rem, c in self.items]
+        if cand is None:
+            key = (cap, keep)
+            out = self._keeps.get(key)
+            if out is None:
+                ctx = self._ctx
+                out = self._keeps[key] = not ctx or cap >= keep * (sum(ctx) / len(ctx))
+        else:
+            ctx = [*self._ctx, cand[1] + g * cand[0]]
+            out = cap >= keep * (sum(ctx) / len(ctx))
+        if LifeView.check:
+            assert out == pool_keeps(cap, self.items, g, keep, cand), "LifeView.pool_keeps"
+        return out
+
+    def later(self, turns: float) -> LifeView:
+        """The view of :func:`later_items` of ``items`` after ``turns`` turns."""
+        out = self._later.get(turns)
+        if out is None:
+            later = later_items(self.items, turns, self.growth)
+            # (roots a rounding leaves at the same remaining turns may no longer be in order)
+            out = self._later[turns] = LifeView(later, self.growth,
+                                                all(a >= b for a, b in zip(later, later[1:])))
+        return out

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 
 from vllm_mars.admission.base import PendingRoot
-from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
-from vllm_mars.admission.mars.projection import Item, life_peak, marginal_overflow, pool_keeps
+from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_s_total
+from vllm_mars.admission.mars.projection import LifeView
 from vllm_mars.admission.mars.window import AimdWindow
 
 #: (root, mode, footprint blocks, decision inputs for the admission event)
@@ -48,7 +48,7 @@ class Selection(AimdWindow):
     def life_capacity_tokens(self) -> float | None:
         raise NotImplementedError
 
-    def _life_items(self) -> list[Item]:
+    def _life_view(self) -> LifeView:
         raise NotImplementedError
 
     def _queue_cost_s(self, now: float) -> float:
@@ -82,9 +82,10 @@ class Selection(AimdWindow):
             mode = "smallest_fit"
         queue_s = self._queue_cost_s(now) if cost_rule else None
         cap = self.life_capacity_tokens() if cfg.size == "life" else None
-        items = self._life_items() if cap is not None else []
-        g = self._turn_growth
-        peak = life_peak(items, g) if cap is not None else 0.0
+        # The active roots' projection, kept between ticks while no root is admitted, ends or shows
+        # a new turn; each candidate recomputes only what it changes (exactly: see LifeView).
+        view = self._life_view() if cap is not None else None
+        peak = view.peak() if view is not None else 0.0
         bs = self._block_size()
         out: list[Choice] = []
         remaining = budget
@@ -92,13 +93,17 @@ class Selection(AimdWindow):
             if len(out) >= slots:
                 break
             b = foot[r.workflow]
-            over, why, grown, with_peak = 0, {}, None, 0.0
-            if cap is not None:
+            over, why, grown, with_peak = 0, {}, False, 0.0
+            if view is not None:
+                assert cap is not None
                 # Whole life: the candidate's context over all its turns joins the projection; what
                 # the peak gains beyond the capacity is its overflow.
                 cand = (self._root_turns(r), float(self._est_tokens(r)))
-                grown = sorted([*items, cand], reverse=True)
-                with_peak = life_peak(grown, g)
+                memo = view.memo
+                with_peak = memo.get(cand)
+                if with_peak is None:
+                    with_peak = memo[cand] = view.peak_with(cand)
+                grown = True
                 over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
                 why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
             if b <= remaining and over == 0:
@@ -106,19 +111,25 @@ class Selection(AimdWindow):
             elif cost_rule and not cpu_over:
                 assert queue_s is not None
                 lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
-                if cap is not None:
+                if view is not None:
                     # the overflow priced turn by turn: what the candidate adds to the projection's
-                    # excess over the pool at each of its coming turns
-                    per_turn = marginal_overflow(items, grown, cap, g)
-                    rebuild_s = self._rebuild_cost_s(r, lack, per_turn)
-                    why = {**why, "overflow_turns": sum(1 for x in per_turn if x > 0)}
+                    # excess over the pool at each of its coming turns (kept with the view, as the
+                    # rebuild seconds it costs at a shortfall: only the stall factor is read now)
+                    key = (cand, cap, bs, lack)
+                    priced = memo.get(key)
+                    if priced is None:
+                        per_turn = view.marginal_overflow(cand, cap)
+                        priced = memo[key] = (self._rebuild_s_total(r, lack, per_turn),
+                                              sum(1 for x in per_turn if x > 0))
+                    rebuild_s = priced[0] * self._stall_factor()
+                    why = {**why, "overflow_turns": priced[1]}
                 else:
                     rebuild_s = self._rebuild_cost_s(r, lack + over)
                 wait_s = queue_s
-                if rebuild_s >= wait_s and cap is not None and not pool_keeps(cap, items, g, cfg.window_min, cand):
+                if rebuild_s >= wait_s and view is not None and not view.pool_keeps(cap, cfg.window_min, cand):
                     # No active set keeps the contexts: holding it only pays if a slot makes it fit.
                     wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
-                                           items, cand, cap, queue_s, g)
+                                           view, cand, cap, queue_s, view.growth)
                     why = {**why, "wait_slots": k}
                 if rebuild_s >= wait_s:
                     continue
@@ -128,8 +139,8 @@ class Selection(AimdWindow):
             else:
                 continue
             remaining -= b
-            if grown is not None:
-                items, peak = grown, with_peak
+            if grown:
+                view, peak = view.grown(cand), with_peak
         if not out and not self._active:
             oldest = queue[0]
             out.append((oldest, "oldest_alone", foot[oldest.workflow], {}))
@@ -138,11 +149,19 @@ class Selection(AimdWindow):
     def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int,
                         per_turn_tokens: list[float] | None = None) -> float:
         """:func:`.cost.rebuild_cost_s` for ``root`` with the running calls now."""
+        return self._rebuild_s_total(root, overflow_blocks, per_turn_tokens) * self._stall_factor()
+
+    def _rebuild_s_total(self, root: PendingRoot, overflow_blocks: int,
+                         per_turn_tokens: list[float] | None = None) -> float:
         assert self.cost is not None
+        return rebuild_s_total(self.cost, self._root_turns(root), self._block_size(), overflow_blocks,
+                               per_turn_tokens)
+
+    def _stall_factor(self) -> int:
+        """A rebuild stalls the running calls and itself: ``1 + running`` (the engine's, else the
+        active roots)."""
         t = self._tel
-        running = t.running if t is not None and t.running is not None else len(self._active)
-        return rebuild_cost_s(self.cost, self._root_turns(root), running, self._block_size(),
-                              overflow_blocks, per_turn_tokens)
+        return 1 + (t.running if t is not None and t.running is not None else len(self._active))
 
     def _drain(self, queue: list[PendingRoot], slots: int, budget: int, foot: dict[str, int]) -> list[Choice]:
         """Only long roots wait: arrival order within the live budget, one at a time while any

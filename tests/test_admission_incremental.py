@@ -1,0 +1,170 @@
+"""The MARS controller's incremental selection decides exactly as the full recomputation.
+
+The controller keeps its active roots' whole-life items sorted as roots change, and prices each
+queued candidate from a :class:`LifeView` of them (the folds kept, only what the candidate changes
+summed again, results kept between ticks while nothing changes). Every number must be the one the
+plain functions in ``projection`` give over ``sorted([*items, cand], reverse=True)``, bit for bit:
+random cases with ties and fractional turns, a controller driven through every change of state,
+and a real sim run with ``LifeView.check`` on (each result compared with the full recomputation as
+it is made)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from vllm_mars.admission.base import PendingRoot, Telemetry
+from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
+from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
+from vllm_mars.admission.mars.projection import (LifeView, later_items, life_peak, marginal_overflow, pool_keeps,
+                                                 projection)
+from vllm_mars.costmodel import CostModel
+from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+
+def _case(rng: random.Random):
+    """Items with ties in turns and contexts, fractional turns, a candidate often equal to one."""
+    n = rng.randrange(0, 14)
+    rems = [float(rng.randrange(1, 12)) if rng.random() < 0.7 else rng.uniform(1.0, 12.0) for _ in range(n)]
+    ctxs = [float(rng.choice((0, 100, 900, 2500))) if rng.random() < 0.5 else rng.uniform(0, 5000) for _ in range(n)]
+    items = sorted(zip(rems, ctxs), reverse=True)
+    if items and rng.random() < 0.3:
+        cand = rng.choice(items)
+    else:
+        cand = (float(rng.randrange(1, 16)) if rng.random() < 0.7 else rng.uniform(1.0, 16.0),
+                float(rng.choice((0, 300, 2500))) if rng.random() < 0.3 else rng.uniform(0, 6000))
+    g = rng.choice((0.0, 137.0, rng.uniform(0, 900)))
+    total = sum(c + g * r for r, c in items) + cand[1] + g * cand[0]
+    cap = rng.uniform(0.2, 1.2) * max(total, 1.0)
+    return items, cand, g, cap
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_life_view_gives_the_functions_numbers_bit_for_bit(seed):
+    rng = random.Random(seed)
+    cost = CostModel(prefill_s_per_token=1e-4, attn_s_per_token_ctx=1e-9, source="test")
+    for _ in range(400):
+        items, cand, g, cap = _case(rng)
+        view = LifeView(list(items), g)
+        grown = sorted([*items, cand], reverse=True)
+        assert view.peak() == life_peak(items, g)
+        assert view.peak_with(cand) == life_peak(grown, g)
+        assert view.marginal_overflow(cand, cap) == marginal_overflow(items, grown, cap, g)
+        assert view.projection() == projection(items, g)
+        assert view.grown(cand).items == grown
+        assert view.grown(cand).peak() == life_peak(grown, g)
+        for keep in (1, 4):
+            assert view.pool_keeps(cap, keep) == pool_keeps(cap, items, g, keep)
+            assert view.pool_keeps(cap, keep, cand) == pool_keeps(cap, items, g, keep, cand)
+        for _, (rem, _) in zip(range(3), items):
+            later = later_items(items, rem, g)
+            assert view.later(rem).items == later
+            assert view.later(rem).marginal_overflow(cand, cap) == marginal_overflow(
+                later, sorted([*later, cand], reverse=True), cap, g)
+
+        def rebuild(per_turn, cand=cand):
+            return rebuild_cost_s(cost, cand[0], 3, 16, 0, per_turn)
+
+        assert fit_wait_s(rebuild, view, cand, cap, 7.5, g) == fit_wait_s(rebuild, items, cand, cap, 7.5, g)
+        # items out of order (what a later view falls back on): the functions' numbers all the same
+        shuffled = rng.sample(items, len(items))
+        if shuffled:
+            assert LifeView(shuffled, g, is_sorted=False).marginal_overflow(cand, cap) == marginal_overflow(
+                shuffled, sorted([*shuffled, cand], reverse=True), cap, g)
+
+
+def test_the_functions_are_what_the_view_is_checked_against():
+    # a view that summed in another order would differ in the last bits: the check must see it
+    items = [(5.0, 0.1), (4.0, 0.2), (3.0, 0.3)]
+    view = LifeView(items, 0.0)
+    assert view.peak() == life_peak(items, 0.0) == (0.1 + 0.2) + 0.3
+    assert (0.1 + 0.2) + 0.3 != 0.1 + (0.2 + 0.3)
+    assert view.peak_with((4.5, 0.7)) == ((0.1 + 0.7) + 0.2) + 0.3
+
+
+def _checked_controller(rng: random.Random) -> MarsAdmissionController:
+    c = MarsAdmissionController(MarsAdmissionConfig(window_min=2, window_max=24))
+    c.set_cost_model(CostModel(prefill_s_per_token=2e-5, source="test"))
+    return c
+
+
+def test_the_controllers_kept_items_follow_every_change(monkeypatch):
+    """Admissions, finishes (moving the learned mean of turns), new turns, prefix hits and a root
+    offered with a zero estimate (its context changes without a new turn): after each, the kept
+    items equal the full sort (``LifeView.check`` asserts it), and the ticks run the cost rule."""
+    monkeypatch.setattr(LifeView, "check", True)
+    rng = random.Random(7)
+    c = _checked_controller(rng)
+    t, n, admitted = 0.0, 0, []
+    for step in range(300):
+        t += 0.2
+        c.observe(Telemetry(ts=t, free_blocks=rng.randrange(0, 4000), total_blocks=4000, block_size=16,
+                            running=rng.randrange(0, 20), recomputed_tokens=step * 50, kv_blocks_removed=step))
+        for _ in range(rng.randrange(0, 3)):
+            turns = rng.choice((None, 3, 8, 15, True))
+            tokens = rng.choice((0, None, rng.randrange(500, 9000)))
+            c.offer(PendingRoot(f"w{n}", t, tokens, {} if turns is None else {"turns": turns}))
+            n += 1
+        admitted += c.tick(t)
+        active = [w for w in admitted if c.is_active(w)]
+        if active and rng.random() < 0.6:
+            w = rng.choice(active)
+            c.update_estimate(w, c._active[w].prefill_tokens + rng.randrange(0, 3000), t)
+        if active and rng.random() < 0.3:
+            c.observe_cached(rng.choice(active), rng.randrange(0, 4000))
+        if active and rng.random() < 0.25:
+            c.finish(rng.choice(active), t, final_tokens=rng.randrange(1000, 20000), turns=rng.randrange(1, 20))
+        c._life_view()  # (the check runs where the items are read)
+    events = c.take_events()
+    assert len(admitted) > 60 and c.num_active > 0
+    modes = {e.data["mode"] for e in events if e.event == "admission_admit"}
+    assert "cost_overflow" in modes and "cost_fit" in modes
+
+
+def _workload(path: Path, n: int = 14) -> Path:
+    """``n`` workflows of 3-9 turns (reported), 1.5-3k-token contexts growing by 150-400 tokens a turn,
+    arriving faster than a 6k-token pool lets them in: roots queue and are priced at every tick."""
+    lines = []
+    for i in range(n):
+        k = 3 + i % 7
+        turns = [{"append_tokens": 150 + 50 * (i % 6), "output_tokens": 40 + 7 * (i % 5),
+                  "tool_s": 0.5 + 0.3 * (j % 4), "tool": "bash"} for j in range(k - 1)]
+        turns.insert(0, {"output_tokens": 50, "tool_s": 0.4, "tool": "read"})
+        turns[-1] = {"append_tokens": 64, "output_tokens": 30}
+        lines.append(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"w{i}",
+                                 "prompt_tokens": 1500 + 113 * i, "turns": turns}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_sim_run_checks_every_incremental_result(tmp_path, monkeypatch):
+    """A real mars run on the sim with every LifeView result compared with the full recomputation
+    as it is made (an AssertionError would fail the run), and the candidates' results reused
+    between ticks."""
+    monkeypatch.setattr(LifeView, "check", True)
+    calls = {"peak_with": 0, "marginal_overflow": 0, "reused": 0}
+    for name in ("peak_with", "marginal_overflow"):
+        orig = getattr(LifeView, name)
+
+        def counted(self, *a, _orig=orig, _name=name):
+            calls[_name] += 1
+            return _orig(self, *a)
+
+        monkeypatch.setattr(LifeView, name, counted)
+    orig_view = MarsAdmissionController._life_view
+
+    def view(self):
+        v = orig_view(self)
+        calls["reused"] += bool(v.memo)
+        return v
+
+    monkeypatch.setattr(MarsAdmissionController, "_life_view", view)
+    out, _ = run_replay(ReplayConfig(workload=str(_workload(tmp_path / "wl.jsonl")), policy="mars", rps=4.0,
+                                     backend="sim", profile="h200-qwen3-coder-30b-a3b", num_blocks=400,
+                                     progress=False, plots=False, out=str(tmp_path / "run")))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] == 14 and summary["errors"] == 0
+    assert summary["engine"]["leak_check"] == "ok"
+    assert calls["peak_with"] > 50 and calls["marginal_overflow"] > 20 and calls["reused"] > 20, calls
