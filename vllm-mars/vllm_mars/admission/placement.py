@@ -218,7 +218,9 @@ class Placement:
         the ``mars`` rule's prefix term); the root is counted on it until :meth:`release`."""
         live = [b for b in self.backends if b.up] or self.backends
         rule = self.rule
-        if rule == "mars":
+        if len(live) == 1:
+            best = live[0]  # every rule's only choice: no scoring (its reads have no side effects)
+        elif rule == "mars":
             best = max(live, key=lambda b: (self.score(b, tokens), -len(b.roots)))
         elif rule == "round-robin":
             best = live[self.placed % len(live)]

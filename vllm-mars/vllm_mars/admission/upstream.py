@@ -5,7 +5,10 @@ Why not aiohttp here: the sidecar proxies every streamed chunk, and aiohttp's la
 multidict headers, per-request URL/timer/tracing objects) cost about as much CPU per chunk as the
 backend spends producing it. This client does only what a proxy to vLLM needs: one request at a
 time per connection, a body of known length, a response streamed as it arrives, connection reuse
-when the server keeps it alive. Errors are explicit: :class:`UpstreamUnreachable` (the connection
+when the server keeps it alive. A streamed body is read either by awaiting :meth:`Response.chunks`, or
+pushed: with :meth:`Response.push` set, the connection calls the consumer once per read from the
+socket, after the parser has taken the whole read (so whatever one read holds is one chunk; the
+sidecar writes it to its client from that callback, with no task wake-up per chunk). Errors are explicit: :class:`UpstreamUnreachable` (the connection
 could not be made, so the request provably never reached the server: safe to retry elsewhere) and
 :class:`UpstreamBroken` (the request was sent and the connection died, timed out or sent garbage,
 before or after the response head: never resent, a POST may have started generating).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -38,8 +41,8 @@ class UpstreamBroken(Exception):
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("_body", "_buffered", "_done", "_error", "_head", "_parser", "_paused", "_waiter", "closed",
-                 "headers", "idle_since", "keep_alive", "status", "transport")
+    __slots__ = ("_body", "_buffered", "_done", "_error", "_head", "_parser", "_paused", "_sink", "_waiter",
+                 "closed", "headers", "idle_since", "keep_alive", "status", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -59,6 +62,8 @@ class _Conn(asyncio.Protocol):
         self._error: BaseException | None = None
         self._head: asyncio.Future | None = None
         self._waiter: asyncio.Future | None = None
+        #: the push consumer (see :meth:`Response.push`): called after each read instead of a wake-up
+        self._sink: Callable[[], None] | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -70,6 +75,9 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamBroken(f"bad HTTP response: {e}"))
             self.close()
+            return
+        if self._sink is not None:
+            self._sink()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -90,6 +98,8 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
         self._buffered += len(body)
+        if self._sink is not None:
+            return  # pushed once the whole read is parsed (data_received)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True  # a slow client: stop reading upstream until it catches up
             self.transport.pause_reading()
@@ -106,7 +116,8 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._done = True
-        self._wake()
+        if self._sink is None:
+            self._wake()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -121,6 +132,8 @@ class _Conn(asyncio.Protocol):
             self._head.set_exception(err)
             self._head.exception()  # retrieved here; re-raised by the awaiting caller
         self._wake()
+        if self._sink is not None:
+            self._sink()
 
     def close(self) -> None:
         self.closed = True
@@ -168,6 +181,41 @@ class Response:
                 raise UpstreamBroken(f"no data for {read_timeout} s") from None
             finally:
                 c._waiter = None
+
+    def push(self, sink: Callable[[], None] | None) -> None:
+        """Push mode: ``sink()`` is called after every read from the socket that parsed body bytes
+        or the end of the response, and when the connection fails (None: back to :meth:`chunks`).
+        The sink takes the bytes with :meth:`take` and reads :attr:`done` / :attr:`error`; it must
+        not raise. Reading is not paused at a high-water mark in this mode (the sink does not
+        buffer): a sink that cannot pass the bytes on calls :meth:`pause_reading`."""
+        self._conn._sink = sink
+
+    def take(self) -> bytes:
+        """Every body byte received and not yet taken ("" when none)."""
+        c = self._conn
+        return c._take() if c._body else b""
+
+    @property
+    def done(self) -> bool:
+        """The whole body has been received (it may not all be taken yet)."""
+        return self._conn._done
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the response failed (:class:`UpstreamBroken`), or None."""
+        return self._conn._error
+
+    def pause_reading(self) -> None:
+        c = self._conn
+        if not c._paused and c.transport is not None and not c.closed:
+            c._paused = True
+            c.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        c = self._conn
+        if c._paused and c.transport is not None and not c.closed:
+            c._paused = False
+            c.transport.resume_reading()
 
     def release(self) -> None:
         """Return the connection to the pool if the response was read fully and may be reused;

@@ -18,12 +18,14 @@ import json
 import logging
 import re
 import time
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm_mars.admission.identity import Identity, identify
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.roots import RootState
+from vllm_mars.admission.sidecar.pump import Pump, finish
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.workflow import workflow_from_extra_args
 
@@ -120,8 +122,14 @@ async def read_body(scope: dict, receive: Any, limit: int, timeout_s: float, dea
         try:
             if wait <= 0:
                 raise TimeoutError
-            async with asyncio.timeout(wait):  # (a timer on this task: wait_for would start another task)
-                msg = await receive()
+            co = receive()
+            try:  # a chunk already received is returned at once: no timer for it
+                fut = co.send(None) if type(co) is types.CoroutineType else None
+            except StopIteration as stop:
+                msg = stop.value
+            else:
+                async with asyncio.timeout(wait):  # (a timer on this task: wait_for would start another task)
+                    msg = await (co if fut is None else finish(co, fut))
         except TimeoutError:
             if end is not None and loop.time() >= end - 1e-3:
                 raise HTTPError(408, f"request body not complete within {deadline_s} s") from None
@@ -291,56 +299,65 @@ class Forwarder:
         return resp.status < 400
 
     async def _stream(self, r: RootState, b: Backend, resp: Any, send: Any, extra: Any, scan: Any) -> bool:
-        """Pass an SSE answer through chunk by chunk (the hot path: one wait and one send per
-        chunk, whatever arrived meanwhile joined into one)."""
+        """Pass an SSE answer through as it arrives: the hot path. Each read from upstream is
+        written to the client from the upstream connection's callback (:class:`~vllm_mars.admission.sidecar.pump.Pump`), whatever
+        that read holds joined into one write; this task sleeps until the answer ends, fails,
+        times out or the client stops taking data (then it finishes that write itself)."""
         done = False
-        c = resp._conn
         timeout = self.config.read_timeout_s
         loop = asyncio.get_running_loop()
+        pump = Pump(resp, send, scan, timeout)
         try:
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": [*down_headers(resp.headers), *extra]})
-            prev = last = b""
-            ended = False
+            resp.push(pump)
             try:
                 while True:
-                    if c._body:
-                        chunk = c._take()
-                        if scan is not None:
-                            scan.feed(chunk)
-                        prev, last = last, chunk
-                        if c._done:  # the answer's last bytes end the response: one write, not two
-                            await send({"type": "http.response.body", "body": chunk})
-                            ended = True
+                    pump.wake = wake = loop.create_future()
+                    pump()  # what arrived with the head, or while this task was busy
+                    if not wake.done():
+                        if timeout is not None:
+                            pump.timer = loop.call_later(timeout, pump.expire, loop)
+                        try:
+                            await wake
+                        finally:
+                            if pump.timer is not None:
+                                pump.timer.cancel()
+                                pump.timer = None
+                    if pump.failure is not None:
+                        raise pump.failure
+                    if pump.pending is not None:  # the client is slow: finish the write here, then go on
+                        co, fut = pump.pending
+                        pump.pending = None
+                        await finish(co, fut)
+                        if pump.ended:
                             break
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        resp.resume_reading()
+                        pump.rx = time.monotonic()
                         continue
-                    if c._done:
+                    if pump.ended:
                         break
-                    if c._error is not None:
-                        raise c._error
-                    c._waiter = w = loop.create_future()
-                    try:
-                        if timeout is None:
-                            await w
-                        else:
-                            await asyncio.wait_for(w, timeout)
-                    except TimeoutError:
-                        raise UpstreamBroken(f"no data for {timeout} s") from None
-                    finally:
-                        c._waiter = None
+                    if resp.done:
+                        await send({"type": "http.response.body", "body": b""})  # the end came on its own
+                        break
+                    if resp.error is not None:
+                        raise resp.error
+                    if pump.timed_out:
+                        raise UpstreamBroken(f"no data for {timeout} s")
             except UpstreamBroken as e:
+                resp.push(None)
                 self._broken(r, b, str(e), started=True)
                 err = err_body(502, f"backend {b.url} failed mid-stream: {e}")
                 await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n", "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
                 return False
-            if not ended:
-                await send({"type": "http.response.body", "body": b""})
             done = True
-            self._note_tokens(r, prev[-2048:] + last[-2048:])
+            self._note_tokens(r, pump.prev[-2048:] + pump.last[-2048:])
             return resp.status < 400
         finally:
+            resp.push(None)
+            if pump.pending is not None:
+                pump.pending[0].close()
             if done:
                 resp.release()  # back to the pool
             else:

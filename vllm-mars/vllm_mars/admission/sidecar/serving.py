@@ -55,6 +55,8 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         _in_head = False
         _head_bytes = 0
         _raw_head = 0
+        #: when the head now being received began
+        _head_since = 0.0
         #: when the request now being received began (None: none is being received)
         _receiving_since: float | None = None
 
@@ -96,27 +98,37 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         def _arm(self) -> None:
             self._in_head = True
             self._head_bytes = self._raw_head = 0
-            self._receiving_since = self.loop.time()
+            self._receiving_since = self._head_since = self.loop.time()
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
         def _disarm(self) -> None:
+            """The head is complete. Its timer stays set: when it fires it checks the head then
+            being received, if any (one timer per connection and timeout period, not per request)."""
+            self._in_head = False
+
+        def _stop_timer(self) -> None:
             self._in_head = False
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
 
         def _reject(self, status: int, reason: str) -> None:
-            self._disarm()
+            self._stop_timer()
             if not self.transport.is_closing():
                 self.transport.write(_raw_response(status, reason))
                 self.transport.close()
 
         def _head_timeout(self) -> None:
             self._head_timer = None
-            if self._in_head:
-                logger.info("request head from %s not complete in %s s: closing", self.client, header_timeout_s)
-                self._reject(408, "Request Timeout")
+            if not self._in_head:
+                return
+            left = self._head_since + header_timeout_s - self.loop.time()
+            if left > 1e-3:  # a later request's head: its own deadline
+                self._head_timer = self.loop.call_later(left, self._head_timeout)
+                return
+            logger.info("request head from %s not complete in %s s: closing", self.client, header_timeout_s)
+            self._reject(408, "Request Timeout")
 
         def _count_head(self, n: int) -> None:
             self._head_bytes += n
@@ -154,7 +166,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._stop_timer()
             cycle = self.cycle
             gone = cycle.scope.get(ON_DISCONNECT) if cycle is not None and not cycle.response_complete else None
             super().connection_lost(exc)

@@ -80,7 +80,8 @@ class SidecarState:
         self._loop = asyncio.get_running_loop()
         cfg = self.config
         if cfg.events_path:
-            self._events_file = open(cfg.events_path, "a", buffering=1)  # noqa: SIM115, ASYNC230 (once)
+            # unbuffered: one write per batch of events, and a failed write keeps nothing behind
+            self._events_file = open(cfg.events_path, "ab", buffering=0)  # noqa: SIM115, ASYNC230 (once)
         self._up_event = asyncio.Event()
         await asyncio.gather(*(b.telemetry.poll_upstream(b.pool) for b in self.placement.servers))
         self.backends = self.placement.expand_ranks()  # one backend per data-parallel rank
@@ -171,9 +172,14 @@ class SidecarState:
         evs = self.controller.take_events() + self.lifecycle.take_events()
         self.recent_events.extend(evs)
         if evs and self._events_file is not None:
-            try:
-                for e in evs:
-                    self._events_file.write(json.dumps({"ts": e.ts, "event": e.event, **e.data}, default=str) + "\n")
+            data = memoryview("".join([json.dumps({"ts": e.ts, "event": e.event, **e.data}, default=str) + "\n"
+                                       for e in evs]).encode())
+            try:  # one write per batch of events, not one per line
+                while data:
+                    n = self._events_file.write(data)
+                    if not n:
+                        raise OSError("the events file takes no more bytes")
+                    data = data[n:]
             except OSError as e:  # a full disk (or /dev/full) loses events, never a call or the ticker
                 self.counters["event_write_errors"] += 1
                 if self.counters["event_write_errors"] == 1:

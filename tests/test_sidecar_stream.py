@@ -1,0 +1,311 @@
+"""Issue 35 item 5: the sidecar's streaming hot path. Each read from upstream is written to the
+client from the upstream connection's callback (no task wake-up per chunk); a client too slow to
+take the bytes has its write finished by the call's task while upstream reading pauses; the read
+timeout, an upstream cut mid-stream and a client that hangs up still end the call cleanly. The real
+sidecar on 127.0.0.1 in front of a real TCP server that streams SSE as vLLM does (chunked); every
+test ends with the leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Self
+
+import httpx
+import pytest
+from conftest import free_port
+from faulty_backend import METRICS
+from test_sidecar import CHAT, wait_until
+from vllm_mars.admission.placement import Backend, Placement
+from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+from vllm_mars.admission.sidecar.serving import ServerThread
+
+
+def event(i: int, size: int) -> bytes:
+    head = b'data: {"i":%d,"pad":"' % i
+    return head + b"x" * max(0, size - len(head) - 5) + b'"}\n\n'
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def frame(b: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(b), b)
+
+
+class SSEBackend:
+    """Streams ``n`` SSE events per POST, as its ``x-stream: n,gap_ms,size,end`` header says: one
+    write per event, ``gap_ms`` apart; ``end`` = ``done`` (the last event, ``[DONE]`` and the
+    terminating chunk in one write), ``stall`` (then silence until the caller hangs up) or
+    ``close`` (then the connection closes mid-stream). Counts connections and hang-ups seen."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.connections = 0
+        self.hangups = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.add(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method = lines[0].split(" ")[0]
+                hdrs = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+                if n := int(hdrs.get("content-length", "0")):
+                    await reader.readexactly(n)
+                if method == "GET":
+                    body = METRICS.encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    await writer.drain()
+                    continue
+                n, gap, size, end = hdrs["x-stream"].split(",")
+                n, gap, size = int(n), float(gap) / 1000, int(size)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for i in range(n):
+                    if gap:
+                        await asyncio.sleep(gap)
+                    last = i == n - 1 and end == "done"
+                    writer.write(frame(event(i, size)) + (frame(DONE) + b"0\r\n\r\n" if last else b""))
+                    await writer.drain()
+                if end == "stall":
+                    await reader.read()
+                    self.hangups += 1
+                    break
+                if end == "close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.hangups += 1
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+class Recording:
+    """The sidecar app with its body ``send`` calls recorded: (bytes, begun inside a task, ended
+    inside a task). A write begun outside any task ran in the upstream connection's callback."""
+
+    def __init__(self, app: Sidecar) -> None:
+        self.app = app
+        self.config = app.config
+        self.sends: list[tuple[int, bool, bool]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def rec(msg):
+            begun = asyncio.current_task() is not None
+            await send(msg)
+            if msg["type"] == "http.response.body":
+                self.sends.append((len(msg.get("body", b"")), begun, asyncio.current_task() is not None))
+
+        return await self.app(scope, receive, rec)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    with SSEBackend(free_port()) as b:
+        yield b
+
+
+def serve(backend: SSEBackend, **kw) -> ServerThread:
+    cfg = SidecarConfig(backends=(backend.url,), controller="none", port=free_port(), telemetry_interval_s=0.05,
+                        **kw)
+    return ServerThread(Recording(Sidecar(cfg)))
+
+
+def assert_no_leak(sc: ServerThread) -> None:
+    app = sc.app.app
+    assert wait_until(lambda: app.in_flight == 0, 5), app.in_flight
+    assert not app.roots and app.queue_budget.calls == 0 and app.queue_budget.bytes == 0
+    assert all(not b.roots for b in app.backends)
+
+
+def expected(n: int, size: int) -> bytes:
+    return b"".join(event(i, size) for i in range(n)) + DONE
+
+
+def stream(sc: ServerThread, spec: str) -> tuple[int, bytes]:
+    with httpx.Client(timeout=30) as c, c.stream("POST", sc.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                                                  headers={"x-stream": spec}) as r:
+        return r.status_code, b"".join(r.iter_raw())
+
+
+def dechunk(data: bytes) -> bytes:
+    out, i = [], 0
+    while True:
+        j = data.index(b"\r\n", i)
+        n = int(data[i:j], 16)
+        if n == 0:
+            return b"".join(out)
+        out.append(data[j + 2:j + 2 + n])
+        i = j + 2 + n + 2
+
+
+def test_each_upstream_read_is_written_from_the_callback_with_exact_framing(backend):
+    """16 events 20 ms apart: the client gets the backend's bytes exactly, one write per upstream
+    read, and (all but at most the first) written from the upstream callback, not by a task."""
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        status, body = stream(sc, "16,20,120,done")
+        assert status == 200
+        assert body == expected(16, 120)
+        sends = [s for s in sc.app.sends if s[0]]
+        assert len(sends) == 16, sends  # the last event, [DONE] and the end arrive in one read: one write
+        outside = sum(1 for _, begun, _ in sends if not begun)
+        assert outside >= 15, sc.app.sends
+        assert_no_leak(sc)
+        # the upstream connection went back to the pool: a second call reuses it
+        conns = backend.connections
+        assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
+        assert backend.connections == conns
+
+
+def test_slow_client_write_is_finished_by_the_task_while_upstream_pauses(backend):
+    """8 MiB streamed to a client that first reads nothing: the sidecar's socket (up to 4 MiB of
+    kernel buffer on Linux) fills, the write
+    that cannot complete is finished by the call's task (upstream reading paused meanwhile), and
+    every byte arrives in order."""
+    n, size = 64, 128 << 10
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", sc.app.config.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                  b"content-type: application/json\r\nx-stream: %d,0,%d,done\r\ncontent-length: %d\r\n\r\n%s"
+                  % (n, size, len(body), body))
+        time.sleep(1.0)  # not reading: the sidecar's writes back up
+        got = []
+        s.settimeout(30)
+        while chunk := s.recv(1 << 20):
+            got.append(chunk)
+        s.close()
+        raw = b"".join(got)
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+        assert dechunk(rest) == expected(n, size)
+        assert any(begun is False and ended is True for _, begun, ended in sc.app.sends), \
+            "no write had to wait for the client"
+        assert_no_leak(sc)
+
+
+def test_read_timeout_mid_stream_ends_with_an_error_event(backend):
+    with serve(backend, read_timeout_s=0.3) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        hangups = backend.hangups
+        t0 = time.monotonic()
+        status, body = stream(sc, "2,0,60,stall")
+        took = time.monotonic() - t0
+        assert status == 200
+        assert body.startswith(expected(2, 60)[:-len(DONE)])
+        tail = body[len(expected(2, 60)) - len(DONE):]
+        assert tail.startswith(b"data: ") and b"no data for 0.3 s" in tail and b'"code": 502' in tail, tail
+        assert 0.25 <= took < 3.0, took
+        assert wait_until(lambda: backend.hangups == hangups + 1, 5), "the stalled upstream call was not dropped"
+        assert sc.app.app.counters["upstream_errors"] == 1
+        assert_no_leak(sc)
+
+
+def test_upstream_cut_mid_stream_ends_with_an_error_event(backend):
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        status, body = stream(sc, "3,10,60,close")
+        assert status == 200
+        ok = expected(3, 60)[:-len(DONE)]
+        assert body.startswith(ok)
+        assert b"failed mid-stream" in body[len(ok):], body[len(ok):]
+        assert_no_leak(sc)
+
+
+def test_client_hanging_up_mid_stream_drops_the_upstream_call(backend):
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        hangups = backend.hangups
+        with httpx.Client(timeout=30) as c, c.stream("POST", sc.url + "/v1/chat/completions",
+                                                     json={**CHAT, "stream": True},
+                                                     headers={"x-stream": "200,20,60,done"}) as r:
+            it = r.iter_raw()
+            assert next(it).startswith(b'data: {"i":0')
+        assert wait_until(lambda: backend.hangups == hangups + 1, 5), "the upstream call outlived its client"
+        assert sc.app.app.counters["client_disconnects"] == 1
+        assert_no_leak(sc)
+
+
+def test_head_timeout_holds_for_each_request_on_a_kept_alive_connection(backend):
+    """One head timer per connection serves its requests in turn: a slow head on a kept-alive
+    connection gets its 408 a full timeout after that head began, not after an earlier one."""
+    with serve(backend, header_timeout_s=0.6) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        s = socket.create_connection(("127.0.0.1", sc.app.config.port))
+        s.settimeout(5)
+        for _ in range(2):
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(0.35)  # the first head's timer is still set when the next head begins
+        t0 = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")  # never finished
+        reply = s.recv(65536)
+        took = time.monotonic() - t0
+        s.close()
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert 0.5 <= took < 2.0, took
+        assert_no_leak(sc)
+
+
+def test_placement_with_one_live_backend_scores_nothing(monkeypatch):
+    """The only live backend is every rule's choice: no score is computed (the mars rule's score
+    sums the promises over the backend's roots); with two live backends the rule scores as before."""
+    backends = [Backend("http://127.0.0.1:1"), Backend("http://127.0.0.1:2")]
+    calls = []
+    monkeypatch.setattr(Placement, "score", lambda self, b, tokens=None: calls.append(b) or -len(b.roots))
+    for rule in ("mars", "round-robin", "session-hash", "least-loaded"):
+        p = Placement(backends, controller=None, rule=rule)
+        backends[0].up, backends[1].up = False, True
+        assert p.place(f"{rule}-a") is backends[1]
+        assert not calls
+        backends[0].up = True
+        p.place(f"{rule}-b")
+        assert bool(calls) == (rule == "mars")
+        for b in backends:
+            b.roots.clear()
+        calls.clear()
