@@ -41,3 +41,14 @@ def test_compare_counts_only_stock_passes(suite):
     stock = {"a": "passed", "b": "passed", "c": "failed"}
     ours = {"a": "passed", "b": "failed", "c": "passed"}
     assert suite.compare(stock, ours) == (2, 1, ["b"])
+
+
+def test_a_policy_the_scheduler_refuses_here_is_named_not_run(suite):
+    # infercept_swap needs an offloading connector (and refuses the CPU build): NOT RUN, with why.
+    from vllm_mars.engine.rig import make_scheduler
+
+    why = suite.refusal("infercept_swap", None)
+    assert why and ("connector" in why or "refuses" in why), why
+    with pytest.raises(ValueError):  # what the scheduler the suite would build does
+        make_scheduler("infercept_swap")
+    assert suite.refusal("infercept", None) is None and suite.refusal("fcfs", None) is None

@@ -118,21 +118,22 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
                      long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
                      async_scheduling: bool = False, model_dir: str | None = None,
-                     kv_events: bool = False) -> VllmConfig:
+                     kv_events: bool = False, scheduling_policy: str = "fcfs") -> VllmConfig:
     """A VllmConfig over a config-only model dir (``model_dir``; default: the tiny model's config.json).
 
     ``num_spec_tokens > 0`` adds an n-gram speculative config (no draft model); vLLM's Scheduler
     reads it as ``vllm_config.num_speculative_tokens``. ``async_scheduling`` is set after the
     platform hook (which turns it off on CPU), as vLLM would have decided it on GPU.
     ``kv_events=True`` turns on vLLM's KV cache events with the null publisher, as the in-process
-    backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals."""
+    backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals.
+    ``scheduling_policy``: vLLM's ``--scheduling-policy`` (``fcfs`` or ``priority``)."""
     model_config = ModelConfig(model=model_dir or config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
-        policy="fcfs", async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
+        policy=scheduling_policy, async_scheduling=False, long_prefill_token_threshold=long_prefill_token_threshold)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     mars = {"policy": policy, **dict(policy_options or {})}
     spec = None
@@ -158,13 +159,14 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
                    policy_options: Mapping[str, Any] | None = None, clock: Clock | None = None,
                    scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
                    num_spec_tokens: int = 0, async_scheduling: bool | None = None,
-                   model_dir: str | None = None, kv_events: bool = False, log_stats: bool = True) -> Scheduler:
+                   model_dir: str | None = None, kv_events: bool = False, log_stats: bool = True,
+                   scheduling_policy: str = "fcfs") -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
     ``async_scheduling`` is vLLM's engine decision (default: whether ``scheduler_cls`` is an
     AsyncScheduler); MarsScheduler builds the variant that matches it.
-    ``model_dir``/``kv_events``: see :func:`make_vllm_config`. No KV tensors exist: the pool is
+    ``model_dir``/``kv_events``/``scheduling_policy``: see :func:`make_vllm_config`. No KV tensors exist: the pool is
     bookkeeping only, so its size costs no memory beyond one small Python object per block.
     """
     if async_scheduling is None:
@@ -174,7 +176,8 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         long_prefill_token_threshold=long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
-        async_scheduling=async_scheduling, model_dir=model_dir, kv_events=kv_events)
+        async_scheduling=async_scheduling, model_dir=model_dir, kv_events=kv_events,
+        scheduling_policy=scheduling_policy)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
                                                       head_size=64, dtype=torch.bfloat16))])

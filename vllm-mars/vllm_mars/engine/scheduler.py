@@ -8,7 +8,9 @@ holds the seams, and each concern behind them lives in its own module:
 
 * order: ``self.running`` is sorted by the policy's ``running_key`` before each step and each
   request's ``priority`` set to its victim rank, with vLLM in PRIORITY mode, so vLLM's own
-  preemption picks the policy's victim; the waiting queues are a
+  preemption picks the policy's victim (started with vLLM's ``priority`` scheduling policy, the
+  request's own priority ranks first: :meth:`MarsSchedulerMixin._write_victim_ranks`); the waiting
+  queues are a
   :class:`~vllm_mars.engine.policy_queue.PolicyQueue`;
 * admission gate: ``max_num_active_reqs`` (vLLM's cap on admission into RUNNING, read by its
   waiting loop before each admission) is 0 while the policy holds the waiting head
@@ -61,6 +63,13 @@ _ABORTED = RequestStatus.FINISHED_ABORTED
 _MAX_WARNED = 10_000
 
 
+class _VictimRank(int):
+    """A victim rank the scheduler wrote into ``Request.priority``; any other value found there is
+    the request's own vLLM priority."""
+
+    __slots__ = ()
+
+
 def _untagged(request_id: str) -> WorkflowInfo:
     """The workflow of a call served without (or despite) its tags: itself alone."""
     return WorkflowInfo(request_id, request_id, last_step=True, tagged=False)
@@ -97,6 +106,8 @@ class MarsSchedulerMixin:
         self.mars_recomputed_tokens = 0
         self.mars_prompt_tokens = 0  # prompt tokens of calls scheduled for the first time
         self.mars_prefix_hit_tokens = 0  # ... of which served from the prefix cache
+        #: vLLM was started with its priority policy: the requests' own priorities rank victims first.
+        self._user_priorities = self.policy == SchedulingPolicy.PRIORITY
         if policy.orders or policy.gates:
             if policy.orders:
                 # vLLM's PRIORITY mode preempts max(priority); we set priority to victim rank.
@@ -326,24 +337,41 @@ class MarsSchedulerMixin:
         running = self.running
         running.sort(key=lambda r: rkey(calls[r.request_id]))
         if policy.custom_victims:
-            # Ranked only when vLLM is about to preempt (a running call's allocation failed):
-            # most steps preempt nobody, and the rank is a sort with a Python key per call.
+            # The policy's own rank is taken only when vLLM is about to preempt (a running call's
+            # allocation failed, seen by the reclaim seam): most steps preempt nobody, and the rank
+            # is a sort with a Python key per call. Until then the running order stands, so a
+            # failure the seam does not see (a wrapper of allocate_slots outside ours) preempts by
+            # this step's order, never by a rank left from an earlier step.
             self._victims_ranked = False
-            return
-        for i, r in enumerate(running):
-            r.priority = i
+        self._write_victim_ranks(running)
 
     def _rank_victims(self) -> None:
-        """Set each running request's ``priority`` to its victim rank (vLLM's PRIORITY mode
-        preempts the largest). The keys read what the step's ordering pass filled in, and
-        preemption happens only in vLLM's pass over the running calls, before any waiting call
-        joins them, so a rank taken at the first failed allocation equals one taken at the step's
-        start."""
+        """Set each running request's ``priority`` to the policy's victim rank. The keys read what
+        the step's ordering pass filled in, and preemption happens only in vLLM's pass over the
+        running calls, before any waiting call joins them, so a rank taken at the first failed
+        allocation equals one taken at the step's start."""
         calls = self._calls
         vkey = self.mars_policy.victim_key
-        for i, r in enumerate(sorted(self.running, key=lambda r: vkey(calls[r.request_id]))):
-            r.priority = i
+        self._write_victim_ranks(sorted(self.running, key=lambda r: vkey(calls[r.request_id])))
         self._victims_ranked = True
+
+    def _write_victim_ranks(self, ordered: list[Request]) -> None:
+        """Write each request's victim rank into its ``priority`` (vLLM's PRIORITY mode preempts
+        the largest), ``ordered`` from the last to go to the first. Under vLLM's fcfs policy the
+        requests' own priorities decide nothing, as in stock vLLM. Under its priority policy they
+        are the user's order: the largest is preempted first, as stock vLLM does, and ``ordered``
+        breaks ties. A user's priority is read wherever the request holds a plain int rather than
+        a rank written here (:class:`_VictimRank`), so one set after arrival counts too."""
+        if not self._user_priorities:
+            for i, r in enumerate(ordered):
+                r.priority = i
+            return
+        calls = self._calls
+        for r in ordered:
+            if type(r.priority) is not _VictimRank:
+                calls[r.request_id].user_priority = r.priority
+        for i, r in enumerate(sorted(ordered, key=lambda r: calls[r.request_id].user_priority)):
+            r.priority = _VictimRank(i)
 
     def _release_returned(self, scheduled: dict[str, int], now: float) -> None:
         for rid in [r for r in self._returning if r in scheduled]:

@@ -7,7 +7,8 @@ vLLM's requests to :class:`CallView` objects and applies the policy's answers at
 seam                  what the policy answers
 ====================  ==========================================================================
 order                 ``waiting_key`` / ``running_key``: lower is served first (when ``orders``)
-victim                ``victim_key``: the largest key is preempted first (default: running order)
+victim                ``victim_key``: the largest key is preempted first (default: running order;
+                      under vLLM's priority policy the request's own priority ranks first)
 admission gate        ``may_start``: whether the head of the waiting queue may start now
 chunk cap             ``chunk_tokens``: how many prefill tokens a request may take this step
 retention             ``retention_s``: keep a finished call's KV for this many seconds (0 = free)
@@ -81,6 +82,8 @@ class CallView:
         self.workflow = workflow
         self.arrival = arrival
         self.seq = seq
+        #: The request's own vLLM priority (kept by the scheduler, which writes victim ranks into
+        #: ``Request.priority``): under vLLM's priority policy it ranks victims before ``victim_key``.
         self.user_priority: int = req.priority
         self.state: Any = None
         #: Clock time the call was last given tokens (its arrival until then).
