@@ -221,7 +221,33 @@ def test_a_dead_replica_server_is_told_from_a_live_one():
     assert not asyncio.run(serve_ray._answers_http(f"http://127.0.0.1:{free_port()}", 0.5))  # refused
 
 
+def test_mars_serve_placement_reaches_the_gate(tiny_model):
+    """``mars serve --ray --placement RULE``: the gate places new roots over the replicas by RULE."""
+    import zlib
+
+    from vllm_mars.cli import build_parser
+    from vllm_mars.commands.admission import _sidecar_config
+
+    args = build_parser().parse_args(["serve", tiny_model, "--ray", "--placement", "session-hash"])
+    cfg = _sidecar_config(args, (serve_ray.RAY_BACKEND_LABEL,), args.host, args.port)
+    s = serve_ray.ReplicaSet(stale_s=5.0)  # (gate_for's set is the module's live deployment's)
+    g = serve_ray.RayGate(cfg, None, s)
+    try:
+        s.sync([_Rep("r1", _stats("http://h:1", 1, 90)), _Rep("r2", _stats("http://h:2", 1, 10))])
+        g._replicas_changed()
+        assert g.placement.rule == "session-hash"
+        roots = [f"root-{k}" for k in range(6)]
+        got = [g.placement.place(r).name for r in roots]
+        assert got == [g.backends[zlib.crc32(r.encode()) % 2].name for r in roots]
+        assert "r2" in got, "session hash, not the most budget (r1)"
+    finally:
+        for b in list(s.by_id.values()):
+            b.pool.close()
+
+
 @pytest.mark.parametrize(("flags", "message"), [
+    (["--placement", "round-robin"], "--placement: only with --ray"),
+    (["--ray", "--placement", "rr"], "--placement 'rr' unknown; allowed: mars, round-robin, session-hash"),
     (["--replicas", "2"], "--replicas: only with --ray"),
     (["--address", "10.0.0.1:6379", "--replica-gpus", "1"], "--address, --replica-gpus: only with --ray"),
     (["--ray", "--replicas", "0"], "--replicas 0: give at least 1"),

@@ -159,12 +159,37 @@ def test_a_cluster_sums_its_replicas_for_the_controller_and_the_summary(tmp_path
     assert first["event"] == "kv_sample" and first["total_blocks"] == eng["num_blocks"]
 
 
+def test_each_replica_admits_its_own_roots_by_its_own_reading(tmp_path):
+    """Per-replica admission: a root is placed when it arrives (round robin: the k-th arrival on
+    replica k mod 3) and admitted by its replica's controller, which judges that replica's KV alone
+    (one replica's blocks, not the fleet's)."""
+    out = _run(tmp_path, "adm3", replicas=3, placement="round-robin")
+    s = json.loads((out / "summary.json").read_text())
+    assert s["completed"] == 28 and s["engine"]["leak_check"] == "ok"
+    assert s["engine"]["cluster"]["admission"] == "per-replica"
+    one = get_profile(TINY).num_kv_blocks() - 1
+    order: list[str] = []
+    admits: dict[str, dict] = {}
+    for line in (out / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "workflow_arrive":
+            order.append(e["workflow"])
+        elif e["event"] == "admission_admit":
+            admits[e["workflow"]] = e
+    assert len(order) == len(admits) == 28
+    for k, wf in enumerate(order):
+        assert admits[wf]["replica"] == k % 3, (wf, admits[wf])
+    seen = [a["total_blocks"] for a in admits.values() if a["total_blocks"] is not None]  # (None: before a reading)
+    assert len(seen) > 20 and set(seen) == {one}, "each controller reads its own replica"
+    assert s["engine"]["num_blocks"] == 3 * one
+
+
 @pytest.mark.parametrize("kw, text", [
     ({"placement": "rr"}, "placement 'rr' unknown; allowed: mars, round-robin, session-hash, least-loaded"),
     ({"placement": "round-robin"}, "placement 'round-robin' places roots over replicas: give --replicas N"),
     ({"replicas": 0}, "replicas must be 1..1024, got 0"),
-    ({"replicas": 2, "backend": "inprocess", "profile": None}, "replicas runs N simulated engines: it needs "
-                                                               "--backend sim"),
+    ({"replicas": 2, "backend": "inprocess", "profile": None}, ("replicas runs N simulated engines: it needs "
+                                                                "--backend sim")),
     ({"replicas": True}, "replicas must be int"),
 ])
 def test_bad_cluster_options_are_one_line_errors(kw, text):
@@ -205,8 +230,8 @@ def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_pa
 
     exp = load_experiment(REPO / "experiments" / "scale_out" / "scale_out.toml")
     cfg = policy_config(exp.base, "rr-n16", exp.variants["rr-n16"], rps=3.2)
-    assert (cfg.replicas, cfg.placement, cfg.policy, cfg.admission_options["window_max"]) == (16, "round-robin",
-                                                                                             "mars", 4096)
+    assert (cfg.replicas, cfg.placement, cfg.policy) == (16, "round-robin", "mars")
+    assert "window_max" not in cfg.admission_options, "each replica's controller has the one-engine defaults"
     assert cfg.kv_scale == 0.125 and cfg.backend == "sim"
     assert {w.name: (w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
         "N1": (100, (0.2, 0.4), 8), "N4": (400, (0.8, 1.6), 8), "N16": (1600, (3.2, 6.4), 8),

@@ -2,14 +2,16 @@
 its table (``scale_out.md`` beside ``results.json``).
 
     nice python experiments/scale_out/scale_out.py run    [--out DIR] [--only N4,N16] [--policies mars-n4,...]
-    python experiments/scale_out/scale_out.py report [--out DIR]
+    python experiments/scale_out/scale_out.py report [--out DIR] [--print-only]
 
 ``run`` calls ``mars experiment run --only CELL --policies LABEL`` once per unfinished run (a
 finished run is skipped, as by ``mars experiment run``), and appends ``{cell, policy, wall_s,
 cpu_s}`` to ``DIR/costs.jsonl`` (CPU: user + system of that child process, vLLM's import and
 the calibration included). ``report`` reads the run dirs (events.jsonl, summary.json) and the costs.
 
-Columns: mean / p95 E2E (s); goodput at alpha 3 (workflows/s finishing within 3 x T_ideal);
+Columns: admission (``per-replica``: one controller per replica; ``pooled``: one controller over the
+summed reading, the runs up to commit 52035b3); mean / p95 admission wait (s: a root's arrival to
+its start); mean / p95 E2E (s); goodput at alpha 3 (workflows/s finishing within 3 x T_ideal);
 rebuilt tokens: tokens of a workflow's own previous context (its last call's prompt + output, in
 full KV blocks) that its next call computed again because that KV had been evicted between the
 turns, summed over every call, plus the tokens preemptions threw away (``recomputed_tokens``);
@@ -70,26 +72,36 @@ def run(out: Path, only: list[str] | None, policies: list[str] | None) -> None:
             print(f"  wall {wall:.0f} s, cpu {cpu:.0f} s", flush=True)
 
 
-def rebuilt_tokens(events: Path, block_size: int) -> int:
-    """Tokens of each workflow's previous context (full blocks) its next call did not find cached."""
+def scan_events(events: Path, block_size: int) -> tuple[int, list[float]]:
+    """Rebuilt tokens (each workflow's previous context, full blocks, that its next call did not find
+    cached) and every root's admission wait (``workflow_start`` minus its arrival, seconds)."""
     prev: dict[str, int] = {}
     total = 0
+    waits: list[float] = []
     with open(events) as f:
         for line in f:
-            if '"call_end"' not in line:
-                continue
-            e = json.loads(line)
-            if e.get("event") != "call_end":
-                continue
-            w = e["workflow"]
-            ctx = prev.get(w)
-            if ctx is not None and e["prompt_tokens"] >= ctx:
-                total += max(0, ((ctx - 1) // block_size) * block_size - (e.get("cached_tokens") or 0))
-            prev[w] = e["prompt_tokens"] + e["output_tokens"]
-    return total
+            if '"call_end"' in line:
+                e = json.loads(line)
+                if e.get("event") != "call_end":
+                    continue
+                w = e["workflow"]
+                ctx = prev.get(w)
+                if ctx is not None and e["prompt_tokens"] >= ctx:
+                    total += max(0, ((ctx - 1) // block_size) * block_size - (e.get("cached_tokens") or 0))
+                prev[w] = e["prompt_tokens"] + e["output_tokens"]
+            elif '"admission_wait_s"' in line:
+                e = json.loads(line)
+                if e.get("event") == "workflow_start" and e.get("admission_wait_s") is not None:
+                    waits.append(e["admission_wait_s"])
+    return total, waits
 
 
-def report(out: Path) -> str:
+def _p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.95 * len(xs)))] if xs else float("nan")
+
+
+def report(out: Path, write: bool = True) -> str:
     from vllm_mars.experiment.grid import cell_dir
 
     exp = _experiment()
@@ -109,21 +121,27 @@ def report(out: Path) -> str:
             eng = s.get("engine") or {}
             cl = eng.get("cluster") or {}
             imb = cl.get("imbalance") or {}
-            rebuilt = rebuilt_tokens(d / "events.jsonl", rc.get("block_size") or 16)
+            rebuilt, waits = scan_events(d / "events.jsonl", rc.get("block_size") or 16)
             c = costs.get((cell.key, p), {})
-            rows.append([str(rc.get("replicas") or 1), f"{cell.rps / (rc.get('replicas') or 1):g}",
-                         cl.get("placement", "(one)"), f"{s['completed']}/{s['workflows']}",
+            n = rc.get("replicas") or 1
+            # runs before per-replica admission (commit 52035b3 and earlier) had one pooled controller
+            shape = "-" if n == 1 else cl.get("admission", "pooled")
+            rows.append([str(n), f"{cell.rps / n:g}", cl.get("placement", "(one)"), shape,
+                         f"{s['completed']}/{s['workflows']}",
+                         f"{sum(waits) / len(waits):.1f}" if waits else "-", f"{_p95(waits):.1f}" if waits else "-",
                          f"{s['e2e_s']['mean']:.1f}", f"{s['e2e_s']['p95']:.1f}",
                          f"{s['goodput_wps']['3.0']:.3f}", f"{(rebuilt + (s.get('recomputed_tokens') or 0)) / 1e6:.2f}",
                          f"{s['prefix_hit_rate']:.3f}",
                          *(f"{imb[k]:.2f}" if imb.get(k) is not None else "-" for k in ("roots", "busy_s", "kv_mean")),
                          f"{s['makespan_s']:.0f}", str(c.get("wall_s", "-")), str(c.get("cpu_s", "-"))])
-    head = ["replicas", "roots/s per replica", "placement", "done", "mean E2E (s)", "p95 E2E (s)", "goodput a=3 (wf/s)",
+    head = ["replicas", "roots/s per replica", "placement", "admission", "done", "mean adm. wait (s)",
+            "p95 adm. wait (s)", "mean E2E (s)", "p95 E2E (s)", "goodput a=3 (wf/s)",
             "rebuilt (M tok)", "prefix hit", "imb. roots", "imb. busy", "imb. KV", "virtual s", "wall s", "CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     text = "\n".join(lines) + "\n"
-    (out / "scale_out.md").write_text(text)
+    if write:
+        (out / "scale_out.md").write_text(text)
     return text
 
 
@@ -133,10 +151,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", help="workload names (N1,N4,...) or cell keys (N4/rps1.6/seed0), comma-separated")
     ap.add_argument("--policies", help="variant labels, comma-separated")
+    ap.add_argument("--print-only", action="store_true",
+                    help="report: print the table, do not write scale_out.md (for run dirs of another checkout)")
     a = ap.parse_args()
     if a.what == "run":
         run(a.out, a.only.split(",") if a.only else None, a.policies.split(",") if a.policies else None)
-    print(report(a.out), end="")
+    print(report(a.out, write=not a.print_only), end="")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "device through CUDA_VISIBLE_DEVICES; default 0)")
     p.add_argument("--replica-log-dir", default=None, metavar="DIR",
                    help="with --ray: write each replica's vLLM output to DIR/replica-PORT.log")
+    p.add_argument("--placement", default="mars", metavar="RULE",
+                   help="with --ray: where the gate places a new root over the replicas: mars (most KV budget), "
+                        "round-robin, session-hash, least-loaded (fewest requests running + waiting); a root's "
+                        "later calls stay on its replica (default mars; experiments/scale_out/README.md "
+                        "compares them)")
     p.set_defaults(func=_serve)
 
 
@@ -304,7 +309,8 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
     if not args.ray:
         given = [f for f, on in (("--replicas", args.replicas != 1), ("--address", args.address is not None),
                                  ("--replica-cpus", args.replica_cpus != 1.0), ("--replica-gpus", args.replica_gpus != 0),
-                                 ("--replica-log-dir", args.replica_log_dir is not None)) if on]
+                                 ("--replica-log-dir", args.replica_log_dir is not None),
+                                 ("--placement", args.placement != "mars")) if on]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --ray (Ray Serve replicas)")
         return
@@ -333,7 +339,7 @@ def _serve_ray(args: argparse.Namespace, engine_argv: list[str], env: dict[str, 
         handle = serve_ray.start(args.replicas, engine_argv, address=args.address, replica_cpus=args.replica_cpus,
                                  replica_gpus=args.replica_gpus, env=env, startup_timeout_s=args.engine_timeout, log_dir=args.replica_log_dir)
         print(f"mars serve: gate on http://{args.host}:{args.port}/v1 (controller {args.controller}, "
-              "MarsRouter placing calls)", file=sys.stderr)
+              f"placement {cfg.placement}, MarsRouter placing calls)", file=sys.stderr)
         serve_app(serve_ray.gate_for(handle, cfg))
         return 0
     finally:

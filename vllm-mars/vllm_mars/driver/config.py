@@ -83,8 +83,9 @@ class ReplayConfig:
                                           "h200-qwen3-coder-30b-a3b, or a profile file); it sets the KV pool and "
                                           "the engine limits (block size, context, batch)")
     replicas: int | None = _opt(None, help="--backend sim: N simulated engines (each with --profile's KV pool and step "
-                                           "times) behind the sidecar's placement and one admission controller, on "
-                                           "one virtual clock (default: one engine, no placement)")
+                                           "times) behind the sidecar's placement, each with its own admission "
+                                           "controller (a root is placed when it arrives, then admitted by its "
+                                           "replica's), on one virtual clock (default: one engine, no placement)")
     placement: str = _opt("mars", choices=PLACEMENT_RULES,
                           help="with --replicas: where a new root goes: mars (most KV budget + cached prefix), "
                                "round-robin, session-hash, least-loaded (fewest requests in the engine); a root's "

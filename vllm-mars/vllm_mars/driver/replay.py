@@ -68,9 +68,10 @@ class Replay:
         self.cost = cost
         self.policy = plan.policy
         self.ctrl = plan.controller(cost)
-        bind = getattr(backend, "bind_controller", None)  # a sim cluster places roots by this controller
+        bind = getattr(backend, "bind_controller", None)  # a sim cluster: one controller per replica
         if bind is not None:
-            bind(self.ctrl)
+            self.ctrl = bind(self.ctrl, lambda: plan.controller(cost),
+                             lambda wid: getattr(self.plans.get(wid), "initial_ids", None))
         cores = parse_cpu_list(cfg.cpu_tool)
         self.tools = make_tool_plane(cfg.tools, clock, root=out / "workspaces", cores=cores,
                                      timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, net_allow=cfg.tool_net_allow)
