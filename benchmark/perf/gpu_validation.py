@@ -1,23 +1,30 @@
 """Table-built GPU profiles against published end-to-end vLLM runs (aiconfigurator-core's
-``systems/silicon_sample.csv``): TTFT and TPOT of a closed-loop ``vllm bench serve`` run, emulated
-through the sim itself.
+``systems/silicon_sample.csv``): TTFT and TPOT of each row's benchmark, emulated through the sim itself
+under the protocol that produced the row.
 
-Each published row is one ``vllm bench serve`` run: ``--max-concurrency C`` clients, random prompts of
-ISL tokens, OSL output tokens (``ignore_eos``), on one GPU x model x TP. Here: the same closed loop of C
-clients over the sim backend (``vllm_mars.sim.engine.SimBackend``: vLLM's real scheduler, fcfs, with
-the profile's KV pool and step times) on the virtual-time loop, ``--prompts-per-client`` prompts per
-client (no prefix shared between prompts), then mean TTFT and mean TPOT (``(e2e - ttft) / (OSL - 1)``)
-as ``vllm bench serve`` reports them. The clients are staggered over one request's life and each one's
-first request is warm-up: the steady state of a long run, whose request jitter keeps clients out of
-phase (a deterministic sim would otherwise keep C equal requests in lock step, every prefill a burst). Repeated published runs of one configuration are taken at
-their median.
+Each published row is one closed-loop benchmark run: ``--max-concurrency C`` clients, random prompts of
+about ISL tokens, about OSL output tokens (``ignore_eos``), on one GPU x model x TP. Here: the same run
+over the sim backend (``vllm_mars.sim.engine.SimBackend``: vLLM's real scheduler, fcfs, with the
+profile's KV pool and step times) on the virtual-time loop, then mean TTFT over every request and mean
+TPOT (per request ``(e2e - ttft) / (output tokens - 1)``, then the mean), as the benchmark reports them.
+The protocol (:data:`PROTOCOLS`) is the benchmark's: C x 10 prompts queued at once (``--request-rate
+inf``) behind a semaphore of C, so the first C start together and each later one as a slot frees;
+input and output lengths drawn uniformly from ``[ratio x L, L]``. The benchmark's warm-up requests
+(InferenceX: 2 x C, completed before the timed run) leave a real server warm but a sim's engine just
+idle, so they are not replayed. Repeated published runs of one configuration are taken at their median.
 
-Covered rows: every vLLM aggregated-serving row whose model has a shipped config (Qwen3-32B bf16,
-gpt-oss-120b MXFP4) on a GPU we have figures for (H100, H200, B200). Rows of FP8 checkpoints
-(Llama-3.1-8B-Instruct-FP8, Qwen3-32B-FP8) are not covered: our profiles are bf16.
+Covered rows: the vLLM aggregated-serving rows whose model has a shipped config (Qwen3-32B bf16,
+gpt-oss-120b MXFP4) on a GPU we have figures for, and whose collection protocol is known or stated
+(:func:`protocol_of`): the gpt-oss-120b rows of SemiAnalysis InferenceX's vLLM 0.18 sweep, and the H100 x
+Qwen3-32B vLLM 0.12 rows. Rows of FP8 checkpoints are not covered (our profiles are bf16), nor the
+older gpt-oss rows (vLLM 0.11 and unlabelled 2025 runs, under an earlier InferenceX protocol).
+
+Each row's vLLM decides how steps are priced (:data:`SCHEDULING`): vLLM 0.12 schedules synchronously
+(CPU overheads between steps), vLLM 0.18 asynchronously (that CPU work overlaps the kernels).
 
     python benchmark/perf/gpu_validation.py --out benchmark/perf/results/gpu_validation.json
-    python benchmark/perf/gpu_validation.py --fit-overheads   # the once-fitted overheads (sim/kernels.py)
+    python benchmark/perf/gpu_validation.py --fit-overheads                     # sim/kernels.py STEP_OVERHEAD_S
+    python benchmark/perf/gpu_validation.py --fit-overheads --scheduling async  # ASYNC_STEP_OVERHEAD_S
 
 Needs the ``kernels`` extra (aiconfigurator-core); no network, no GPU.
 """
@@ -28,7 +35,6 @@ import argparse
 import asyncio
 import csv
 import json
-import random
 import statistics
 import sys
 import time
@@ -47,8 +53,48 @@ from vllm_mars.sim.profile import Profile
 #: published model id (and precision) -> shipped model dir
 MODELS = {("Qwen/Qwen3-32B", ""): "qwen3-32b", ("openai/gpt-oss-120b", "fp4"): "gpt-oss-120b"}
 SYSTEMS = {"h100_sxm": "h100", "h200_sxm": "h200", "b200_sxm": "b200"}
-#: the once-fitted overheads are fitted on these rows only (the rest are out of sample)
-FIT_SET = ("h100", "qwen3-32b")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a published row's benchmark ran (what :func:`emulate` replays)."""
+
+    name: str
+    #: timed prompts per client: ``--num-prompts`` = C x this, all queued at once behind a semaphore of C
+    prompts_per_client: int
+    #: input and output lengths uniform in ``[int(ratio x L), L]`` (1.0: every request exactly L)
+    range_ratio: float
+    #: where the protocol comes from
+    source: str
+
+
+PROTOCOLS = {
+    # The gpt-oss rows' ``measured=2026-03-27T08:01:51Z`` is the sweep InferenceX's PR #960 (commit
+    # cec542a9a, 2026-03-27 08:01:48 UTC: "update gptoss H100 & H200 vLLM image to v0.18.0") triggered.
+    "inferencex": Protocol(
+        "inferencex", 10, 0.8,
+        "SemiAnalysisAI/InferenceX at cec542a9a: benchmarks/single_node/gptoss_fp4_h{100,200}.sh (vllm serve "
+        "--max-num-seqs C, max-num-batched-tokens 8192, no prefix caching; run_benchmark_serving --num-prompts "
+        "C x 10 --max-concurrency C), benchmarks/benchmark_lib.sh (utils/bench_serving/benchmark_serving.py "
+        "--dataset-name random --request-rate inf --ignore-eos --num-warmups 2 x C), "
+        ".github/workflows/benchmark-tmpl.yml (RANDOM_RANGE_RATIO 0.8: lengths uniform in [0.8 L, L])"),
+    # Not published: the rows name an NVIDIA-internal file (aic-auto-gap-analysis/.../Qwen_Qwen3-32B.csv)
+    # and the concurrency only. Assumed: the closed loop NVIDIA's own replay of these rows uses
+    # (ai-dynamo/aiconfigurator docs/blogs/digital-twin-simulation/scripts/h100_qwen3_counterpart:
+    # "Synthetic closed-loop replay with request_count=10*concurrency"), fixed lengths.
+    "aic-gap": Protocol(
+        "aic-gap", 10, 1.0,
+        "not published; assumed as in ai-dynamo/aiconfigurator's replay of these rows "
+        "(docs/blogs/digital-twin-simulation, h100_qwen3_counterpart): closed loop, 10 x C requests, "
+        "fixed ISL/OSL"),
+}
+
+#: vLLM version of a row -> how its steps are scheduled. 0.12: synchronous (the overheads were fitted
+#: on these rows, sync); 0.18: asynchronous, the default by then (vLLM PR #31998, 2026-01-08, extends
+#: the existing default to speculative decoding; InferenceX's scripts at cec542a9a do not set it)
+SCHEDULING = {"0.12.0": "sync", "0.18.0": "async"}
+#: the overheads of each scheduling mode are fitted once, on these rows (the rest are out of sample)
+FIT_SETS = {"sync": ("h100", "qwen3-32b"), "async": ("h100", "gpt-oss-120b")}
 
 
 @dataclass(frozen=True)
@@ -66,11 +112,27 @@ class Row:
     runs: int
     vllm: str
     ids: tuple[str, ...]
+    protocol: str = "aic-gap"
+
+    @property
+    def scheduling(self) -> str:
+        return SCHEDULING[self.vllm]
 
 
 def silicon_csv() -> Path:
     """The installed aiconfigurator-core's published end-to-end table."""
     return Path(str(files("aiconfigurator_core") / "systems" / "silicon_sample.csv"))
+
+
+def protocol_of(row: dict) -> str | None:
+    """The protocol of one silicon_sample.csv row, or None where it is not known."""
+    src = dict(part.strip().split("=", 1) for part in row["silicon_data_source"].split(";") if "=" in part)
+    if (row["backend_version"] == "0.18.0" and src.get("image") == "vllm/vllm-openai:v0.18.0"
+            and src.get("measured", "").startswith("2026-03-27")):
+        return "inferencex"
+    if row["backend_version"] == "0.12.0" and src.get("source_file", "").endswith("/vllm/0.12.0/Qwen_Qwen3-32B.csv"):
+        return "aic-gap"
+    return None
 
 
 def covered_rows(path: Path | None = None) -> list[Row]:
@@ -81,51 +143,64 @@ def covered_rows(path: Path | None = None) -> list[Row]:
             gpu = SYSTEMS.get(r["system"])
             if r["backend"] != "vllm" or r["mode"] != "agg" or model is None or gpu is None:
                 continue
-            key = (gpu, model, int(r["tp_size"]), int(r["isl"]), int(r["osl"]), int(r["batch_size"]))
+            proto = protocol_of(r)
+            if proto is None:
+                continue
+            key = (gpu, model, int(r["tp_size"]), int(r["isl"]), int(r["osl"]), int(r["batch_size"]), proto,
+                   r["backend_version"])
             groups[key].append(r)
     out = []
-    for (gpu, model, tp, isl, osl, c), rs in sorted(groups.items()):
-        out.append(Row(gpu, model, tp, isl, osl, c, statistics.median(float(r["silicon_ttft_ms"]) for r in rs),
-                       statistics.median(float(r["silicon_tpot_ms"]) for r in rs), len(rs),
-                       ",".join(sorted({r["backend_version"] or "?" for r in rs})), tuple(r["id"] for r in rs)))
+    for (gpu, model, tp, isl, osl, c, proto, ver), rs in sorted(groups.items()):
+        # a run listed twice (the same figures under two source files) counts once
+        runs = list({(r["silicon_ttft_ms"], r["silicon_tpot_ms"]): r for r in rs}.values())
+        out.append(Row(gpu, model, tp, isl, osl, c, statistics.median(float(r["silicon_ttft_ms"]) for r in runs),
+                       statistics.median(float(r["silicon_tpot_ms"]) for r in runs), len(runs), ver,
+                       tuple(r["id"] for r in rs), proto))
     return out
 
 
-def emulate(profile: Profile, isl: int, osl: int, concurrency: int, prompts_per_client: int = 3,
-            seed: int = 0) -> dict[str, float]:
-    """Mean TTFT and TPOT (ms) of a closed loop of ``concurrency`` clients over the sim backend."""
+def emulate(profile: Profile, isl: int, osl: int, concurrency: int, protocol: Protocol | str = "aic-gap",
+            seed: int = 0, prompts_per_client: int | None = None) -> dict[str, float]:
+    """Mean TTFT and TPOT (ms) of ``protocol``'s benchmark (:data:`PROTOCOLS`) over the sim backend:
+    C x ``prompts_per_client`` prompts (default the protocol's) queued at once behind a semaphore of
+    ``concurrency``, lengths uniform in ``[ratio x L, L]``."""
+    import numpy as np
+
+    proto = PROTOCOLS[protocol] if isinstance(protocol, str) else protocol
+    n = concurrency * (prompts_per_client or proto.prompts_per_client)
+    rng = np.random.default_rng(seed)
+
+    def lengths(top: int) -> list[int]:
+        return [int(x) for x in rng.integers(int(top * proto.range_ratio), top + 1, size=n)]
+
+    in_lens, out_lens = lengths(isl), lengths(osl)
 
     async def run() -> dict[str, float]:
         loop = asyncio.get_running_loop()
         backend = SimBackend(profile, loop.time, policy="fcfs", seed=seed,
                              max_model_len=max(profile.max_model_len, isl + osl))
         await backend.start()
-        rng = random.Random(seed)
         vocab = backend.vocab_size
         ttft, tpot = [], []
+        slots = asyncio.Semaphore(concurrency)  # wakes its waiters in arrival order, as the benchmark's
 
-        # A long benchmark run's clients are out of phase (request jitter spreads them); clients that
-        # start together with equal lengths would stay in lock step in a deterministic sim. So client k
-        # starts k/C of one request's estimated life late, and its first request is warm-up.
-        life = profile.step_seconds([(isl, 0)], []) + (osl - 1) * profile.step_seconds([], [isl] * concurrency)
-
-        async def client(k: int) -> None:
-            await asyncio.sleep(life * k / concurrency)
-            for j in range(prompts_per_client):
-                ids = [rng.randrange(1, vocab) for _ in range(isl)]
+        async def request(i: int) -> None:
+            async with slots:
+                ids = rng.integers(1, vocab, size=in_lens[i]).tolist()
                 t0 = loop.time()
-                res = await backend.generate(f"c{k}-{j}", ids, osl, {}, ignore_eos=True)
-                if j > 0:
-                    ttft.append(res.first_token_ts - t0)
-                    tpot.append((res.end_ts - res.first_token_ts) / max(osl - 1, 1))
+                res = await backend.generate(f"r{i}", ids, out_lens[i], {}, ignore_eos=True)
+                ttft.append(res.first_token_ts - t0)
+                if out_lens[i] > 1:
+                    tpot.append((res.end_ts - res.first_token_ts) / (out_lens[i] - 1))
 
         try:
-            await asyncio.gather(*(client(k) for k in range(concurrency)))
+            await asyncio.gather(*(request(i) for i in range(n)))
             stats = backend.engine_stats()
         finally:
             await backend.close()
         return {"ttft_ms": statistics.fmean(ttft) * 1e3, "tpot_ms": statistics.fmean(tpot) * 1e3,
-                "preemptions": float(stats.get("preemptions", 0)), "steps": float(backend.steps)}
+                "preemptions": float(stats.get("preemptions", 0)), "steps": float(backend.steps),
+                "requests": float(n)}
 
     return run_virtual(run())
 
@@ -133,10 +208,13 @@ def emulate(profile: Profile, isl: int, osl: int, concurrency: int, prompts_per_
 _PROFILES: dict[tuple, Profile] = {}
 
 
-def profile_for(row: Row, overheads: tuple[float, float] | None = None) -> Profile:
-    key = (row.gpu, row.model, row.tp)
+def profile_for(row: Row, overheads: tuple[float, float] | None = None, scheduling: str | None = None) -> Profile:
+    """The table-built profile of ``row``'s GPU x model x TP, scheduled as the row's vLLM schedules
+    (or ``scheduling``); ``overheads`` replace its non-overlapped step and request overheads."""
+    sched = scheduling or row.scheduling
+    key = (row.gpu, row.model, row.tp, sched)
     if key not in _PROFILES:
-        _PROFILES[key] = Profile.from_kernels(row.gpu, row.model, tp=row.tp)
+        _PROFILES[key] = Profile.from_kernels(row.gpu, row.model, tp=row.tp, scheduling=sched)
     p = _PROFILES[key]
     if overheads is not None:
         from dataclasses import replace
@@ -145,14 +223,16 @@ def profile_for(row: Row, overheads: tuple[float, float] | None = None) -> Profi
     return p
 
 
-def validate(rows: list[Row], prompts_per_client: int, overheads: tuple[float, float] | None = None,
-             progress=None) -> list[dict]:
+def validate(rows: list[Row], prompts_per_client: int | None = None, overheads: tuple[float, float] | None = None,
+             progress=None, scheduling: str | None = None) -> list[dict]:
     out = []
     for i, row in enumerate(rows):
         t0 = time.process_time()
-        p = profile_for(row, overheads)
-        got = emulate(p, row.isl, row.osl, row.concurrency, prompts_per_client)
-        rec = {**{k: getattr(row, k) for k in ("gpu", "model", "tp", "isl", "osl", "concurrency", "runs", "vllm")},
+        p = profile_for(row, overheads, scheduling)
+        got = emulate(p, row.isl, row.osl, row.concurrency, row.protocol, prompts_per_client=prompts_per_client)
+        rec = {**{k: getattr(row, k) for k in ("gpu", "model", "tp", "isl", "osl", "concurrency", "runs", "vllm",
+                                                "protocol")},
+               "scheduling": scheduling or row.scheduling, "requests": int(got["requests"]),
                "ttft_public_ms": round(row.ttft_ms, 3), "ttft_ms": round(got["ttft_ms"], 3),
                "ttft_ratio": round(got["ttft_ms"] / row.ttft_ms, 4),
                "tpot_public_ms": round(row.tpot_ms, 3), "tpot_ms": round(got["tpot_ms"], 3),
@@ -160,8 +240,9 @@ def validate(rows: list[Row], prompts_per_client: int, overheads: tuple[float, f
                "kv_tokens": p.kv_capacity_tokens(), "cpu_s": round(time.process_time() - t0, 2)}
         out.append(rec)
         if progress:
-            progress(f"[{i + 1}/{len(rows)}] {row.gpu} {row.model} tp{row.tp} {row.isl}/{row.osl} c{row.concurrency}: "
-                     f"TTFT {rec['ttft_ratio']:.3f}x TPOT {rec['tpot_ratio']:.3f}x ({rec['cpu_s']} s)")
+            progress(f"[{i + 1}/{len(rows)}] {row.gpu} {row.model} tp{row.tp} {row.isl}/{row.osl} c{row.concurrency} "
+                     f"({rec['scheduling']}): TTFT {rec['ttft_ratio']:.3f}x TPOT {rec['tpot_ratio']:.3f}x "
+                     f"({rec['cpu_s']} s)")
     return out
 
 
@@ -183,13 +264,15 @@ def summary(records: list[dict]) -> list[dict]:
     return out
 
 
-def fit_overheads(rows: list[Row], prompts_per_client: int, progress=None) -> tuple[float, float]:
-    """Least squares of the published TPOT minus the overhead-free sim TPOT on (1, concurrency): a
-    step's fixed cost adds about itself to every output token's time, a request's cost about
-    concurrency x itself (every running request is in every decode step)."""
+def fit_overheads(rows: list[Row], scheduling: str, prompts_per_client: int | None = None,
+                  progress=None) -> tuple[float, float]:
+    """Least squares of the published TPOT minus the sim's TPOT without the non-overlapped overheads,
+    on (1, concurrency): a step's fixed cost adds about itself to every output token's time, a
+    request's cost about concurrency x itself (every running request is in every decode step). With
+    ``async`` the overlapped CPU time stays in (inside the step's max)."""
     import numpy as np
 
-    recs = validate(rows, prompts_per_client, overheads=(0.0, 0.0), progress=progress)
+    recs = validate(rows, prompts_per_client, overheads=(0.0, 0.0), progress=progress, scheduling=scheduling)
     a = np.array([[1.0, r["concurrency"]] for r in recs])
     b = np.array([(r["tpot_public_ms"] - r["tpot_ms"]) / 1e3 for r in recs])
     w = 1.0 / np.array([r["tpot_public_ms"] / 1e3 for r in recs])  # relative errors
@@ -208,10 +291,11 @@ def markdown(path: str) -> str:
         out.append(f"| {s['gpu']} | {s['model']} | {s['rows']} | {s['ttft_median_ratio']} | {s['ttft_median_abs_err']} | "
                    f"{s['ttft_worst_ratio']} | {s['tpot_median_ratio']} | {s['tpot_median_abs_err']} | "
                    f"{s['tpot_worst_ratio']} |")
-    out += ["", "| GPU | model | TP | ISL/OSL | C | vLLM | TTFT public ms | ours | ratio | TPOT public ms | ours | ratio |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "| GPU | model | TP | ISL/OSL | C | vLLM (scheduling) | TTFT public ms | ours | ratio | TPOT public ms | "
+            "ours | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["records"]:
-        out.append(f"| {r['gpu']} | {r['model']} | {r['tp']} | {r['isl']}/{r['osl']} | {r['concurrency']} | {r['vllm']} | "
+        out.append(f"| {r['gpu']} | {r['model']} | {r['tp']} | {r['isl']}/{r['osl']} | {r['concurrency']} | "
+                   f"{r['vllm']} ({r.get('scheduling', 'sync')}) | "
                    f"{r['ttft_public_ms']:.1f} | {r['ttft_ms']:.1f} | {r['ttft_ratio']:.2f} | {r['tpot_public_ms']:.2f} | "
                    f"{r['tpot_ms']:.2f} | {r['tpot_ratio']:.2f} |")
     return "\n".join(out)
@@ -225,10 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-osl", type=int, default=None, help="skip rows with longer outputs (CPU time)")
     ap.add_argument("--stride", type=int, default=1,
                     help="every Nth covered row per GPU x model (CPU time on a shared machine; default all)")
-    ap.add_argument("--prompts-per-client", type=int, default=3,
-                    help="requests per client; the first is warm-up (default 3)")
+    ap.add_argument("--prompts-per-client", type=int, default=None,
+                    help="timed prompts per client (default: the row's protocol's, 10; fewer only to save CPU time)")
     ap.add_argument("--fit-overheads", action="store_true",
-                    help=f"fit the per-step and per-request overheads on the {' x '.join(FIT_SET)} rows and print them")
+                    help="fit the non-overlapped per-step and per-request overheads of --scheduling on its fit set "
+                         f"({', '.join(f'{k}: {g} x {m}' for k, (g, m) in FIT_SETS.items())}) and print them")
+    ap.add_argument("--scheduling", choices=sorted(FIT_SETS), default="sync",
+                    help="with --fit-overheads: which mode's overheads to fit (default sync)")
     ap.add_argument("--out", default=None, help="write the records and summary here (JSON)")
     ap.add_argument("--markdown", metavar="JSON", default=None, help="print the tables of a results file and exit")
     args = ap.parse_args(argv)
@@ -254,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         print(m, file=sys.stderr, flush=True)
 
     if args.fit_overheads:
-        fit = [r for r in rows if (r.gpu, r.model) == FIT_SET]
-        o, s = fit_overheads(fit, args.prompts_per_client, progress=say)
-        print(json.dumps({"step_overhead_s": o, "per_seq_overhead_s": s, "rows": len(fit)}))
+        fit = [r for r in rows if (r.gpu, r.model) == FIT_SETS[args.scheduling] and r.scheduling == args.scheduling]
+        o, s = fit_overheads(fit, args.scheduling, args.prompts_per_client, progress=say)
+        print(json.dumps({"scheduling": args.scheduling, "step_overhead_s": o, "per_seq_overhead_s": s,
+                          "rows": len(fit)}))
         return 0
     records: list[dict] = []
 

@@ -56,6 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="with --from-kernels: tensor-parallel degree (default 1)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "fp8"), default="auto",
                    help="with --from-kernels: GEMM/MoE precision of the tables (default auto: the checkpoint's)")
+    p.add_argument("--scheduling", choices=("sync", "async"), default="sync",
+                   help="with --from-kernels: vLLM's scheduling mode the step times model (default sync: the "
+                        "CPU overheads between steps; async: --async-scheduling, that CPU work overlaps the "
+                        "kernels; the default of vLLM 0.32 on a GPU)")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "
@@ -100,7 +104,7 @@ def _from_kernels(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp {args.tp}: must be >= 1")
     if args.out and Path(args.out).suffix != ".json":
         raise ValueError(f"--out {args.out}: a kernel-table profile is written as .json")
-    prof = Profile.from_kernels(gpu, model, tp=args.tp, dtype=args.dtype, name=args.name)
+    prof = Profile.from_kernels(gpu, model, tp=args.tp, dtype=args.dtype, name=args.name, scheduling=args.scheduling)
     out = Path(args.out or f"{prof.name}.json")
     prof.write(out)
     print(f"{prof.name}: KV pool {prof.kv_capacity_tokens()} tokens, max_model_len {prof.max_model_len}; "

@@ -17,6 +17,8 @@ One step = ``linear(T) + logits(n) + sum(prefill_attn(chunk, prefix)) + decode_a
 1-D tables piecewise linear, 2-D bilinear, both extrapolated linearly past their last point).
 The two overheads are the profile's (``Efficiency``), fitted once (see
 ``benchmark/perf/gpu_validation.py --fit-overheads``) and applied to every table-built profile.
+With async scheduling (``Profile.from_kernels(scheduling="async")``) that CPU work overlaps the
+kernels instead: step = ``max(kernels, overlapped CPU time) + the non-overlapped rest``.
 
 :func:`build_tables` fills the tables from aiconfigurator-core (``pip install
 'vllm-mars[kernels]'``): its compiled engine over its per-kernel silicon tables for vLLM, queried
@@ -52,6 +54,18 @@ STEP_OVERHEAD_S = 1.46e-3
 PER_SEQ_OVERHEAD_S = 6.4e-5
 OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --gpu h100 --model qwen3-32b "
                    "--max-concurrency 64: TPOT of 72 published H100 x Qwen3-32B configurations, 2026-12-04")
+#: with vLLM's async scheduling (``--async-scheduling``; on by default in the vLLM of the gpt-oss rows,
+#: 0.18, and in the pinned 0.32) the CPU work above runs while the GPU runs the previous step: it becomes
+#: the profile's overlapped CPU time, and only the part below stays on the critical path. Fitted once
+#: by ``gpu_validation.py --fit-overheads --scheduling async`` on the TPOT of the H100 x gpt-oss-120b
+#: rows (vLLM 0.18, async by default); the H200 rows are out of sample
+ASYNC_STEP_OVERHEAD_S = 0.0
+ASYNC_PER_SEQ_OVERHEAD_S = 2.79e-5
+ASYNC_OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --scheduling async --gpu h100 "
+                         "--model gpt-oss-120b --max-osl 1024: TPOT of 28 published H100 x gpt-oss-120b "
+                         "vLLM 0.18 configurations (InferenceX), 2026-12-05")
+#: how a table-built profile schedules: sync (the CPU overheads between steps) or async (overlapped)
+SCHEDULING = ("sync", "async")
 
 #: aiconfigurator's name of each GPU the profiles know, and the datasheet figures of ours
 SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm"}

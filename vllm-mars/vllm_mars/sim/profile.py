@@ -7,7 +7,9 @@ read from a config-only Hugging Face model dir, and a few efficiency coefficient
 - :meth:`Profile.step_seconds`: how long one engine step takes for the batch vLLM scheduled, as the
   roofline of its parts (linear layers; attention of each prefill chunk; attention of the decodes),
   each part ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x bw_eff))``, plus a fixed
-  per-step and a per-scheduled-request overhead, plus (TP > 1) two all-reduces per layer.
+  per-step and a per-scheduled-request overhead, plus (TP > 1) two all-reduces per layer. A profile
+  with overlapped CPU time (vLLM's async scheduling) takes ``max(that GPU time, the overlapped CPU
+  time)`` plus the overheads; one without (every shipped profile) is unchanged by it.
 - :meth:`Profile.kv_capacity_tokens`: the KV pool vLLM would allocate:
   ``(CUDA-visible memory x gpu_memory_utilization - weights - activation peak - non-torch memory)
   / KV bytes per token`` (vLLM's ``determine_available_memory``).
@@ -58,6 +60,12 @@ class Efficiency:
     step_overhead_s: float = 0.0
     #: extra cost per request scheduled in the step (seconds)
     per_seq_overhead_s: float = 0.0
+    #: CPU work of a step that runs while the GPU runs the step before it (vLLM's async scheduling:
+    #: the next step is scheduled and its inputs prepared during this step's kernels), fixed and per
+    #: scheduled request (seconds). A step takes ``max(GPU time, overlapped CPU time)`` plus the two
+    #: overheads above (the part that does not overlap). 0 and 0: no overlap (synchronous scheduling)
+    overlapped_step_s: float = 0.0
+    overlapped_per_seq_s: float = 0.0
     #: where the numbers come from (prior with its source, or the `mars profile` fit and its error)
     source: str = ""
 
@@ -67,7 +75,7 @@ class Efficiency:
                 raise ValueError(f"efficiency.{f} must be > 0, got {getattr(self, f)!r}")
         if self.attn_mfu is not None and not self.attn_mfu > 0:
             raise ValueError(f"efficiency.attn_mfu must be > 0, got {self.attn_mfu!r}")
-        for f in ("step_overhead_s", "per_seq_overhead_s"):
+        for f in ("step_overhead_s", "per_seq_overhead_s", "overlapped_step_s", "overlapped_per_seq_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"efficiency.{f} must be >= 0, got {getattr(self, f)!r}")
 
@@ -193,7 +201,10 @@ class Profile:
         if n_seq == 0:
             return 0.0
         if self.kernels is not None:
-            return self.kernels.step_seconds(prefill, decode) + k["step_overhead_s"] + k["per_seq_overhead_s"] * n_seq
+            t = self.kernels.step_seconds(prefill, decode)
+            if k["overlap"]:
+                t = max(t, k["overlapped_step_s"] + k["overlapped_per_seq_s"] * n_seq)
+            return t + k["step_overhead_s"] + k["per_seq_overhead_s"] * n_seq
         tokens = len(decode)
         t = 0.0
         for chunk, ctx in prefill:
@@ -209,6 +220,8 @@ class Profile:
         flops = k["lin_flops_per_token"] * tokens + k["head_flops_per_seq"] * n_seq
         t += max(flops * k["s_per_flop"], bytes_ * k["s_per_byte"])
         t += k["allreduce_s_per_token"] * tokens + k["allreduce_fixed_s"]
+        if k["overlap"]:
+            t = max(t, k["overlapped_step_s"] + k["overlapped_per_seq_s"] * n_seq)
         return t + k["step_overhead_s"] + k["per_seq_overhead_s"] * n_seq
 
     def step_terms(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> StepTerms:
@@ -245,6 +258,8 @@ class Profile:
                             interconnect_bandwidth=hw.interconnect_bandwidth / factor,
                             allreduce_latency_s=hw.allreduce_latency_s * factor)
         eff = replace(e, step_overhead_s=e.step_overhead_s * factor, per_seq_overhead_s=e.per_seq_overhead_s * factor,
+                      overlapped_step_s=e.overlapped_step_s * factor,
+                      overlapped_per_seq_s=e.overlapped_per_seq_s * factor,
                       source=f"{e.source}; step times x {factor:g}".lstrip("; "))
         # The KV pool is what the unscaled hardware holds (bytes are not time).
         kernels = self.kernels.scaled(factor) if self.kernels is not None else None
@@ -253,14 +268,18 @@ class Profile:
 
     @classmethod
     def from_kernels(cls, gpu: str, model: str, *, tp: int = 1, dtype: str = "auto", name: str | None = None,
-                     max_model_len: int | None = None) -> Profile:
+                     max_model_len: int | None = None, scheduling: str = "sync") -> Profile:
         """A profile whose steps come from aiconfigurator-core's vLLM kernel tables (needs the
         ``kernels`` extra): ``gpu`` one of :data:`~vllm_mars.sim.kernels.GPUS`, ``model`` a shipped
         model name or a config-only model dir. KV memory as vLLM sizes it (CUDA-visible memory x 0.9
         - weights - the model class's activation peak - non-torch memory); ``max_model_len`` (default)
-        the largest power of two the pool holds, at most the model's ``max_position_embeddings``."""
+        the largest power of two the pool holds, at most the model's ``max_position_embeddings``.
+        ``scheduling``: ``sync`` (the CPU overheads between steps) or ``async`` (vLLM's async scheduling:
+        that CPU work overlaps the kernels; :data:`~vllm_mars.sim.kernels.ASYNC_OVERHEAD_SOURCE`)."""
         from vllm_mars.sim import kernels as kn
 
+        if scheduling not in kn.SCHEDULING:
+            raise ValueError(f"scheduling {scheduling!r}: not one of {', '.join(kn.SCHEDULING)}")
         g = gpu.lower()
         if g not in kn.GPUS:
             raise ValueError(f"GPU {gpu!r}: not one of {', '.join(sorted(kn.GPUS))}")
@@ -278,8 +297,14 @@ class Profile:
                          per_seq_overhead_s=kn.PER_SEQ_OVERHEAD_S,
                          source=f"step and request overheads fitted once ({kn.OVERHEAD_SOURCE}); roofline "
                                 "coefficients are priors, unused while the kernel tables price the steps")
+        if scheduling == "async":
+            eff = replace(eff, overlapped_step_s=kn.STEP_OVERHEAD_S, overlapped_per_seq_s=kn.PER_SEQ_OVERHEAD_S,
+                          step_overhead_s=kn.ASYNC_STEP_OVERHEAD_S, per_seq_overhead_s=kn.ASYNC_PER_SEQ_OVERHEAD_S,
+                          source=f"async scheduling: the step and request overheads ({kn.OVERHEAD_SOURCE}) overlap "
+                                 f"the kernels, the non-overlapped rest fitted once ({kn.ASYNC_OVERHEAD_SOURCE}); "
+                                 "roofline coefficients are priors, unused while the kernel tables price the steps")
         shipped = model_dir.parent == MODELS_DIR
-        name = name or f"{g}-{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}-kernels"
+        name = name or f"{g}-{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}-kernels{'-async' if scheduling == 'async' else ''}"
         kw: dict[str, Any] = {"name": name, "model": model_dir.name if shipped else str(model_dir.resolve()),
                               "hardware": hw, "efficiency": eff, "cuda_visible_bytes": kn.cuda_visible_bytes(g),
                               "activation_reserve_bytes": act, "non_torch_bytes": non_torch}
@@ -293,7 +318,7 @@ class Profile:
         tables = kn.build_tables(g, model_dir, tp=tp, dtype=dtype, max_model_len=max_model_len,
                                  max_num_batched_tokens=8192, max_num_seqs=1024)
         desc = (f"{model_dir.name} ({arch}) on {label}, TP {tp}: step times from measured vLLM kernels "
-                f"({tables.source})")
+                f"({tables.source}){'; async scheduling (CPU work overlaps the kernels)' if scheduling == 'async' else ''}")
         return cls(max_model_len=max_model_len, kernels=tables, description=desc, **kw)
 
     def cost_model(self) -> CostModel:
@@ -315,7 +340,9 @@ class Profile:
                "non_torch_bytes": self.non_torch_bytes or None,
                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "num_blocks": self.num_blocks}
         d["memory"] = {k: v for k, v in mem.items() if v is not None}
-        d["efficiency"] = {k: v for k, v in asdict(self.efficiency).items() if v is not None}
+        # the overlap fields only where set: a profile without overlap writes the file it always wrote
+        d["efficiency"] = {k: v for k, v in asdict(self.efficiency).items()
+                           if v is not None and not (k.startswith("overlapped_") and v == 0)}
         if self.kernels is not None:
             d["kernels"] = self.kernels.to_dict()
         return d
@@ -353,6 +380,8 @@ def _constants(shape: ModelShape, hw: Hardware, eff: Efficiency) -> dict[str, fl
         allreduce_s_per_token=ar * 2.0 * (tp - 1) / tp * shape.hidden * b / hw.interconnect_bandwidth,
         allreduce_fixed_s=ar * hw.allreduce_latency_s,
         step_overhead_s=eff.step_overhead_s, per_seq_overhead_s=eff.per_seq_overhead_s,
+        overlapped_step_s=eff.overlapped_step_s, overlapped_per_seq_s=eff.overlapped_per_seq_s,
+        overlap=bool(eff.overlapped_step_s or eff.overlapped_per_seq_s),
     )
 
 
