@@ -325,6 +325,11 @@ def test_prefix_reusing_hasher_gives_vllms_block_hashes():
     hasher.hint("t2", [1] * 640, prev.block_hashes)
     other = make_request("t2", prompt_token_ids=turn1, max_tokens=5, block_size=16, block_hasher=hasher)
     assert other.block_hashes == slow.block_hashes and hasher.reused == len(prev.all_token_ids) // 16
+    for _ in range(40):  # decode: one token at a time, each block hashed as it fills, as vLLM does
+        fast.append_output_token_ids(42)
+        slow.append_output_token_ids(42)
+        assert fast.block_hashes == slow.block_hashes
+    assert len(fast.block_hashes) == (len(turn1) + 40) // 16 > len(turn1) // 16
 
 
 def test_block_removals_counted_without_events_equal_vllms_events():

@@ -10,6 +10,8 @@ blocks back before vLLM preempts anybody.
 
 from __future__ import annotations
 
+from itertools import chain, compress, filterfalse
+from operator import attrgetter
 from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
@@ -17,12 +19,15 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_mars.policies import CallView
 
 _RUNNING = RequestStatus.RUNNING
+#: (a block's hash key is non-empty bytes or None: truthiness is ``is not None``)
+_HASH, _NULL = attrgetter("block_hash"), attrgetter("is_null")
 
 
 def retain_finished(sched: Any, request: Request, call: CallView) -> None:
     """Hold ``request``'s cached blocks for the policy's retention time (none when it says 0)."""
-    blocks = [b for group in sched.kv_cache_manager.get_blocks(request.request_id).blocks
-              for b in group if b.block_hash is not None and not b.is_null]
+    # the cached (hashed), non-null blocks, filtered at C speed: a context is thousands of blocks
+    blocks = list(chain.from_iterable(filterfalse(_NULL, compress(group, map(_HASH, group)))
+                                      for group in sched.kv_cache_manager.get_blocks(request.request_id).blocks))
     if not blocks:
         return
     policy = sched.mars_policy

@@ -85,6 +85,14 @@ class PrefixReusingHasher:
         return request.all_token_ids, request.block_hashes
 
     def __call__(self, request: Request) -> list:
+        known = request.block_hashes
+        if known:
+            # A token appended to a live request (every decode step): vLLM's hasher hashes full
+            # blocks only, so until the next block fills it returns [] (its own early stop, taken
+            # here without the call); then it continues after the known blocks.
+            if (len(known) + 1) * self.block_size > request.num_tokens:
+                return []
+            return self._base(request)
         hint = self._hints.pop(request.request_id, None)
         if (hint is None or request.block_hashes or request.lora_request is not None or request.mm_features
                 or request.cache_salt or request.prompt_embeds is not None):
