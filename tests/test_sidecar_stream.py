@@ -21,6 +21,7 @@ from faulty_backend import METRICS
 from test_sidecar import CHAT, wait_until
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+from vllm_mars.admission.sidecar.proxy import forward_bytes
 from vllm_mars.admission.sidecar.serving import ServerThread
 
 
@@ -47,6 +48,8 @@ class SSEBackend:
         self.url = f"http://127.0.0.1:{port}"
         self.connections = 0
         self.hangups = 0
+        #: the body of each POST received
+        self.bodies: list[bytes] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -68,15 +71,15 @@ class SSEBackend:
                 lines = head.decode("latin-1").split("\r\n")
                 method = lines[0].split(" ")[0]
                 hdrs = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
-                if n := int(hdrs.get("content-length", "0")):
-                    await reader.readexactly(n)
+                body = await reader.readexactly(int(hdrs.get("content-length", "0")))
                 if method == "GET":
                     body = METRICS.encode()
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
                                  + str(len(body)).encode() + b"\r\n\r\n" + body)
                     await writer.drain()
                     continue
-                n, gap, size, end = hdrs["x-stream"].split(",")
+                self.bodies.append(body)
+                n, gap, size, end = hdrs.get("x-stream", "1,0,50,done").split(",")
                 n, gap, size = int(n), float(gap) / 1000, int(size)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
@@ -309,3 +312,39 @@ def test_placement_with_one_live_backend_scores_nothing(monkeypatch):
         for b in backends:
             b.roots.clear()
         calls.clear()
+
+
+def test_the_clients_body_bytes_are_forwarded_with_the_ids_appended(backend):
+    """The body goes upstream as the client wrote it (spacing, key order, number forms, non-ASCII
+    text), with ``vllm_xargs`` (and the default output limit) written before its closing brace."""
+    raw = ('{ "model" : "tiny",\n  "messages": [{"role": "user", "content": "h\u00e9 \u2603 é"}],'
+           ' "temperature": 1.0, "stream": true }\n').encode()
+    with serve(backend, default_max_tokens=7) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        r = httpx.post(sc.url + "/v1/chat/completions", content=raw, timeout=30,
+                       headers={"content-type": "application/json", "x-mars-workflow": "wf-1",
+                                "x-mars-last-step": "true"})
+        assert r.status_code == 200
+        sent = backend.bodies[-1]
+        head = raw.rstrip()[:-1]
+        assert sent.startswith(head + b',"vllm_xargs":{"mars_workflow":"wf-1"'), sent
+        assert sent.endswith(b',"max_tokens":7}')
+        got = json.loads(sent)
+        assert got["vllm_xargs"]["mars_root"] == "wf-1" and got["max_tokens"] == 7
+        assert {k: got[k] for k in json.loads(raw)} == json.loads(raw)
+        assert_no_leak(sc)
+
+
+@pytest.mark.parametrize(("raw", "n0", "respliced"), [
+    (b'{"a": 1}', 1, True),
+    (b"{}  ", 0, True),
+    (b'\xef\xbb\xbf{"a": 1}', 1, True),  # UTF-8 with a byte-order mark
+    ('{"a": 1}'.encode("utf-16-le"), 1, False),  # not UTF-8: encoded afresh
+    (b'{"a": 1}', None, False),  # a key the client sent changed
+])
+def test_forward_bytes_appends_only_new_keys_to_utf8_bodies(raw, n0, respliced):
+    body = json.loads(raw)
+    body["vllm_xargs"] = {"mars_workflow": "w"}
+    out = forward_bytes(raw, body, n0)
+    assert json.loads(out) == body
+    assert out.startswith(raw.rstrip()[:-1]) == respliced

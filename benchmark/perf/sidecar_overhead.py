@@ -11,8 +11,15 @@ ratio are medians over rounds of the within-round sidecar-vs-direct difference (
 reported: the sidecar's own CPU time per request (from /proc), which machine load barely moves, and
 its ratio to the backend's CPU per request in the same round (``cpu_ratio``, median over rounds).
 
+With ``--baseline-tree DIR`` (a checkout of other code, e.g. ``git worktree add /tmp/base main``) a
+second sidecar runs DIR's ``vllm_mars`` in front of the same backend, and every round has a third
+phase through it (the phase order rotates over rounds): both sidecars' figures come from the same
+session, and ``cpu_vs_baseline`` is the median over rounds of this sidecar's CPU per request over
+the baseline's.
+
     .venv/bin/python benchmark/perf/sidecar_overhead.py             # prints the table
     .venv/bin/python benchmark/perf/sidecar_overhead.py --record    # + results/sidecar_overhead.json
+    PYTHONPATH=vllm-mars .venv/bin/python benchmark/perf/sidecar_overhead.py --baseline-tree /tmp/base
 """
 
 from __future__ import annotations
@@ -162,6 +169,8 @@ def main() -> int:
     ap.add_argument("--controller", default="mars", choices=("mars", "concur", "none"))
     ap.add_argument("--record", action="store_true", help="write the results JSON (see --out)")
     ap.add_argument("--out", default="sidecar_overhead.json", help="results file name under results/")
+    ap.add_argument("--baseline-tree", metavar="DIR",
+                    help="also run DIR/vllm-mars's sidecar, same backend, a third phase per round")
     ap.add_argument("--role", default="bench", choices=("bench", "backend"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -180,14 +189,24 @@ def main() -> int:
     elif args.controller == "concur":
         opts = ["--controller-option", f"window_init={args.clients}", "--controller-option",
                 f"window_min={args.clients}", "--controller-option", f"window_max={args.clients}"]
+    names = ["direct", "sidecar"] + (["baseline"] if args.baseline_tree else [])
+    urls = {"direct": burl, "sidecar": surl}
     try:
         _wait(burl)
-        procs.append(subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", burl,
-                                       "--port", str(sport), "--controller", args.controller, *opts]))
-        _wait(surl)
-        phases: dict[str, list[dict]] = {"direct": [], "sidecar": []}
+        cmd = [sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", burl, "--controller", args.controller,
+               *opts]
+        procs.append(subprocess.Popen([*cmd, "--port", str(sport)]))
+        if args.baseline_tree:
+            urls["baseline"] = f"http://127.0.0.1:{(bsport := _free_port())}"
+            env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_tree).resolve() / "vllm-mars")}
+            procs.append(subprocess.Popen([*cmd, "--port", str(bsport)], env=env))
+        for u in urls.values():
+            _wait(u)
+        phases: dict[str, list[dict]] = {n: [] for n in names}
         for rnd in range(args.rounds):
-            for name, url in (("direct", burl), ("sidecar", surl)):
+            order = names if rnd % 2 == 0 or len(names) == 2 else [names[0], *names[:0:-1]]
+            for name in order:
+                url = urls[name]
                 cpu0 = [_cpu_s(p.pid) for p in procs]
                 res = asyncio.run(load(url, args.clients, args.duration, args.warmup))
                 cpu1 = [_cpu_s(p.pid) for p in procs]
@@ -195,7 +214,8 @@ def main() -> int:
                 # CPU per request of each server process over the whole phase (warmup included)
                 n_all = max(1.0, total * (args.duration + args.warmup) / args.duration)
                 res["backend_cpu_ms_per_req"] = (cpu1[0] - cpu0[0]) * 1e3 / n_all
-                res["sidecar_cpu_ms_per_req"] = (cpu1[1] - cpu0[1]) * 1e3 / n_all
+                own = 2 if name == "baseline" else 1  # the process serving this phase
+                res["sidecar_cpu_ms_per_req"] = (cpu1[own] - cpu0[own]) * 1e3 / n_all
                 phases[name].append(res)
                 print(f"round {rnd} {name:8s} p50 {res['p50_ms']:7.2f} ms  p99 {res['p99_ms']:7.2f} ms  "
                       f"ttft {res['ttft_p50_ms']:6.2f} ms  "
@@ -210,41 +230,50 @@ def main() -> int:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in phases[name])
 
-    def paired(key: str, ratio: bool = False) -> float:
+    def paired(key: str, ratio: bool = False, name: str = "sidecar", base: str = "direct") -> float:
         """Median over rounds of the sidecar-vs-direct difference (or ratio) within each round:
         adjacent phases share the machine's state, so pairing removes most of the drift."""
-        pairs = zip(phases["sidecar"], phases["direct"], strict=True)
+        pairs = zip(phases[name], phases[base], strict=True)
         vals = [s[key] / d[key] if ratio else s[key] - d[key] for s, d in pairs]
         return round(statistics.median(vals), 3)
 
-    # the sidecar's CPU per request against the backend's in the same round (the issue's target: <= 1.6x)
-    cpu_ratio = statistics.median(s["sidecar_cpu_ms_per_req"] / d["backend_cpu_ms_per_req"]
-                                  for s, d in zip(phases["sidecar"], phases["direct"], strict=True))
-    # ... and against the backend's CPU per request in the sidecar phase itself: the same calls at the same
-    # time, so the load on a shared box weighs on both alike (the cross-phase ratio above carries the
-    # difference in contention between the phases: the backend's own CPU per request rises with it)
-    cpu_ratio_same = statistics.median(s["sidecar_cpu_ms_per_req"] / s["backend_cpu_ms_per_req"]
-                                       for s in phases["sidecar"])
+    def figures(name: str) -> dict:
+        # the sidecar's CPU per request against the backend's in the same round (the issue's target: <= 1.6x)
+        cpu_ratio = statistics.median(s["sidecar_cpu_ms_per_req"] / d["backend_cpu_ms_per_req"]
+                                      for s, d in zip(phases[name], phases["direct"], strict=True))
+        # ... and against the backend's CPU per request in the sidecar phase itself: the same calls at the
+        # same time, so the load on a shared box weighs on both alike (the cross-phase ratio above carries
+        # the difference in contention between the phases: the backend's own CPU per request rises with it)
+        cpu_ratio_same = statistics.median(s["sidecar_cpu_ms_per_req"] / s["backend_cpu_ms_per_req"]
+                                           for s in phases[name])
+        return {
+            "cpu_ratio": round(cpu_ratio, 3),
+            "cpu_ratio_same_phase": round(cpu_ratio_same, 3),
+            "added_p50_ms": paired("p50_ms", name=name),
+            "added_p99_ms": paired("p99_ms", name=name),
+            "added_ttft_p50_ms": paired("ttft_p50_ms", name=name),
+            "throughput_ratio": paired("throughput_rps", ratio=True, name=name),
+            "sidecar_cpu_ms_per_request": round(med(name, "sidecar_cpu_ms_per_req"), 4),
+        }
+
     out = {
-        "cpu_ratio": round(cpu_ratio, 3),
-        "cpu_ratio_same_phase": round(cpu_ratio_same, 3),
-        "added_p50_ms": paired("p50_ms"),
-        "added_p99_ms": paired("p99_ms"),
-        "added_ttft_p50_ms": paired("ttft_p50_ms"),
-        "throughput_ratio": paired("throughput_rps", ratio=True),
-        "sidecar_cpu_ms_per_request": round(med("sidecar", "sidecar_cpu_ms_per_req"), 4),
+        **figures("sidecar"),
         "backend_cpu_ms_per_request": round(med("direct", "backend_cpu_ms_per_req"), 4),
-        "direct": {k: round(med("direct", k), 3) for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "throughput_rps")},
-        "sidecar": {k: round(med("sidecar", k), 3) for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "throughput_rps")},
+        **{n: {k: round(med(n, k), 3) for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "throughput_rps")} for n in names},
         "params": {"clients": args.clients, "chunks": args.chunks, "chunk_ms": args.chunk_ms,
                    "duration_s": args.duration, "rounds": args.rounds, "controller": args.controller},
         "date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "rounds": phases,
     }
-    print(json.dumps({k: out[k] for k in ("cpu_ratio", "cpu_ratio_same_phase", "added_p50_ms", "added_p99_ms", "added_ttft_p50_ms", "throughput_ratio",
-                                           "sidecar_cpu_ms_per_request", "backend_cpu_ms_per_request",
-                                           "direct", "sidecar")},
-                     indent=1))
+    keys = ["cpu_ratio", "cpu_ratio_same_phase", "added_p50_ms", "added_p99_ms", "added_ttft_p50_ms",
+            "throughput_ratio", "sidecar_cpu_ms_per_request", "backend_cpu_ms_per_request", "direct", "sidecar"]
+    if args.baseline_tree:
+        out["baseline_tree"] = args.baseline_tree
+        out["baseline_figures"] = figures("baseline")
+        out["cpu_vs_baseline"] = paired("sidecar_cpu_ms_per_req", ratio=True, base="baseline")
+        out["added_p50_vs_baseline_ms"] = paired("p50_ms", base="baseline")
+        keys += ["baseline_figures", "cpu_vs_baseline", "added_p50_vs_baseline_ms"]
+    print(json.dumps({k: out[k] for k in keys}, indent=1))
     if args.record:
         (HERE / "results").mkdir(exist_ok=True)
         (HERE / "results" / args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -60,6 +60,7 @@ from vllm_mars.admission.sidecar.proxy import (
     HTTPError,
     down_headers,
     err_body,
+    forward_bytes,
     json_values,
     parse_call,
     read_body,
@@ -78,11 +79,14 @@ PROXY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _FINISH = re.compile(r"^/mars/v1/workflows/(.+)/finish$", re.DOTALL)
 
 
-def set_default_max_tokens(body: dict, path: str, n: int) -> None:
-    """Give a call that sends no output limit ``n`` (Codex sends none); a call's own limit stays."""
+def set_default_max_tokens(body: dict, path: str, n: int) -> bool:
+    """Give a call that sends no output limit ``n`` (Codex sends none); a call's own limit stays.
+    True when the limit was set."""
     keys = ("max_output_tokens",) if path.endswith("/responses") else ("max_tokens", "max_completion_tokens")
     if all(body.get(k) is None for k in keys):
         body[keys[0]] = n
+        return True
+    return False
 
 
 def _id_headers(ident: Identity, tenant: str = "") -> list[tuple[bytes, bytes]]:
@@ -299,12 +303,21 @@ class Sidecar(SidecarState):
             turn = self.lifecycle.call_started(r, ident, agent)
             started = True
             self.in_flight += 1
-            body = call[0] if call[0] is not None else json.loads(await call[1].take())
+            if call[0] is not None:
+                body, raw = call
+            else:
+                raw = await call[1].take()
+                body = json.loads(raw)
             del call
+            n0 = None if "vllm_xargs" in body else len(body)  # (None: a key the client sent changes)
             apply_to_body(body, ident, turn)
             if self.config.default_max_tokens is not None:
-                set_default_max_tokens(body, path, self.config.default_max_tokens)
-            ok = await self.forwarder.forward_with_wait(r, path, body, self._upstream_headers(scope), send,
+                n1 = len(body)
+                if set_default_max_tokens(body, path, self.config.default_max_tokens) and len(body) == n1:
+                    n0 = None  # the client's null limit was replaced
+            data = forward_bytes(raw, body, n0)
+            del raw, body
+            ok = await self.forwarder.forward_with_wait(r, path, data, self._upstream_headers(scope), send,
                                                         _id_headers(ident, tenant), scan)
         except asyncio.CancelledError:
             if not disconnected:

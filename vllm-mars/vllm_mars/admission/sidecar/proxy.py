@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
@@ -197,6 +198,21 @@ def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
     return body, ident
 
 
+def forward_bytes(raw: bytes, body: dict, n0: int | None) -> bytes:
+    """The JSON to forward for a call whose client sent ``raw``, parsed into ``body``, which had
+    ``n0`` keys then and has since only been given new keys (None: a key it had changed). When it
+    was so and ``raw`` is UTF-8, the client's own bytes with the new keys written before the
+    closing brace (no re-encoding of the whole body: a JSON object's keys may come in any order);
+    otherwise all of ``body`` encoded afresh."""
+    if n0 is not None and len(body) > n0 and json.detect_encoding(raw[:4]) in ("utf-8", "utf-8-sig"):
+        end = raw.rstrip(b" \t\n\r")
+        if end[-1:] == b"}":
+            tail = json.dumps(dict(itertools.islice(body.items(), n0, None)), ensure_ascii=False,
+                              separators=(",", ":")).encode()
+            return end[:-1] + (b"," if n0 else b"") + tail[1:]
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def down_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k not in _HOP]
 
@@ -227,7 +243,7 @@ class Forwarder:
     def _retry_after(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", str(self.config.retry_after_s).encode())]
 
-    async def forward_with_wait(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+    async def forward_with_wait(self, r: RootState, path: str, body: dict | bytes, headers: list[tuple[bytes, bytes]],
                                 send: Any, extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
         """Forward; when the root's backend cannot be connected to (nothing was sent), mark it
         down, wait up to ``backend_wait_s`` for a live backend (the root keeps its slot) and retry
@@ -252,11 +268,12 @@ class Forwarder:
                 self.placement.release(r.root, b)
                 r.backend = self.placement.place(r.root)
 
-    async def forward(self, r: RootState, path: str, body: dict, headers: list[tuple[bytes, bytes]],
+    async def forward(self, r: RootState, path: str, body: dict | bytes, headers: list[tuple[bytes, bytes]],
                       send: Any, extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
-        """Send the call to the root's backend and answer the client. True on success."""
+        """Send the call (``body``: its JSON, or the dict to encode) to the root's backend and
+        answer the client. True on success."""
         b: Backend = r.backend
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        data = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         try:
             resp = await b.pool.request("POST", path, [*headers, *b.rank_headers] if b.rank_headers else headers, data)
         except UpstreamUnreachable as e:
