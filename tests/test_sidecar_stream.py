@@ -327,8 +327,8 @@ def test_the_clients_body_bytes_are_forwarded_with_the_ids_appended(backend):
         assert r.status_code == 200
         sent = backend.bodies[-1]
         head = raw.rstrip()[:-1]
-        assert sent.startswith(head + b',"vllm_xargs":{"mars_workflow":"wf-1"'), sent
-        assert sent.endswith(b',"max_tokens":7}')
+        assert sent.startswith(head + b',"vllm_xargs": {"mars_workflow": "wf-1"'), sent
+        assert sent.endswith(b', "max_tokens": 7}')
         got = json.loads(sent)
         assert got["vllm_xargs"]["mars_root"] == "wf-1" and got["max_tokens"] == 7
         assert {k: got[k] for k in json.loads(raw)} == json.loads(raw)
@@ -340,6 +340,8 @@ def test_the_clients_body_bytes_are_forwarded_with_the_ids_appended(backend):
     (b"{}  ", 0, True),
     (b'\xef\xbb\xbf{"a": 1}', 1, True),  # UTF-8 with a byte-order mark
     ('{"a": 1}'.encode("utf-16-le"), 1, False),  # not UTF-8: encoded afresh
+    ('{"a": 1}'.encode("utf-16"), 1, False),
+    ('{"a": 1}'.encode("utf-32"), 1, False),
     (b'{"a": 1}', None, False),  # a key the client sent changed
 ])
 def test_forward_bytes_appends_only_new_keys_to_utf8_bodies(raw, n0, respliced):
@@ -348,3 +350,33 @@ def test_forward_bytes_appends_only_new_keys_to_utf8_bodies(raw, n0, respliced):
     out = forward_bytes(raw, body, n0)
     assert json.loads(out) == body
     assert out.startswith(raw.rstrip()[:-1]) == respliced
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model":"tiny","messages":[{"role":"user","content":"a\xed\xa0\x80b"}]}',  # an encoded lone surrogate
+    '{"model":"tiny","messages":[{"role":"user","content":"a\ud800b"}]}'.encode("utf-16", "surrogatepass"),
+    b'{"model":"tiny","messages":[{"role":"user","content":"a\xffb"}]}',
+])
+def test_bodies_that_are_not_valid_unicode_are_400_before_the_engine(backend, raw):
+    """Bytes that decode only leniently (a lone surrogate encoded in UTF-8 or UTF-16, a stray byte)
+    are a 400 naming the encoding, before admission: never a call forwarded, never a 500."""
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        n = len(backend.bodies)
+        r = httpx.post(sc.url + "/v1/chat/completions", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "request body is not valid UTF-" in r.json()["error"]["message"]
+        assert len(backend.bodies) == n
+        assert_no_leak(sc)
+
+
+def test_utf8_with_a_byte_order_mark_and_utf16_bodies_still_pass(backend):
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        for raw in (b"\xef\xbb\xbf" + json.dumps(CHAT).encode(), json.dumps(CHAT).encode("utf-16")):
+            r = httpx.post(sc.url + "/v1/chat/completions", content=raw, timeout=30,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            assert json.loads(backend.bodies[-1])["messages"] == CHAT["messages"]
+        assert_no_leak(sc)

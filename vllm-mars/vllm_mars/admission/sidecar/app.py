@@ -28,8 +28,10 @@ upstream request is closed (vLLM aborts it); invalid JSON or ``mars_*`` values -
 missing/wrong API key -> 401.
 
 Stack, and why: **uvicorn** with uvloop and httptools (the server vLLM itself runs on, so no new
-server dependency) serving a small raw ASGI app (five routes need no framework; the per-chunk cost
-is one ``send``). Upstream calls go through :mod:`vllm_mars.admission.upstream`, a pooled keep-alive
+server dependency) serving a small raw ASGI app (five routes need no framework). A streamed answer is written to the
+client from the upstream connection's callback, one ``send`` per upstream read and no task wake-up
+(:mod:`~vllm_mars.admission.sidecar.pump`); the client's body bytes go upstream with the ids
+appended, not re-encoded. Upstream calls go through :mod:`vllm_mars.admission.upstream`, a pooled keep-alive
 HTTP/1.1 client on asyncio protocols with **httptools** (llhttp) parsing: in
 ``benchmark/perf/sidecar_overhead.py`` it cut the sidecar's CPU per proxied streaming request by a
 third against aiohttp's client (0.96 -> 0.65 ms for 16 chunks), and the proxy's CPU per chunk is what

@@ -163,8 +163,13 @@ def json_values(raw: bytes) -> int:
 def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
     """The JSON body and the call's identity; HTTPError(400) naming the problem."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # decoded strictly (json.loads of bytes lets an encoded lone surrogate through, which then
+        # cannot be encoded again): such a body is a 400 here
+        enc = ("utf-8-sig" if raw[:3] == b"\xef\xbb\xbf" else "utf-8") if is_utf8(raw) else json.detect_encoding(raw)
+        body = json.loads(raw.decode(enc))
+    except UnicodeDecodeError as e:
+        raise HTTPError(400, f"request body is not valid {e.encoding.upper()}: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
         raise HTTPError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise HTTPError(400, "request body is nested too deeply") from None
@@ -198,17 +203,22 @@ def parse_call(raw: bytes, headers: Mapping[str, str]) -> tuple[dict, Identity]:
     return body, ident
 
 
+def is_utf8(raw: bytes) -> bool:
+    """Whether JSON text ``raw`` is UTF-8 rather than UTF-16/32 (:func:`json.detect_encoding`'s rule:
+    no UTF-16 byte-order mark, no NUL in the first 4 bytes)."""
+    return raw[:2] not in (b"\xff\xfe", b"\xfe\xff") and b"\0" not in raw[:4]
+
+
 def forward_bytes(raw: bytes, body: dict, n0: int | None) -> bytes:
     """The JSON to forward for a call whose client sent ``raw``, parsed into ``body``, which had
     ``n0`` keys then and has since only been given new keys (None: a key it had changed). When it
     was so and ``raw`` is UTF-8, the client's own bytes with the new keys written before the
     closing brace (no re-encoding of the whole body: a JSON object's keys may come in any order);
     otherwise all of ``body`` encoded afresh."""
-    if n0 is not None and len(body) > n0 and json.detect_encoding(raw[:4]) in ("utf-8", "utf-8-sig"):
+    if n0 is not None and len(body) > n0 and is_utf8(raw):
         end = raw.rstrip(b" \t\n\r")
-        if end[-1:] == b"}":
-            tail = json.dumps(dict(itertools.islice(body.items(), n0, None)), ensure_ascii=False,
-                              separators=(",", ":")).encode()
+        if end[-1:] == b"}":  # (the default encoder: its ASCII escapes are the same JSON, and it is the quickest)
+            tail = json.dumps(dict(itertools.islice(body.items(), n0, None))).encode()
             return end[:-1] + (b"," if n0 else b"") + tail[1:]
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
