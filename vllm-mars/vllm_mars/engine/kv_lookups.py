@@ -32,7 +32,6 @@ off.
 
 from __future__ import annotations
 
-from itertools import islice
 from operator import attrgetter
 from typing import Any
 
@@ -102,7 +101,7 @@ class HitMemo:
             probed = e.probed
             changed = False
             if len(log) > e.seen:
-                for k in islice(log, e.seen, None):
+                for k in log[e.seen:]:  # (a slice: islice would step over the seen part again)
                     if k[:-4] in probed:
                         changed = True
                         break
