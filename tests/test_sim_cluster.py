@@ -91,6 +91,38 @@ def test_each_rule_places_new_roots_as_specified():
     assert run_virtual(main("mars"))[0] == 1
 
 
+def test_mars_rule_counts_the_roots_queued_at_a_replica():
+    """Roots are placed when they arrive, before any is admitted: the ``mars`` rule nets a replica's
+    budget of the footprints of the roots already queued there, so a burst of arrivals spreads
+    instead of piling onto the replica that had a few blocks more."""
+    from vllm_mars.admission.base import PendingRoot, make_controller
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        c = _cluster(2, "mars", loop.time)
+        await c.start()
+        try:
+            adm = c.bind_controller(make_controller("mars"), lambda: make_controller("mars"))
+            c._home["s"] = c.replicas[1]  # replica 1 holds a short call: a few blocks less budget
+            one = _call(c, "s:t0", "s", 100, out=400, seed=9)
+            await _settle(c, [0, 1])
+            for k in range(4):  # 4 arrivals of 20 blocks each, none admitted yet (no tick)
+                adm.offer(PendingRoot(f"new{k}", loop.time(), 20 * 32))
+            placed = [c.replicas.index(c._home[f"new{k}"]) for k in range(4)]
+            assert adm.num_queued == 4 and adm.num_active == 0
+            assert adm.promised_blocks([f"new{k}" for k in range(4) if placed[k] == 0]) > 0
+            for k in range(4):
+                adm.finish(f"new{k}", loop.time())
+                c.end_root(f"new{k}")
+            one.cancel()
+            await asyncio.gather(one, return_exceptions=True)
+            return placed
+        finally:
+            await c.close()
+
+    assert run_virtual(main()) == [0, 1, 0, 1]
+
+
 def test_session_hash_skips_a_down_replica_and_is_stable_across_instances():
     async def main():
         loop = asyncio.get_running_loop()
