@@ -182,6 +182,21 @@ def test_the_sim_needs_the_tier_for_infercept_swap_and_models_no_other_engine_ar
         plan(kv_offloading_size=-1)
 
 
+def test_an_experiment_variant_gives_infercept_swap_its_tier(tmp_path):
+    from vllm_mars.driver.compare import policy_config
+    from vllm_mars.experiment.spec import load_experiment
+
+    toml = tmp_path / "x.toml"
+    toml.write_text(f'name = "x"\nbackend = "sim"\nprofile = "{PROFILE}"\npolicies = ["infercept_swap", "mars"]\n'
+                    + '[variants.infercept_swap]\npolicy = "infercept_swap"\n'
+                    + 'replay = { engine_args = { kv_offloading_size = 64 } }\n'
+                    + '[[workloads]]\nname = "w"\npreset = "ILR-1"\nrps = [1.0]\n')
+    exp = load_experiment(toml)
+    swap = policy_config(exp.base, "infercept_swap", exp.variants["infercept_swap"], rps=1.0)
+    assert RunPlan.of(swap).engine.kv_offloading_size == 64.0
+    assert RunPlan.of(policy_config(exp.base, "mars", None, rps=1.0)).engine.kv_offloading_size is None
+
+
 def test_infercept_swap_prices_the_load_of_the_engines_tier():
     pol = make_policy("infercept_swap")
     assert pol.swap_waste(1000, 3000) == pytest.approx(4e-5 * 1000 * 1000)  # no engine: InferCept's constant

@@ -253,7 +253,8 @@ class InferceptSwapPolicy(InferceptPolicy):
                 "accelerator memory to host memory through vLLM's CPU KV offloading connector "
                 "(--kv-offloading-size), and vLLM's CPU build has no CPU-offload connector to swap "
                 "to (the KV cache already lives in host memory). Use 'infercept' here, or run "
-                "'infercept_swap' on a GPU with --kv-offloading-size set.")
+                "'infercept_swap' on a GPU with --kv-offloading-size set, or in the sim (--backend sim "
+                "--engine-arg kv_offloading_size=<GiB>).")
 
     def swap_waste(self, context: int, batch: int) -> float | None:
         # T_load(C) * C: only the call waits for its asynchronous load (module docstring)
