@@ -231,7 +231,7 @@ class InferceptSwapConfig(InferceptConfig):
 
 @register_policy
 class InferceptSwapPolicy(InferceptPolicy):
-    """``infercept`` plus the swap option (waste_swap = 2 * T_swap(C) * C_batch * M)."""
+    """``infercept`` plus the swap option through the CPU offload tier (waste_swap = T_load(C) * C * M)."""
 
     name = "infercept_swap"
     Config = InferceptSwapConfig
