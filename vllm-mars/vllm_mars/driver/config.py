@@ -282,6 +282,8 @@ class SimEngine:
     replicas: int | None = None
     #: the placement rule of a cluster (:data:`~vllm_mars.admission.placement.PLACEMENT_RULES`)
     placement: str = "mars"
+    #: GiB of vLLM's CPU KV offload tier (``--engine-arg kv_offloading_size``; None: no tier)
+    kv_offloading_size: float | None = None
 
     @classmethod
     def of(cls, cfg: ReplayConfig) -> SimEngine:
@@ -293,9 +295,11 @@ class SimEngine:
             raise ValueError("--record-steps times the in-process engine's steps: it needs --backend inprocess")
         if cfg.tools != "simulated":
             raise ValueError("the sim backend runs in virtual time: --tools must be simulated")
+        offload = None
         if cfg.engine_args:
-            raise ValueError("engine arguments configure the in-process engine; with --backend http pass them to "
-                             "the server (mars serve --engine-arg ...); the sim takes its engine from --profile")
+            from vllm_mars.sim.offload import check_sim_engine_args
+
+            offload = check_sim_engine_args(cfg.engine_args)
         if cfg.replicas is not None and not 1 <= cfg.replicas <= SIM_MAX_REPLICAS:
             raise ValueError(f"replicas must be 1..{SIM_MAX_REPLICAS}, got {cfg.replicas!r}")
         if cfg.replicas is None and cfg.placement != "mars":
@@ -312,7 +316,7 @@ class SimEngine:
         if what and not 2 <= n <= SIM_MAX_KV_BLOCKS:
             raise ValueError(f"{what}: the sim's KV pool must be 2..{SIM_MAX_KV_BLOCKS} blocks (profile {p.name}: "
                              f"{base} blocks, so kv_scale {2 / base:.3g}..{SIM_MAX_KV_BLOCKS / base:.4g})")
-        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size), cfg.replicas, cfg.placement)
+        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size), cfg.replicas, cfg.placement, offload)
 
     def shaped(self, cfg: ReplayConfig) -> ReplayConfig:
         """``cfg`` with the profile's engine shape and the pool as ``num_blocks``."""
@@ -323,13 +327,17 @@ class SimEngine:
                        policy_options=dict(cfg.policy_options), admission_options=dict(cfg.admission_options))
 
     def check_policy(self, policy: DriverPolicy, policy_options: dict[str, Any]) -> None:
-        """The policy options are checked when the sim's scheduler is built."""
+        """The sim models a GPU engine: a policy that swaps KV needs the offload tier. The policy
+        options are checked when the sim's scheduler is built."""
+        tier = {} if self.kv_offloading_size is None else {"kv_offloading_size": self.kv_offloading_size}
+        local.check_policy_engine(policy.scheduler_policy, False, tier)
 
     def make(self, clock: Callable[[], float], policy: str, policy_options: dict[str, Any], seed: int) -> Any:
         """One engine, or with ``replicas`` a :class:`~vllm_mars.sim.cluster.SimCluster` of that many."""
         def one() -> SimBackend:
             return SimBackend(self.profile, clock, policy=policy, policy_options=policy_options, seed=seed,
-                              max_model_len=self.max_model_len, num_blocks=self.num_blocks)
+                              max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+                              kv_offloading_size=self.kv_offloading_size)
 
         if self.replicas is None:
             return one()

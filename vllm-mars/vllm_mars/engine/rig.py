@@ -126,7 +126,8 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
                      max_model_len: int = 8192, enable_prefix_caching: bool = True,
                      long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
                      async_scheduling: bool = False, model_dir: str | None = None,
-                     kv_events: bool = False, scheduling_policy: str = "fcfs") -> VllmConfig:
+                     kv_events: bool = False, scheduling_policy: str = "fcfs",
+                     kv_transfer_config: Any = None) -> VllmConfig:
     """A VllmConfig over a config-only model dir (``model_dir``; default: the tiny model's config.json).
 
     ``num_spec_tokens > 0`` adds an n-gram speculative config (no draft model); vLLM's Scheduler
@@ -134,7 +135,8 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
     platform hook (which turns it off on CPU), as vLLM would have decided it on GPU.
     ``kv_events=True`` turns on vLLM's KV cache events with the null publisher, as the in-process
     backend does (``engine_kwargs(kv_events=True)``), so MarsScheduler counts block removals.
-    ``scheduling_policy``: vLLM's ``--scheduling-policy`` (``fcfs`` or ``priority``)."""
+    ``scheduling_policy``: vLLM's ``--scheduling-policy`` (``fcfs`` or ``priority``).
+    ``kv_transfer_config``: vLLM's KV connector (the sim's CPU offload tier, :mod:`vllm_mars.sim.offload`)."""
     model_config = ModelConfig(model=model_dir or config_only_model_dir(), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=max_model_len)
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -154,11 +156,18 @@ def make_vllm_config(*, policy: str = "fcfs", policy_options: Mapping[str, Any] 
     kw: dict[str, Any] = {}
     if kv_events:
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if kv_transfer_config is not None:
+        kw["kv_transfer_config"] = kv_transfer_config
     cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                      cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
                      speculative_config=spec, additional_config={"mars": mars}, **kw)
     cfg.scheduler_config.async_scheduling = async_scheduling
     return cfg
+
+
+def rig_kv_spec(block_size: int) -> FullAttentionSpec:
+    """The placeholder KV spec of the rig's one layer (no tensors exist; its bytes mean nothing)."""
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
 
 
 def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 16,
@@ -168,7 +177,7 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
                    scheduler_cls: type[Scheduler] = MarsScheduler, stock: bool = False,
                    num_spec_tokens: int = 0, async_scheduling: bool | None = None,
                    model_dir: str | None = None, kv_events: bool = False, log_stats: bool = True,
-                   scheduling_policy: str = "fcfs") -> Scheduler:
+                   scheduling_policy: str = "fcfs", kv_transfer_config: Any = None) -> Scheduler:
     """Build a scheduler over ``num_blocks`` KV blocks (one is vLLM's null block).
 
     ``stock=True`` builds vLLM's own Scheduler with the same configuration, for side-by-side tests.
@@ -185,10 +194,9 @@ def make_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: 
         enable_prefix_caching=enable_prefix_caching,
         long_prefill_token_threshold=long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
         async_scheduling=async_scheduling, model_dir=model_dir, kv_events=kv_events,
-        scheduling_policy=scheduling_policy)
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
-                                                      head_size=64, dtype=torch.bfloat16))])
+        scheduling_policy=scheduling_policy, kv_transfer_config=kv_transfer_config)
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], rig_kv_spec(block_size))])
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     cls = Scheduler if stock else scheduler_cls
     s = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,

@@ -92,7 +92,8 @@ class MarsSchedulerMixin:
         self.mars_config = cfg
         self.clock = MonotonicClock()
         policy = make_policy(cfg.policy, cfg.policy_options, self.clock)
-        policy.check_platform(str(current_platform.device_type))
+        # the platform the engine serves: the sim's connector names the GPU it models
+        policy.check_platform(getattr(self.connector, "mars_platform", None) or str(current_platform.device_type))
         if policy.needs_kv_connector and self.connector is None:
             raise ValueError(
                 f"policy {cfg.policy!r} needs a KV offloading connector and none is configured: start vLLM "

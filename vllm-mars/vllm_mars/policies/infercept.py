@@ -11,7 +11,7 @@ with ``C`` the call's context tokens, ``C_other`` the context tokens of the othe
 
     waste_preserve = T_int * C * M
     waste_discard  = T_fwd(C) * (C + C_other) * M        # recompute stalls the whole batch
-    waste_swap     = 2 * T_swap(C) * (C + C_other) * M   # infercept_swap only: out and back in
+    waste_swap     = T_load(C) * C * M                   # infercept_swap only (see below)
 
 InferCept re-estimates the interception time every iteration as the time since the call ended
 (``T_int = t_now - t_call``), so preserving stays cheapest until the elapsed time reaches the
@@ -30,8 +30,7 @@ reverse (the latest-arrived workflow first).
 Our choices where the paper is open
 -----------------------------------
 * ``T_fwd(C) = prefill_s_per_token2 * C**2 + prefill_s_per_token * C + prefill_s_const``
-  (defaults: the preview's 0.0002 s/token, linear); ``T_swap(C) = swap_s_per_token * C`` (default
-  4e-5 s/token, InferCept's ``solver.py`` constant).
+  (defaults: the preview's 0.0002 s/token, linear).
 * The tool the ending call is about to run comes from the engine's tool-call parser or the
   client's ``mars_next_tool`` when known, else the tool its previous turn ran (``mars_tool``):
   :func:`~vllm_mars.policies.gaps.gap_tool`; the estimate uses the workflow's history first.
@@ -39,14 +38,23 @@ Our choices where the paper is open
   (``waste_discard - mean_gap * C``) is released first.
 * The preview halves the discard waste (``/ 2``); the paper does not, and neither do we.
 
-``infercept_swap`` swaps to host memory through vLLM's native CPU KV offloading connector: start
-the engine with ``--kv-offloading-size <GiB>`` (``mars replay|compare|serve --engine-arg
-kv_offloading_size=<GiB>``); without a connector the scheduler refuses to start. (vLLM's
-``lmcache`` offloading backend needs a separate LMCache server and package; it is not tested
-here.) With the connector on, every
-computed block also has a host copy, so "swap" and "discard" are the same engine action (free the
-GPU blocks now; the next turn loads what the host tier still holds); the swap option changes the
-decision by making preservation worth less. On the CPU build it refuses to start.
+Swap (``infercept_swap``)
+------------------------
+It swaps through vLLM's native CPU KV offloading connector: start the engine with
+``--kv-offloading-size <GiB>`` (``mars replay|compare|serve --engine-arg kv_offloading_size=<GiB>``,
+the sim included, which models the tier: :mod:`vllm_mars.sim.offload`); without a connector the
+scheduler refuses to start, and on vLLM's CPU build too (no accelerator memory to swap from).
+(vLLM's ``lmcache`` offloading backend needs a separate LMCache server; it is not tested here.)
+
+That connector is not InferCept's synchronous swap, and the waste model follows the connector:
+every computed prompt block is copied to the host while the batch runs (swap-out costs no stall),
+and a returning call's host blocks are loaded asynchronously (the call waits for its load; the
+batch does not). So releasing to the host wastes only the call's own memory during its load,
+``waste_swap = T_load(C) * C``, with ``T_load(C) = C x`` the host-to-device seconds per token: the
+engine's (the sim's connector knows its link and the model's KV bytes) unless ``swap_s_per_token``
+is set, else InferCept's ``solver.py`` constant 4e-5 s/token. Preserving pays only while the
+interception is shorter than that load; past it the GPU blocks are freed and the next turn loads
+what the host tier still holds (what it evicted is recomputed).
 """
 
 from __future__ import annotations
@@ -206,24 +214,37 @@ class InferceptPolicy(Policy):
         return w - (d.expected_gap or 0.0) * d.context
 
 
+#: InferCept's ``solver.py`` swap time per token, for an engine that does not say its own.
+INFERCEPT_SWAP_S_PER_TOKEN = 4e-5
+
+
 @dataclass(frozen=True)
 class InferceptSwapConfig(InferceptConfig):
-    #: Seconds per token to move KV between GPU and host (one direction).
-    swap_s_per_token: float = 4e-5
+    #: Seconds per token to load KV from the host (None: the engine's tier, else 4e-5).
+    swap_s_per_token: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_nonneg(self, "swap_s_per_token")
+        if self.swap_s_per_token is not None:
+            check_nonneg(self, "swap_s_per_token")
 
 
 @register_policy
 class InferceptSwapPolicy(InferceptPolicy):
-    """``infercept`` plus the swap option (waste_swap = 2 * T_swap(C) * C_batch * M)."""
+    """``infercept`` plus the swap option through the CPU offload tier (waste_swap = T_load(C) * C * M)."""
 
     name = "infercept_swap"
     Config = InferceptSwapConfig
     swap = True
     needs_kv_connector = True
+
+    def load_s_per_token(self) -> float:
+        """Host-to-device seconds per context token: the config's, else the engine connector's
+        (``load_seconds_per_token``, the sim's tier), else InferCept's constant."""
+        if self.config.swap_s_per_token is not None:
+            return self.config.swap_s_per_token
+        s = getattr(getattr(self.engine, "connector", None), "load_seconds_per_token", None)
+        return INFERCEPT_SWAP_S_PER_TOKEN if s is None else float(s)
 
     def check_platform(self, platform: str) -> None:
         if platform == "cpu":
@@ -232,7 +253,9 @@ class InferceptSwapPolicy(InferceptPolicy):
                 "accelerator memory to host memory through vLLM's CPU KV offloading connector "
                 "(--kv-offloading-size), and vLLM's CPU build has no CPU-offload connector to swap "
                 "to (the KV cache already lives in host memory). Use 'infercept' here, or run "
-                "'infercept_swap' on a GPU with --kv-offloading-size set.")
+                "'infercept_swap' on a GPU with --kv-offloading-size set, or in the sim (--backend sim "
+                "--engine-arg kv_offloading_size=<GiB>).")
 
     def swap_waste(self, context: int, batch: int) -> float | None:
-        return 2.0 * self.config.swap_s_per_token * context * batch
+        # T_load(C) * C: only the call waits for its asynchronous load (module docstring)
+        return self.load_s_per_token() * context * context

@@ -158,10 +158,14 @@ class SimBackend:
 
     def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, seed: int = 0,
-                 max_model_len: int | None = None, num_blocks: int | None = None) -> None:
+                 max_model_len: int | None = None, num_blocks: int | None = None,
+                 kv_offloading_size: float | None = None) -> None:
         self.profile = profile
         #: KV blocks of the pool (None: the profile's); the step times are the profile's either way
         self.num_blocks = num_blocks
+        #: GiB of vLLM's CPU KV offload tier (None: none); see vllm_mars.sim.offload
+        self.kv_offloading_size = kv_offloading_size
+        self._xfer: Any = None
         self.clock = clock
         self.policy = policy
         self.policy_options = dict(policy_options or {})
@@ -210,10 +214,22 @@ class SimBackend:
         self.cost_model = p.cost_model()
         options = dict(self.policy_options)
         options.setdefault("cost_model", self.cost_model.as_dict())
+        connector = None
+        if self.kv_offloading_size is not None:
+            from vllm_mars.engine.rig import rig_kv_spec
+            from vllm_mars.sim.offload import HostTier, host_tier_config
+
+            tier = HostTier.of(p, self.kv_offloading_size)
+            connector = host_tier_config(tier, rig_kv_spec(p.block_size).page_size_bytes)
         self.scheduler = make_scheduler(
             self.policy, num_blocks=self.num_blocks or p.num_kv_blocks(), block_size=p.block_size, max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=self.max_model_len,
-            policy_options=options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False)
+            policy_options=options, clock=LoopClock(loop), model_dir=model_dir, log_stats=False,
+            kv_transfer_config=connector)
+        if connector is not None:
+            from vllm_mars.sim.offload import transfers_of
+
+            self._xfer = transfers_of(self.scheduler)
         # KV block removals are counted where vLLM would emit them as events, without the events
         self.scheduler.count_block_removals()
         if self.lean_kv_lookups:
@@ -242,6 +258,7 @@ class SimBackend:
         block_size = self.profile.block_size
         advance = loop.advance_if_idle
         ff = self._fast_forward if self.fast_forward and _ff_supported(s) else None
+        xfer = self._xfer  # the CPU offload tier's transfers (None: no tier; vllm_mars.sim.offload)
         try:
             while True:
                 if self._aborts:
@@ -274,17 +291,31 @@ class SimBackend:
                     if not dt > 0:
                         raise RuntimeError(f"profile {profile.name!r}: step_seconds returned {dt!r} for a "
                                            f"non-empty batch")
+                    if xfer is not None:  # a flushed store delays the step
+                        dt += xfer.start_step(so.kv_connector_metadata, loop.time())
                     self.steps += 1
                     self.busy_s += dt
                     if not advance(dt):  # others run during the step: sleep through the loop
                         await asyncio.sleep(dt)
-                    outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
+                    out = fake_model_output(s, so, SIM_TOKEN)
+                    if xfer is not None:
+                        out.kv_connector_output = xfer.finish_step(loop.time())
+                    outs = s.update_from_output(so, out)
                 else:
-                    outs = s.update_from_output(so, fake_model_output(s, so, SIM_TOKEN))
+                    out = fake_model_output(s, so, SIM_TOKEN)
+                    idle = IDLE_STEP_S
+                    if xfer is not None:
+                        wait = xfer.start_step(so.kv_connector_metadata, loop.time())
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                        out.kv_connector_output = xfer.finish_step(loop.time())
+                    outs = s.update_from_output(so, out)
                     self.idle_steps += 1
                     self._wake.clear()
+                    if xfer is not None:  # sleep until the next transfer ends, not a whole idle step
+                        idle = xfer.idle_s(loop.time(), IDLE_STEP_S)
                     try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
+                        await asyncio.wait_for(self._wake.wait(), idle)
                     except TimeoutError:
                         pass
                 now = self.clock()  # the run clock: the driver stamps submits with it (0 = run start)
@@ -458,6 +489,8 @@ class SimBackend:
         out.update(profile=self.profile.name, steps=self.steps, busy_s=round(self.busy_s, 6),
                    idle_steps=self.idle_steps, leak_check=self.leak_error or "ok",
                    hash_blocks_reused=self._hasher.reused if self._hasher else 0)
+        if self._xfer is not None:
+            out["offload"] = self._xfer.stats()
         return out
 
     async def close(self) -> None:
@@ -476,8 +509,13 @@ class SimBackend:
             return
         abort_all(s)  # a cancelled run: abort what is still in flight, as a client disconnect would
         s.release_retention()
-        self._stats = s.mars_stats()
         try:
+            if self._xfer is not None:
+                from vllm_mars.sim.offload import assert_host_tier_clean, drain
+
+                drain(s, SIM_TOKEN)  # the stores of the last finished calls, then every transfer
+                assert_host_tier_clean(s)
+            self._stats = s.mars_stats()
             assert_no_leaks(s)
         except AssertionError as e:
             self.leak_error = f"leak: {e}"
