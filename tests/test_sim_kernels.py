@@ -209,9 +209,14 @@ def test_mars_profile_from_kernels_writes_a_profile_the_sim_loads(tmp_path, caps
     from vllm_mars.cli import main
 
     out = tmp_path / "b200-llama.json"
-    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--out", str(out)]) == 0
+    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--scheduling", "async", "--out", str(out)]) == 0
     p = load_profile(str(out))
     assert p.hardware.name == "NVIDIA B200 180GB" and "system b200_sxm" in p.kernels.source
+    # async scheduling: the once-fitted CPU work overlaps the kernels, the fitted rest stays in series
+    e = p.efficiency
+    assert (e.overlapped_step_s, e.overlapped_per_seq_s) == (kn.STEP_OVERHEAD_S, kn.PER_SEQ_OVERHEAD_S)
+    assert (e.step_overhead_s, e.per_seq_overhead_s) == (kn.ASYNC_STEP_OVERHEAD_S, kn.ASYNC_PER_SEQ_OVERHEAD_S)
+    assert "async scheduling" in e.source and kn.ASYNC_OVERHEAD_SOURCE in e.source
     assert p.step_seconds([(8192, 0)], []) < load_profile("h100-llama-3.1-8b-kernels").step_seconds([(8192, 0)], [])
     assert f"wrote {out}" in capsys.readouterr().out
     with pytest.raises(ValueError, match="GPU 'a10': not one of b200, h100, h200"):

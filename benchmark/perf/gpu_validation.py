@@ -291,8 +291,9 @@ def markdown(path: str) -> str:
         out.append(f"| {s['gpu']} | {s['model']} | {s['rows']} | {s['ttft_median_ratio']} | {s['ttft_median_abs_err']} | "
                    f"{s['ttft_worst_ratio']} | {s['tpot_median_ratio']} | {s['tpot_median_abs_err']} | "
                    f"{s['tpot_worst_ratio']} |")
-    out += ["", "| GPU | model | TP | ISL/OSL | C | vLLM (scheduling) | TTFT public ms | ours | ratio | TPOT public ms | "
-            "ours | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| GPU | model | TP | ISL/OSL | C | vLLM (scheduling) | TTFT public ms | ours | ratio | TPOT public ms | "
+            "ours | ratio |")
+    out += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["records"]:
         out.append(f"| {r['gpu']} | {r['model']} | {r['tp']} | {r['isl']}/{r['osl']} | {r['concurrency']} | "
                    f"{r['vllm']} ({r.get('scheduling', 'sync')}) | "
@@ -311,11 +312,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="every Nth covered row per GPU x model (CPU time on a shared machine; default all)")
     ap.add_argument("--prompts-per-client", type=int, default=None,
                     help="timed prompts per client (default: the row's protocol's, 10; fewer only to save CPU time)")
+    ap.add_argument("--range-ratio", type=float, default=None,
+                    help="replace every row's protocol's length ratio (lengths uniform in [ratio x L, L]): a "
+                         "sensitivity run for rows whose protocol is not published")
     ap.add_argument("--fit-overheads", action="store_true",
                     help="fit the non-overlapped per-step and per-request overheads of --scheduling on its fit set "
                          f"({', '.join(f'{k}: {g} x {m}' for k, (g, m) in FIT_SETS.items())}) and print them")
-    ap.add_argument("--scheduling", choices=sorted(FIT_SETS), default="sync",
-                    help="with --fit-overheads: which mode's overheads to fit (default sync)")
+    ap.add_argument("--scheduling", choices=sorted(FIT_SETS), default=None,
+                    help="price every row's steps this way (default: as the row's vLLM schedules them); with "
+                         "--fit-overheads: which mode's overheads to fit (default sync)")
     ap.add_argument("--out", default=None, help="write the records and summary here (JSON)")
     ap.add_argument("--markdown", metavar="JSON", default=None, help="print the tables of a results file and exit")
     args = ap.parse_args(argv)
@@ -331,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r.concurrency <= args.max_concurrency]
     if args.max_osl:
         rows = [r for r in rows if r.osl <= args.max_osl]
+    if args.range_ratio is not None:
+        if not 0 < args.range_ratio <= 1:
+            ap.error(f"--range-ratio {args.range_ratio}: must be within (0, 1]")
+        from dataclasses import replace
+
+        for name, proto in list(PROTOCOLS.items()):
+            PROTOCOLS[name] = replace(proto, range_ratio=args.range_ratio,
+                                      source=f"{proto.source}; lengths in [{args.range_ratio} L, L] (--range-ratio)")
     if args.stride > 1:
         by_pair: dict[tuple, list[Row]] = defaultdict(list)
         for r in rows:
@@ -341,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         print(m, file=sys.stderr, flush=True)
 
     if args.fit_overheads:
-        fit = [r for r in rows if (r.gpu, r.model) == FIT_SETS[args.scheduling] and r.scheduling == args.scheduling]
-        o, s = fit_overheads(fit, args.scheduling, args.prompts_per_client, progress=say)
-        print(json.dumps({"scheduling": args.scheduling, "step_overhead_s": o, "per_seq_overhead_s": s,
-                          "rows": len(fit)}))
+        sched = args.scheduling or "sync"
+        fit = [r for r in rows if (r.gpu, r.model) == FIT_SETS[sched] and r.scheduling == sched]
+        o, s = fit_overheads(fit, sched, args.prompts_per_client, progress=say)
+        print(json.dumps({"scheduling": sched, "step_overhead_s": o, "per_seq_overhead_s": s, "rows": len(fit)}))
         return 0
     records: list[dict] = []
 
@@ -356,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                  "summary": summary(records), "records": records}, indent=1) + "\n")
 
     for row in rows:  # one at a time, written as it goes (a long run on a shared machine)
-        records += validate([row], args.prompts_per_client, progress=say)
+        records += validate([row], args.prompts_per_client, progress=say, scheduling=args.scheduling)
         write()
     for s in summary(records):
         print(json.dumps(s))

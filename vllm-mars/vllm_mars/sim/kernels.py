@@ -49,7 +49,9 @@ LIBRARY_VERSION = "0.12.0"
 PINNED_VLLM = "0.32.0"
 #: the per-step and per-request overheads the tables do not hold (scheduler, input preparation,
 #: sampling, output processing), fitted once by ``benchmark/perf/gpu_validation.py --fit-overheads``
-#: on the H100 x Qwen3-32B rows of silicon_sample.csv and used by every table-built profile
+#: on the H100 x Qwen3-32B rows of silicon_sample.csv and used by every table-built profile (fitted with
+#: the steady-state replay that script used on 2026-12-04; under the rows' benchmark protocol, which
+#: replaced it, TPOT stays within a median 1.01, so they were kept and the shipped profiles did not move)
 STEP_OVERHEAD_S = 1.46e-3
 PER_SEQ_OVERHEAD_S = 6.4e-5
 OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --gpu h100 --model qwen3-32b "
