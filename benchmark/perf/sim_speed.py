@@ -16,10 +16,9 @@ of vLLM, our engine adapter, policies, driver, admission, metrics, sim, asyncio.
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 30 --policy fcfs --rps 0.08 --kv-scale 10
 
 ``--workflows`` takes a list (``20,200,400``): one run per size, in one process, so growth with scale
-is visible; ``--baseline`` runs each size a second time with the sim's shortcuts off
-(``SimBackend.fast_forward = lean_kv_lookups = False``: every step through vLLM's schedule/update,
-every prefix-cache lookup walked by vLLM), side by side, and checks that both runs wrote
-byte-identical ``summary.json`` and ``events.jsonl``.
+is visible; ``--baseline`` runs each size a second time with the sim's decode fast-forward off
+(``SimBackend.fast_forward = False``: every step through vLLM's schedule/update), side by side, and
+checks that both runs wrote byte-identical ``summary.json`` and ``events.jsonl``.
 
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 20,200,400 --rps 0.16 --baseline 20,200 --record
 
@@ -74,15 +73,7 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
     cfg = ReplayConfig(workload=str(wl), policy=args.policy, rps=args.rps, backend="sim", profile=args.profile,
                        seed=args.seed, kv_scale=args.kv_scale, progress=False,
                        out=str(tmp / f"run-{workflows}-{'ff' if fast else 'noff'}"))
-    SimBackend.fast_forward = SimBackend.lean_kv_lookups = fast
-    engines: list = []
-    start = SimBackend.start
-
-    async def recording_start(self):
-        engines.append(self)
-        return await start(self)
-
-    SimBackend.start = recording_start
+    SimBackend.fast_forward = fast
     prof = cProfile.Profile() if args.cprofile else None
     load0 = os.getloadavg()[0]
     t, c = time.monotonic(), time.process_time()
@@ -93,8 +84,7 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
     finally:
         if prof:
             prof.disable()
-        SimBackend.fast_forward = SimBackend.lean_kv_lookups = True
-        SimBackend.start = start
+        SimBackend.fast_forward = True
     wall, cpu = time.monotonic() - t, time.process_time() - c
     summary = json.loads((out / "summary.json").read_text())
     virtual = summary["wall_s"]  # the run's duration on its (virtual) clock
@@ -108,9 +98,6 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
         "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
         "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
     }
-    memo = getattr(max(engines, key=lambda e: e.steps), "hit_memo", None) if engines else None
-    if memo is not None:  # the replay's engine (not a calibration engine): prefix lookups memoised / walked
-        rec["prefix_lookups_memoised"], rec["prefix_lookups_walked"] = memo.hits, memo.walks
     if prof:
         stats = pstats.Stats(prof)
         rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
@@ -162,7 +149,7 @@ def main() -> None:
         "runs": runs,
         "note": "wall time on a 2-core VM shared with other jobs (load avg given); cpu_s is the run's own CPU "
                 "time (one thread), about the wall time of a quiet box; fast_forward false = the sim's decode "
-                "fast-forward and lean KV lookups off (the baseline), run in the same process right after",
+                "fast-forward off (the baseline), run in the same process right after",
         "command": "python benchmark/perf/sim_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if k in ("workflows", "baseline", "policy", "rps", "profile", "preset", "kv_scale") and v not in (None, "")),

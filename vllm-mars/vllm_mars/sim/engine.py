@@ -28,17 +28,11 @@ submitted or aborted calls). Any step that could differ (an arrival, a finish, a
 possible preemption, an abort) runs the full path. Results are identical with it off
 (tests/test_sim_fast_forward.py).
 
-Lean KV lookups (``SimBackend.lean_kv_lookups``, on by default; ``engine.kv_lookups``). A waiting
-request that does not fit is looked up in the prefix cache again every step (a walk of its
-thousands of blocks); the walk's answer is remembered until a block hash it probed is cached or
-evicted, and a first output's cached-token count is read without a Python loop. Results are
-identical with them off (tests/test_sim_kv_lookups.py).
-
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
 
-Why one module of about 480 lines: it is one class, one step loop, whose full path and decode
+Why one module of about 470 lines: it is one class, one step loop, whose full path and decode
 fast-forward share its per-step state and must give identical results; split apart, the two paths
 that must agree would live in different files.
 """
@@ -151,10 +145,6 @@ class SimBackend:
     name = "sim"
     #: Decode fast-forward (module docstring). Off only to show that results do not depend on it.
     fast_forward = True
-    #: vLLM's prefix-cache lookup of a waiting request remembered until the cache changes where it
-    #: matters, and its first-output cached-token count read cheaper (``engine.kv_lookups``). Off only
-    #: to show that results do not depend on it.
-    lean_kv_lookups = True
 
     def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, seed: int = 0,
@@ -193,8 +183,6 @@ class SimBackend:
         self.ff_steps = 0
         self.ff_crossed = 0
         self.leak_error: str | None = None
-        #: ``engine.kv_lookups.HitMemo`` when ``lean_kv_lookups`` applies to the scheduler (set at start)
-        self.hit_memo: Any = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
 
@@ -232,10 +220,6 @@ class SimBackend:
             self._xfer = transfers_of(self.scheduler)
         # KV block removals are counted where vLLM would emit them as events, without the events
         self.scheduler.count_block_removals()
-        if self.lean_kv_lookups:
-            from vllm_mars.engine.kv_lookups import install_kv_lookups
-
-            self.hit_memo = install_kv_lookups(self.scheduler)
         enable_engine_core_env_cache()
         self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
