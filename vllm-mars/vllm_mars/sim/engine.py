@@ -32,7 +32,7 @@ The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
 
-Why one module of about 470 lines: it is one class, one step loop, whose full path and decode
+Why one module of about 510 lines: it is one class, one step loop, whose full path and decode
 fast-forward share its per-step state and must give identical results; split apart, the two paths
 that must agree would live in different files.
 """
