@@ -79,6 +79,10 @@ def later_items(items: list[Item], turns: float, growth: float) -> list[Item]:
     return [(x - turns, ctx + growth * turns) for x, ctx in items if x > turns]
 
 
+def _descending(item: Item) -> Item:
+    return (-item[0], -item[1])
+
+
 class LifeView:
     """``items`` (sorted as above) with their folds kept, so that a candidate ``cand`` joining them
     costs only what it changes. Every method returns exactly (bit for bit) what the functions
@@ -96,7 +100,7 @@ class LifeView:
     #: compare every result with the functions above (a test switch; raises AssertionError)
     check = False
 
-    __slots__ = ("items", "growth", "memo", "_sorted", "_neg", "_base", "_peaks", "_proj", "_ctx", "_keeps",
+    __slots__ = ("items", "growth", "memo", "_sorted", "_base", "_peaks", "_proj", "_ctx", "_keeps",
                  "_later")
 
     def __init__(self, items: list[Item], growth: float, is_sorted: bool = True) -> None:
@@ -105,7 +109,6 @@ class LifeView:
         #: ``items`` are in the order the functions expect (else a candidate's results are theirs)
         self._sorted = is_sorted
         self.memo: dict[Any, Any] = {}
-        self._neg: list[Item] | None = None
         self._base: list[float] | None = None
         self._peaks: list[float] | None = None
         self._proj: list[float] | None = None
@@ -120,7 +123,9 @@ class LifeView:
             peak = base = 0.0
             for n, (rem, ctx) in enumerate(self.items, 1):
                 base += ctx
-                peak = max(peak, base + g * rem * n)
+                x = base + g * rem * n
+                if x > peak:  # max(peak, x), without the call
+                    peak = x
                 base_l.append(base)
                 peak_l.append(peak)
             self._base, self._peaks = base_l, peak_l
@@ -129,9 +134,7 @@ class LifeView:
 
     def position(self, cand: Item) -> int:
         """Where ``cand`` goes in ``items`` (after every item larger than it)."""
-        if self._neg is None:
-            self._neg = [(-rem, -ctx) for rem, ctx in self.items]
-        return bisect_left(self._neg, (-cand[0], -cand[1]))
+        return bisect_left(self.items, (-cand[0], -cand[1]), key=_descending)
 
     def peak(self) -> float:
         """:func:`life_peak` of ``items``."""
@@ -154,7 +157,9 @@ class LifeView:
             rem, ctx = items[i]
             n += 1
             base += ctx
-            peak = max(peak, base + g * rem * n)
+            x = base + g * rem * n
+            if x > peak:  # max(peak, x), without the call
+                peak = x
         if LifeView.check:
             assert peak == life_peak(sorted([*items, cand], reverse=True), g), "LifeView.peak_with"
         return peak
@@ -187,8 +192,10 @@ class LifeView:
                     base += items[j][1]
                     n += 1
                     j += 1
-                a = base + g * k * n
-                out[k - 1] = max(0.0, a - cap) - max(0.0, (before[k - 1] if k - 1 < nb else 0.0) - cap)
+                a = base + g * k * n - cap
+                b = (before[k - 1] if k - 1 < nb else 0.0) - cap
+                # max(0.0, a) - max(0.0, b), without the calls
+                out[k - 1] = (a if a > 0.0 else 0.0) - (b if b > 0.0 else 0.0)
         if LifeView.check:
             assert out == marginal_overflow(items, sorted([*items, cand], reverse=True), cap, g), \
                 "LifeView.marginal_overflow"
