@@ -327,8 +327,8 @@ def test_the_clients_body_bytes_are_forwarded_with_the_ids_appended(backend):
         assert r.status_code == 200
         sent = backend.bodies[-1]
         head = raw.rstrip()[:-1]
-        assert sent.startswith(head + b',"vllm_xargs": {"mars_workflow": "wf-1"'), sent
-        assert sent.endswith(b', "max_tokens": 7}')
+        assert sent.startswith(head + b',"vllm_xargs":{"mars_workflow":"wf-1"'), sent
+        assert sent.endswith(b',"max_tokens":7}')
         got = json.loads(sent)
         assert got["vllm_xargs"]["mars_root"] == "wf-1" and got["max_tokens"] == 7
         assert {k: got[k] for k in json.loads(raw)} == json.loads(raw)
@@ -346,7 +346,9 @@ def test_the_clients_body_bytes_are_forwarded_with_the_ids_appended(backend):
 ])
 def test_forward_bytes_appends_only_new_keys_to_utf8_bodies(raw, n0, respliced):
     body = json.loads(raw)
-    body["vllm_xargs"] = {"mars_workflow": "w"}
+    body["vllm_xargs"] = {"mars_workflow": "w\u00e9\U0001f600\"\\\n", "mars_turn": 3, "mars_last_step": False,
+                          "mars_parent": None, "mars_prefill_tokens": 1 << 40, "x": [1.5, {"y": True}]}
+    body["max_tokens"] = 5
     out = forward_bytes(raw, body, n0)
     assert json.loads(out) == body
     assert out.startswith(raw.rstrip()[:-1]) == respliced

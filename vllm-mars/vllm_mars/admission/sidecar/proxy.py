@@ -209,6 +209,24 @@ def is_utf8(raw: bytes) -> bool:
     return raw[:2] not in (b"\xff\xfe", b"\xfe\xff") and b"\0" not in raw[:4]
 
 
+def _small_json(v: Any) -> str:
+    """JSON text of the few values the sidecar adds (ids, counts, flags; :func:`json.dumps` for
+    anything else): cheaper than json.dumps on a dict this small."""
+    if type(v) is str:
+        return _json_str(v)
+    if v is True or v is False or v is None:
+        return "true" if v else "false" if v is False else "null"
+    if type(v) is int:
+        return str(v)
+    if type(v) is dict:
+        return "{" + ",".join([f"{_json_str(k)}:{_small_json(x)}" for k, x in v.items()]) + "}" \
+            if all(type(k) is str for k in v) else json.dumps(v)
+    return json.dumps(v)
+
+
+_json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+
+
 def forward_bytes(raw: bytes, body: dict, n0: int | None) -> bytes:
     """The JSON to forward for a call whose client sent ``raw``, parsed into ``body``, which had
     ``n0`` keys then and has since only been given new keys (None: a key it had changed). When it
@@ -217,9 +235,9 @@ def forward_bytes(raw: bytes, body: dict, n0: int | None) -> bytes:
     otherwise all of ``body`` encoded afresh."""
     if n0 is not None and len(body) > n0 and is_utf8(raw):
         end = raw.rstrip(b" \t\n\r")
-        if end[-1:] == b"}":  # (the default encoder: its ASCII escapes are the same JSON, and it is the quickest)
-            tail = json.dumps(dict(itertools.islice(body.items(), n0, None))).encode()
-            return end[:-1] + (b"," if n0 else b"") + tail[1:]
+        if end[-1:] == b"}":
+            tail = ",".join([f"{_small_json(k)}:{_small_json(v)}" for k, v in itertools.islice(body.items(), n0, None)])
+            return end[:-1] + (b"," if n0 else b"") + tail.encode() + b"}"
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -327,8 +345,9 @@ class Forwarder:
 
     async def _stream(self, r: RootState, b: Backend, resp: Any, send: Any, extra: Any, scan: Any) -> bool:
         """Pass an SSE answer through as it arrives: the hot path. Each read from upstream is
-        written to the client from the upstream connection's callback (:class:`~vllm_mars.admission.sidecar.pump.Pump`), whatever
-        that read holds joined into one write; this task sleeps until the answer ends, fails,
+        written to the client from the upstream connection's callback
+        (:class:`~vllm_mars.admission.sidecar.pump.Pump`), whatever that read holds joined into one
+        write; this task sleeps until the answer ends, fails,
         times out or the client stops taking data (then it finishes that write itself)."""
         done = False
         timeout = self.config.read_timeout_s
