@@ -168,3 +168,54 @@ def test_a_sim_run_checks_every_incremental_result(tmp_path, monkeypatch):
     assert summary["completed"] == 14 and summary["errors"] == 0
     assert summary["engine"]["leak_check"] == "ok"
     assert calls["peak_with"] > 50 and calls["marginal_overflow"] > 20 and calls["reused"] > 20, calls
+
+
+def _prefix_folds(items, g):
+    """(sum of the contexts, life_peak) of each start ``items[:k]``, k = 0..len: the plain loop."""
+    out, base = [(0.0, 0.0)], 0.0
+    for k, (_, ctx) in enumerate(items, 1):
+        base += ctx
+        out.append((base, life_peak(items[:k], g)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_view_starts_from_the_previous_views_folds_only_where_the_items_are_the_same(seed):
+    """A new view (a root admitted, ended or changed) takes the previous view's folds over the
+    items both start with, and sums only from the first item that differs: every fold it gives
+    is the plain loop's over its own items. A reuse that kept a sum past the first difference,
+    or kept the peaks at another growth, gives a stale number here."""
+    rng = random.Random(100 + seed)
+    reused = 0
+    for _ in range(300):
+        items, cand, g, _ = _case(rng)
+        prev = LifeView(list(items), g)
+        prev.peak() if rng.random() < 0.7 else prev.peak_with(cand)  # folds to the end, or to the candidate
+        new = list(items)
+        change = rng.random()
+        if new and change < 0.4:  # a root's context or turns changed: it moves in the order
+            i = rng.randrange(len(new))
+            rem, ctx = new.pop(i)
+            new.append((rem, ctx + rng.choice((1.0, 250.0, rng.uniform(1, 900)))) if rng.random() < 0.6
+                       else (rem + rng.choice((-1.0, 1.0, 0.5)), ctx))
+        elif new and change < 0.7:  # a root ended
+            del new[rng.randrange(len(new))]
+        else:  # a root admitted
+            new.append(cand)
+        new.sort(reverse=True)
+        g2 = g if rng.random() < 0.8 else g + rng.choice((1.0, 0.25))  # the learned growth moved
+        view = LifeView(new, g2, prev=prev)
+        shared = next((i for i, (a, b) in enumerate(zip(items, new)) if a != b), min(len(items), len(new)))
+        want = _prefix_folds(new, g2)
+        start = view._reuse() if view._prev is not None else ([0.0], [0.0])
+        # what it takes over: at most the shared start, and exactly the plain loop's numbers there
+        assert len(start[0]) - 1 <= shared and len(start[0]) == len(start[1])
+        assert list(zip(*start)) == want[:len(start[0])]
+        if g2 == g and len(start[0]) > 1:
+            reused += 1
+        view = LifeView(new, g2, prev=prev)
+        assert [view._fold_to(k) for k in range(len(new) + 1)] == want
+        view = LifeView(new, g2, prev=prev)
+        assert view.peak_with(cand) == life_peak(sorted([*new, cand], reverse=True), g2)
+        assert view.peak() == life_peak(new, g2)
+    assert reused > 100  # the reuse path ran (a long shared start at the same growth)

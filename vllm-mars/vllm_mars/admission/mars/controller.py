@@ -234,7 +234,8 @@ class MarsAdmissionController(Selection):
             if len(view.memo) > 10_000:  # (a long spell without any change: bounded)
                 view.memo.clear()
             return view
-        view = LifeView(items, g)
+        # the previous view's folds carry over the items both start with (at the same growth)
+        view = LifeView(items, g, prev=c[3] if c is not None else None)
         self._life_view_cache = (self._life_version, g, self.cost, view)
         return view
 

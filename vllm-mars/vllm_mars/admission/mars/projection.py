@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from itertools import accumulate, chain, islice, repeat
+from operator import add, itemgetter, mul
 from typing import Any
 
 #: (remaining turns, current context tokens) of one root
@@ -79,6 +81,9 @@ def later_items(items: list[Item], turns: float, growth: float) -> list[Item]:
     return [(x - turns, ctx + growth * turns) for x, ctx in items if x > turns]
 
 
+_rem, _ctx = itemgetter(0), itemgetter(1)
+
+
 def _descending(item: Item) -> Item:
     return (-item[0], -item[1])
 
@@ -92,7 +97,12 @@ class LifeView:
     * the roots before the candidate's place in the order are summed as without it: their
       partial sums and running peak are kept (``life_peak`` resumes from there);
     * at the turns the candidate does not live through, the projection is that of ``items``, so
-      its marginal overflow there is exactly zero; only its own turns are summed again.
+      its marginal overflow there is exactly zero; only its own turns are summed again;
+    * the folds are taken only as far as a candidate's place asks, and a view made from another
+      (``prev``: the previous active set, or the view a candidate joined) starts from its folds
+      over the items both start with, when the growth is the same (the same floats);
+    * the loops run in C (``itertools.accumulate`` and ``map`` over the same operations in the
+      same order: the same floats).
 
     A view is immutable: :meth:`grown` is the view with a candidate admitted. ``memo`` is the
     caller's, for results that depend on the view and their own keys only."""
@@ -101,9 +111,10 @@ class LifeView:
     check = False
 
     __slots__ = ("items", "growth", "memo", "_sorted", "_base", "_peaks", "_proj", "_ctx", "_keeps",
-                 "_later")
+                 "_later", "_prev")
 
-    def __init__(self, items: list[Item], growth: float, is_sorted: bool = True) -> None:
+    def __init__(self, items: list[Item], growth: float, is_sorted: bool = True,
+                 prev: LifeView | None = None) -> None:
         self.items = items
         self.growth = growth
         #: ``items`` are in the order the functions expect (else a candidate's results are theirs)
@@ -115,22 +126,49 @@ class LifeView:
         self._ctx: list[float] | None = None
         self._keeps: dict[tuple[float, int], bool] = {}
         self._later: dict[float, LifeView] = {}
+        #: a view whose folds this one may start from (over the items both start with)
+        self._prev = prev if is_sorted and prev is not None and prev._base is not None else None
 
-    def _folds(self) -> tuple[list[float], list[float]]:
-        if self._base is None:
-            g = self.growth
-            base_l, peak_l = [0.0], [0.0]
-            peak = base = 0.0
-            for n, (rem, ctx) in enumerate(self.items, 1):
-                base += ctx
-                x = base + g * rem * n
-                if x > peak:  # max(peak, x), without the call
-                    peak = x
-                base_l.append(base)
-                peak_l.append(peak)
-            self._base, self._peaks = base_l, peak_l
-        assert self._peaks is not None
-        return self._base, self._peaks
+    def _fold_to(self, p: int) -> tuple[float, float]:
+        """(sum of the first ``p`` contexts, :func:`life_peak` of the first ``p`` items): the folds
+        are extended only as far as asked, from where they stopped (or from where a previous
+        view's stopped, over the items the two share: ``prev``)."""
+        base_l, peak_l = self._base, self._peaks
+        if base_l is None:
+            base_l, peak_l = self._base, self._peaks = self._reuse()
+        assert peak_l is not None
+        q = len(base_l) - 1
+        if q < p:
+            items, g = self.items, self.growth
+            part = items[q:p]
+            # the loop of ``life_peak`` in C: the same operations in the same order
+            # (base += ctx; x = base + growth * rem * n; peak = max(peak, x))
+            bases = list(accumulate(map(_ctx, part), add, initial=base_l[q]))
+            xs = map(add, islice(bases, 1, None), map(mul, map(mul, repeat(g), map(_rem, part)), range(q + 1, p + 1)))
+            peak_l.extend(islice(accumulate(xs, max, initial=peak_l[q]), 1, None))
+            del bases[0]
+            base_l.extend(bases)
+        return base_l[p], peak_l[p]
+
+    def _reuse(self) -> tuple[list[float], list[float]]:
+        """The folds over the items this view shares with ``prev`` from the start (the same
+        items, at the same growth: the same floats), else none."""
+        prev, self._prev = self._prev, None
+        if prev is None or prev._base is None or prev.growth != self.growth:
+            return [0.0], [0.0]
+        assert prev._peaks is not None
+        a, b = prev.items, self.items
+        hi = min(len(a), len(b), len(prev._base) - 1)
+        lo = 0
+        if a[:hi] != b[:hi]:  # binary search for the longest shared start (slice compares run in C)
+            hi -= 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        return prev._base[:hi + 1], prev._peaks[:hi + 1]
 
     def position(self, cand: Item) -> int:
         """Where ``cand`` goes in ``items`` (after every item larger than it)."""
@@ -138,28 +176,23 @@ class LifeView:
 
     def peak(self) -> float:
         """:func:`life_peak` of ``items``."""
-        out = self._folds()[1][-1]
+        out = self._fold_to(len(self.items))[1]
         if LifeView.check:
             assert out == life_peak(self.items, self.growth), "LifeView.peak"
         return out
 
     def peak_with(self, cand: Item) -> float:
         """:func:`life_peak` of ``items`` with ``cand``."""
-        base_l, peak_l = self._folds()
         p = self.position(cand)
+        base, peak = self._fold_to(p)
         g = self.growth
-        base, peak = base_l[p], peak_l[p]
-        n = p + 1
-        base += cand[1]
-        peak = max(peak, base + g * cand[0] * n)
         items = self.items
-        for i in range(p, len(items)):
-            rem, ctx = items[i]
-            n += 1
-            base += ctx
-            x = base + g * rem * n
-            if x > peak:  # max(peak, x), without the call
-                peak = x
+        part = items[p:]
+        # the candidate, then the items after it: the loop of ``life_peak`` in C, as in _fold_to
+        bases = accumulate(map(_ctx, part), add, initial=base + cand[1])
+        rems = chain((cand[0],), map(_rem, part))
+        xs = map(add, bases, map(mul, map(mul, repeat(g), rems), range(p + 1, len(items) + 2)))
+        peak = max(chain((peak,), xs))
         if LifeView.check:
             assert peak == life_peak(sorted([*items, cand], reverse=True), g), "LifeView.peak_with"
         return peak
@@ -183,7 +216,7 @@ class LifeView:
         out = [0.0] * top  # the turns past the candidate's own: the projection of ``items``, no change
         kmax = min(top, math.floor(rem_c))
         if kmax >= 1:
-            base = self._folds()[0][p] + cand[1]
+            base = self._fold_to(p)[0] + cand[1]
             n = p + 1
             j = p
             m = len(items)
@@ -205,7 +238,7 @@ class LifeView:
         """The view of ``items`` with ``cand`` admitted."""
         p = self.position(cand)
         items = self.items
-        out = LifeView([*items[:p], cand, *items[p:]], self.growth)
+        out = LifeView([*items[:p], cand, *items[p:]], self.growth, prev=self)
         if LifeView.check:
             assert out.items == sorted([*items, cand], reverse=True), "LifeView.grown"
         return out

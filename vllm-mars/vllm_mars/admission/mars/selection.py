@@ -85,7 +85,8 @@ class Selection(AimdWindow):
         # The active roots' projection, kept between ticks while no root is admitted, ends or shows
         # a new turn; each candidate recomputes only what it changes (exactly: see LifeView).
         view = self._life_view() if cap is not None else None
-        peak = view.peak() if view is not None else 0.0
+        # (the active roots' own peak: needed only when a candidate's peak passes the capacity)
+        peak: float | None = None
         bs = self._block_size()
         out: list[Choice] = []
         remaining = budget
@@ -104,7 +105,11 @@ class Selection(AimdWindow):
                 if with_peak is None:
                     with_peak = memo[cand] = view.peak_with(cand)
                 grown = True
-                over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
+                if with_peak > cap:
+                    if peak is None:
+                        peak = view.peak()
+                    over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
+                # else with_peak - max(cap, peak) <= 0: no overflow, whatever the peak
                 why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
             if b <= remaining and over == 0:
                 out.append((r, mode, b, why))
