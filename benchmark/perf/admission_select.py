@@ -14,6 +14,7 @@ at that checkout's ``vllm-mars``, in the same session. Medians of ``--repeats`` 
 
     PYTHONPATH=vllm-mars .venv/bin/python benchmark/perf/admission_select.py
     PYTHONPATH=vllm-mars .venv/bin/python benchmark/perf/admission_select.py --active 64 --queued 150
+    PYTHONPATH=vllm-mars .venv/bin/python benchmark/perf/admission_select.py --cases arrival --active 16
 """
 
 from __future__ import annotations
@@ -98,13 +99,19 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=300)
     ap.add_argument("--turns-per-tick", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cases", default="arrival,tick", help="comma-separated: arrival, tick")
     args = ap.parse_args()
-    arr = [arrival_us(args.active, args.arrivals) for _ in range(args.repeats)]
-    tick = [tick_us(args.active, args.queued, args.ticks, args.turns_per_tick) for _ in range(args.repeats)]
-    print(json.dumps({"active": args.active, "queued": args.queued, "turns_per_tick": args.turns_per_tick,
-                      "arrival_us_median": round(statistics.median(arr), 1),
-                      "tick_us_median": round(statistics.median(tick), 1),
-                      "arrival_us": [round(x, 1) for x in arr], "tick_us": [round(x, 1) for x in tick]}))
+    cases = set(args.cases.split(","))
+    if not cases or not cases <= {"arrival", "tick"}:
+        ap.error(f"--cases: {args.cases!r}: allowed arrival, tick (comma-separated)")
+    out: dict = {"active": args.active, "queued": args.queued, "turns_per_tick": args.turns_per_tick}
+    if "arrival" in cases:
+        arr = [arrival_us(args.active, args.arrivals) for _ in range(args.repeats)]
+        out.update(arrival_us_median=round(statistics.median(arr), 1), arrival_us=[round(x, 1) for x in arr])
+    if "tick" in cases:
+        tick = [tick_us(args.active, args.queued, args.ticks, args.turns_per_tick) for _ in range(args.repeats)]
+        out.update(tick_us_median=round(statistics.median(tick), 1), tick_us=[round(x, 1) for x in tick])
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

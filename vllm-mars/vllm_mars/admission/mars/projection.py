@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from itertools import accumulate, chain, islice, repeat
-from operator import add, itemgetter, mul
 from typing import Any
 
 #: (remaining turns, current context tokens) of one root
@@ -81,9 +79,6 @@ def later_items(items: list[Item], turns: float, growth: float) -> list[Item]:
     return [(x - turns, ctx + growth * turns) for x, ctx in items if x > turns]
 
 
-_rem, _ctx = itemgetter(0), itemgetter(1)
-
-
 def _descending(item: Item) -> Item:
     return (-item[0], -item[1])
 
@@ -100,9 +95,7 @@ class LifeView:
       its marginal overflow there is exactly zero; only its own turns are summed again;
     * the folds are taken only as far as a candidate's place asks, and a view made from another
       (``prev``: the previous active set, or the view a candidate joined) starts from its folds
-      over the items both start with, when the growth is the same (the same floats);
-    * the loops run in C (``itertools.accumulate`` and ``map`` over the same operations in the
-      same order: the same floats).
+      over the items both start with, when the growth is the same (the same floats).
 
     A view is immutable: :meth:`grown` is the view with a candidate admitted. ``memo`` is the
     caller's, for results that depend on the view and their own keys only."""
@@ -140,14 +133,16 @@ class LifeView:
         q = len(base_l) - 1
         if q < p:
             items, g = self.items, self.growth
-            part = items[q:p]
-            # the loop of ``life_peak`` in C: the same operations in the same order
-            # (base += ctx; x = base + growth * rem * n; peak = max(peak, x))
-            bases = list(accumulate(map(_ctx, part), add, initial=base_l[q]))
-            xs = map(add, islice(bases, 1, None), map(mul, map(mul, repeat(g), map(_rem, part)), range(q + 1, p + 1)))
-            peak_l.extend(islice(accumulate(xs, max, initial=peak_l[q]), 1, None))
-            del bases[0]
-            base_l.extend(bases)
+            base, peak = base_l[q], peak_l[q]
+            # the loop of ``life_peak``, from item q
+            append_b, append_p = base_l.append, peak_l.append
+            for n, (rem, ctx) in enumerate(items[q:p], q + 1):
+                base += ctx
+                x = base + g * rem * n
+                if x > peak:  # max(peak, x), without the call
+                    peak = x
+                append_b(base)
+                append_p(peak)
         return base_l[p], peak_l[p]
 
     def _reuse(self) -> tuple[list[float], list[float]]:
@@ -187,12 +182,16 @@ class LifeView:
         base, peak = self._fold_to(p)
         g = self.growth
         items = self.items
-        part = items[p:]
-        # the candidate, then the items after it: the loop of ``life_peak`` in C, as in _fold_to
-        bases = accumulate(map(_ctx, part), add, initial=base + cand[1])
-        rems = chain((cand[0],), map(_rem, part))
-        xs = map(add, bases, map(mul, map(mul, repeat(g), rems), range(p + 1, len(items) + 2)))
-        peak = max(chain((peak,), xs))
+        n = p + 1
+        base += cand[1]
+        x = base + g * cand[0] * n
+        if x > peak:
+            peak = x
+        for n, (rem, ctx) in enumerate(items[p:], n + 1):
+            base += ctx
+            x = base + g * rem * n
+            if x > peak:  # max(peak, x), without the call
+                peak = x
         if LifeView.check:
             assert peak == life_peak(sorted([*items, cand], reverse=True), g), "LifeView.peak_with"
         return peak
