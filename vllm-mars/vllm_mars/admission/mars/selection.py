@@ -90,7 +90,7 @@ class Selection(AimdWindow):
         bs = self._block_size()
         out: list[Choice] = []
         remaining = budget
-        for r in order:
+        for i, r in enumerate(order):
             if len(out) >= slots:
                 break
             b = foot[r.workflow]
@@ -144,7 +144,7 @@ class Selection(AimdWindow):
             else:
                 continue
             remaining -= b
-            if grown:
+            if grown and len(out) < slots and i + 1 < len(order):  # (a candidate follows)
                 view, peak = view.grown(cand), with_peak
         if not out and not self._active:
             oldest = queue[0]
