@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
+from vllm_mars.admission.mars import selection as selection_mod
 from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
 from vllm_mars.admission.mars.projection import (LifeView, later_items, life_peak, marginal_overflow, pool_keeps,
                                                  projection)
@@ -95,7 +96,36 @@ def test_the_controllers_kept_items_follow_every_change(monkeypatch):
     offered with a zero estimate (its context changes without a new turn): after each, the kept
     items equal the full sort (``LifeView.check`` asserts it), and the ticks run the cost rule."""
     monkeypatch.setattr(LifeView, "check", True)
-    rng = random.Random(7)
+    c, admitted, events = _drive(random.Random(7))
+    assert len(admitted) > 60 and c.num_active > 0
+    modes = {e.data["mode"] for e in events if e.event == "admission_admit"}
+    assert "cost_overflow" in modes and "cost_fit" in modes
+
+
+def test_the_rebuild_sum_stops_early_only_where_the_decision_is_the_same(monkeypatch):
+    """A skipped root's rebuild sum stops once it reaches the slot's wait; the same run with the
+    sum always taken in full admits the same roots at the same ticks with the same events."""
+    stops = []
+    orig = selection_mod.rebuild_s_total
+
+    def full(*a, **kw):  # the sum taken in full: the reference
+        return orig(*a[:5])
+
+    def counted(*a, **kw):
+        out = orig(*a)
+        stops.append(out < orig(*a[:5]))
+        return out
+
+    monkeypatch.setattr(selection_mod, "rebuild_s_total", full)
+    _, want, want_events = _drive(random.Random(11))
+    monkeypatch.setattr(selection_mod, "rebuild_s_total", counted)
+    _, got, got_events = _drive(random.Random(11))
+    assert got == want and [(e.ts, e.event, e.data) for e in got_events] == [
+        (e.ts, e.event, e.data) for e in want_events]
+    assert sum(stops) > 20, "no sum stopped early: the case does not exercise the early exit"
+
+
+def _drive(rng: random.Random):
     c = _checked_controller(rng)
     t, n, admitted = 0.0, 0, []
     for step in range(300):
@@ -117,10 +147,7 @@ def test_the_controllers_kept_items_follow_every_change(monkeypatch):
         if active and rng.random() < 0.25:
             c.finish(rng.choice(active), t, final_tokens=rng.randrange(1000, 20000), turns=rng.randrange(1, 20))
         c._life_view()  # (the check runs where the items are read)
-    events = c.take_events()
-    assert len(admitted) > 60 and c.num_active > 0
-    modes = {e.data["mode"] for e in events if e.event == "admission_admit"}
-    assert "cost_overflow" in modes and "cost_fit" in modes
+    return c, admitted, c.take_events()
 
 
 def _workload(path: Path, n: int = 14) -> Path:

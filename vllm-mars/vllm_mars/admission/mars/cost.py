@@ -32,8 +32,12 @@ def rebuild_cost_s(cost: CostModel, turns: float, running: int, block_size: int,
 
 
 def rebuild_s_total(cost: CostModel, turns: float, block_size: int, overflow_blocks: int,
-                    per_turn_tokens: list[float] | None = None) -> float:
-    """:func:`rebuild_cost_s` before the stall factor ``1 + running`` (seconds of rebuilds)."""
+                    per_turn_tokens: list[float] | None = None, stop: float = math.inf,
+                    factor: int = 1) -> float:
+    """:func:`rebuild_cost_s` before the stall factor ``1 + running`` (seconds of rebuilds).
+
+    With ``stop``: the sum ends as soon as ``total * factor >= stop`` (the terms are >= 0, so
+    the full total would reach it too); the result is then only a lower bound that reaches it."""
     bs = block_size
     if per_turn_tokens is None:
         return turns * cost.rebuild_s(overflow_blocks * bs)
@@ -45,11 +49,15 @@ def rebuild_s_total(cost: CostModel, turns: float, block_size: int, overflow_blo
         for tok in per_turn_tokens:
             if tok > 0:
                 total += rebuild(math.ceil(tok))
+                if total * factor >= stop:
+                    return total
         return total
     for k in range(n):
         tok = (short if k < turns else 0) + (per_turn_tokens[k] if k < len(per_turn_tokens) else 0.0)
         if tok > 0:
             total += cost.rebuild_s(math.ceil(tok))
+            if total * factor >= stop:
+                return total
     return total
 
 

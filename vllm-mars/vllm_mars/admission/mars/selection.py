@@ -120,18 +120,23 @@ class Selection(AimdWindow):
                     # the overflow priced turn by turn: what the candidate adds to the projection's
                     # excess over the pool at each of its coming turns (kept with the view, as the
                     # rebuild seconds it costs at a shortfall: only the stall factor is read now)
+                    # Where the pool keeps the contexts, the wait is the slot's (queue_s): the sum
+                    # stops once it reaches that (a root skipped all the same), kept as a lower bound.
+                    keeps = view.pool_keeps(cap, cfg.window_min, cand)
+                    stall, bound = self._stall_factor(), queue_s if keeps else math.inf
                     key = (cand, cap, bs, lack)
-                    priced = memo.get(key)
-                    if priced is None:
+                    priced = memo.get(key)  # (rebuild seconds or a lower bound, overflow turns, exact)
+                    if priced is None or (not priced[2] and priced[0] * stall < bound):
                         per_turn = view.marginal_overflow(cand, cap)
-                        priced = memo[key] = (self._rebuild_s_total(r, lack, per_turn),
-                                              sum(1 for x in per_turn if x > 0))
-                    rebuild_s = priced[0] * self._stall_factor()
+                        total = self._rebuild_s_total(r, lack, per_turn, bound, stall)
+                        priced = memo[key] = (total, sum(1 for x in per_turn if x > 0), total * stall < bound)
+                    rebuild_s = priced[0] * stall
                     why = {**why, "overflow_turns": priced[1]}
                 else:
                     rebuild_s = self._rebuild_cost_s(r, lack + over)
+                    keeps = True
                 wait_s = queue_s
-                if rebuild_s >= wait_s and view is not None and not view.pool_keeps(cap, cfg.window_min, cand):
+                if rebuild_s >= wait_s and not keeps:
                     # No active set keeps the contexts: holding it only pays if a slot makes it fit.
                     wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
                                            view, cand, cap, queue_s, view.growth)
@@ -157,10 +162,11 @@ class Selection(AimdWindow):
         return self._rebuild_s_total(root, overflow_blocks, per_turn_tokens) * self._stall_factor()
 
     def _rebuild_s_total(self, root: PendingRoot, overflow_blocks: int,
-                         per_turn_tokens: list[float] | None = None) -> float:
+                         per_turn_tokens: list[float] | None = None, stop: float = math.inf,
+                         factor: int = 1) -> float:
         assert self.cost is not None
         return rebuild_s_total(self.cost, self._root_turns(root), self._block_size(), overflow_blocks,
-                               per_turn_tokens)
+                               per_turn_tokens, stop, factor)
 
     def _stall_factor(self) -> int:
         """A rebuild stalls the running calls and itself: ``1 + running`` (the engine's, else the
