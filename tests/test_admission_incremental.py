@@ -19,8 +19,14 @@ from vllm_mars.admission.base import PendingRoot, Telemetry
 from vllm_mars.admission.mars import MarsAdmissionConfig, MarsAdmissionController
 from vllm_mars.admission.mars import selection as selection_mod
 from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_cost_s
-from vllm_mars.admission.mars.projection import (LifeView, later_items, life_peak, marginal_overflow, pool_keeps,
-                                                 projection)
+from vllm_mars.admission.mars.projection import (
+    LifeView,
+    later_items,
+    life_peak,
+    marginal_overflow,
+    pool_keeps,
+    projection,
+)
 from vllm_mars.costmodel import CostModel
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 

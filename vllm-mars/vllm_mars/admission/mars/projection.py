@@ -182,12 +182,9 @@ class LifeView:
         base, peak = self._fold_to(p)
         g = self.growth
         items = self.items
-        n = p + 1
         base += cand[1]
-        x = base + g * cand[0] * n
-        if x > peak:
-            peak = x
-        for n, (rem, ctx) in enumerate(items[p:], n + 1):
+        peak = max(peak, base + g * cand[0] * (p + 1))
+        for n, (rem, ctx) in enumerate(items[p:], p + 2):
             base += ctx
             x = base + g * rem * n
             if x > peak:  # max(peak, x), without the call
