@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Self
 
 import httpx
@@ -22,6 +27,7 @@ from test_sidecar import CHAT, wait_until
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
 from vllm_mars.admission.sidecar.proxy import forward_bytes
+from vllm_mars.admission.sidecar import serving
 from vllm_mars.admission.sidecar.serving import ServerThread
 
 
@@ -48,6 +54,8 @@ class SSEBackend:
         self.url = f"http://127.0.0.1:{port}"
         self.connections = 0
         self.hangups = 0
+        #: stalled answers whose caller hung up
+        self.stalls_dropped = 0
         #: the body of each POST received
         self.bodies: list[bytes] = []
         self._loop = asyncio.new_event_loop()
@@ -92,6 +100,7 @@ class SSEBackend:
                 if end == "stall":
                     await reader.read()
                     self.hangups += 1
+                    self.stalls_dropped += 1
                     break
                 if end == "close":
                     break
@@ -150,8 +159,8 @@ def backend():
 
 
 def serve(backend: SSEBackend, **kw) -> ServerThread:
-    cfg = SidecarConfig(backends=(backend.url,), controller="none", port=free_port(), telemetry_interval_s=0.05,
-                        **kw)
+    kw.setdefault("telemetry_interval_s", 0.05)
+    cfg = SidecarConfig(backends=(backend.url,), controller="none", port=free_port(), **kw)
     return ServerThread(Recording(Sidecar(cfg)))
 
 
@@ -382,3 +391,134 @@ def test_utf8_with_a_byte_order_mark_and_utf16_bodies_still_pass(backend):
             assert r.status_code == 200, r.text
             assert json.loads(backend.bodies[-1])["messages"] == CHAT["messages"]
         assert_no_leak(sc)
+
+
+def _slow_reader_call(port: int, spec: str) -> bytes:
+    """A streamed call from a client with a tiny receive buffer that reads slowly (16 KiB then a
+    short pause): the sidecar's writes back up and wait for the client."""
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+              b"content-type: application/json\r\nx-stream: %s\r\ncontent-length: %d\r\n\r\n%s"
+              % (spec.encode(), len(body), body))
+    time.sleep(0.3)
+    got = []
+    s.settimeout(30)
+    while chunk := s.recv(1 << 14):
+        got.append(chunk)
+        time.sleep(0.002)
+    s.close()
+    return b"".join(got)
+
+
+def test_a_connection_whose_last_write_waited_goes_back_to_the_pool_reading(backend):
+    """The last upstream read of a stream (its end) written to a slow client: the write waits with
+    upstream reading paused, and the connection then goes back to the pool. It must go back
+    reading: a paused connection reused by the next call never sees that call's answer (the call
+    hung forever, holding its slot, in the wedge seen under load)."""
+    n, size = 48, 128 << 10
+    with serve(backend, telemetry_interval_s=30, telemetry_stale_s=60) as sc:  # (no poll takes the connection)
+        assert wait_until(lambda: sc.app.any_up, 10)
+        port = sc.app.config.port
+        for _ in range(3):
+            raw = _slow_reader_call(port, f"{n},5,{size},done")
+            assert dechunk(raw.partition(b"\r\n\r\n")[2]) == expected(n, size)
+            last = [s for s in sc.app.sends if s[0]][-1]
+            if last[1] is False and last[2] is True:
+                break  # the last write waited for the client
+        else:
+            pytest.skip("the last write never had to wait for the client")
+        pool = sc.app.app.backends[0].pool
+        paused = [c for c in pool._idle if not c.transport.is_reading()]
+        t0 = time.monotonic()
+        try:
+            with httpx.Client(timeout=5) as c:
+                r = c.post(sc.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                           headers={"x-stream": "3,0,50,done"})
+        except httpx.TimeoutException:
+            pytest.fail(f"the next call hung ({len(paused)} paused connection(s) in the pool)")
+        assert r.status_code == 200 and r.content == expected(3, 50)
+        assert time.monotonic() - t0 < 5
+        assert not paused, "a paused connection went back to the pool"
+        assert_no_leak(sc)
+
+
+def test_sigterm_with_a_call_stuck_upstream_exits_within_the_grace_period(backend):
+    """``mars sidecar`` (the real CLI process) with a streamed call whose backend went silent (no
+    read timeout): SIGTERM ends the process within the shutdown grace period, and the stuck call is
+    cut: its client connection and its upstream call are closed."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(serving.__file__).parents[3])}
+    p = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", backend.url,
+                          "--controller", "none", "--port", str(port)], env=env)
+    try:
+        assert wait_until(lambda: _health(port), 60), "the sidecar did not start"
+        dropped = backend.stalls_dropped
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(serving.SHUTDOWN_GRACE_S + 5)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: 1,0,50,stall\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        got = s.recv(65536)
+        while b'"i":0' not in got:
+            got += s.recv(65536)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(serving.SHUTDOWN_GRACE_S + 5)
+        took = time.monotonic() - t0
+        assert took < serving.SHUTDOWN_GRACE_S + 3, took
+        while chunk := s.recv(65536):  # the client's connection is closed (not left open)
+            got += chunk
+        s.close()
+        assert not got.endswith(b"0\r\n\r\n")  # cut, not a complete answer
+        assert wait_until(lambda: backend.stalls_dropped == dropped + 1, 5), "the stuck upstream call was not closed"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_shutdown_that_overruns_its_bound_is_ended_by_the_watchdog(backend, monkeypatch):
+    """Whatever hangs in shutdown (here the app's own shutdown never returns: a fault injected, as
+    no real one is known), the watchdog fires once the bound has passed (the CLI's serving process
+    then exits at once); a server that finishes in time disarms it."""
+    hits: list[float] = []
+    hang = asyncio.Event()
+
+    async def stuck(self) -> None:
+        await hang.wait()
+
+    app = Sidecar(SidecarConfig(backends=(backend.url,), controller="none", port=free_port()))
+    monkeypatch.setattr(Sidecar, "shutdown", stuck)
+    srv = serving.sidecar_server(app, 0.5, on_overrun=hits.append)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    assert wait_until(lambda: srv.started, 30)
+    t0 = time.monotonic()
+    srv.should_exit = True
+    assert wait_until(lambda: hits, 10), "the watchdog never fired"
+    assert hits == [0.5] and 0.4 < time.monotonic() - t0 < 5
+    assert t.is_alive()  # (the injected hang holds the server)
+    app._loop.call_soon_threadsafe(hang.set)
+    t.join(10)
+    assert not t.is_alive()
+    monkeypatch.undo()
+    # in time: no overrun
+    app = Sidecar(SidecarConfig(backends=(backend.url,), controller="none", port=free_port()))
+    srv = serving.sidecar_server(app, 0.5, on_overrun=hits.append)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    assert wait_until(lambda: srv.started, 30)
+    srv.should_exit = True
+    t.join(10)
+    time.sleep(0.7)
+    assert hits == [0.5]

@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Self
 
 logger = logging.getLogger(__name__)
@@ -190,18 +192,54 @@ def uvicorn_config(app: Any) -> Any:
     proto = guarded_protocol(cfg.header_timeout_s, cfg.max_header_bytes, cfg.max_connections)
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=proto,
                           lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=cfg.keep_alive_s,
-                          proxy_headers=False, server_header=False, timeout_graceful_shutdown=5)
+                          proxy_headers=False, server_header=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
-def sidecar_server(app: Any) -> Any:
+#: seconds calls still open at shutdown get to end on their own; then they are cancelled (their
+#: client connections and upstream calls closed)
+SHUTDOWN_GRACE_S = 5.0
+#: seconds after shutdown begins by which the serving process has exited, whatever still runs
+#: (:func:`serve_app`: a watchdog ends the process; shutdown can never hang forever)
+SHUTDOWN_BOUND_S = SHUTDOWN_GRACE_S + 10.0
+
+
+def _hard_exit(bound: float) -> None:
+    logger.error("shutdown still not done %.0f s after it began: exiting now", bound)
+    logging.shutdown()
+    os._exit(1)
+
+
+def sidecar_server(app: Any, bound_s: float | None = None, on_overrun: Callable[[float], None] = _hard_exit) -> Any:
     """A uvicorn server for ``app`` that drains the admission queue as soon as shutdown begins
-    (uvicorn sends the lifespan shutdown only after its grace period for open calls)."""
+    (uvicorn sends the lifespan shutdown only after its grace period for open calls). With
+    ``bound_s``, a daemon watchdog armed when shutdown begins calls ``on_overrun(bound_s)`` (by
+    default: exit the process at once) unless :meth:`run` has returned by then; a second SIGTERM
+    or SIGINT skips the rest of the grace period."""
     import uvicorn
 
     class SidecarServer(uvicorn.Server):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.finished = threading.Event()
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True  # (uvicorn forces only on a second SIGINT)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
+            if bound_s is not None:
+                done = self.finished
+                threading.Thread(target=lambda: done.wait(bound_s) or on_overrun(bound_s),
+                                 name="mars-shutdown-watchdog", daemon=True).start()
             app.drain()
             await super().shutdown(sockets)
+
+        def run(self, sockets: Any = None) -> None:
+            try:
+                super().run(sockets)  # (the event loop's end included: its tasks cancelled, its threads joined)
+            finally:
+                self.finished.set()
 
     return SidecarServer(uvicorn_config(app))
 
@@ -212,7 +250,7 @@ def serve_app(app: Any) -> None:
     logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", cfg.host, cfg.port,
                    ", ".join(cfg.backends), cfg.controller)
     tune_gc()
-    sidecar_server(app).run()
+    sidecar_server(app, SHUTDOWN_BOUND_S).run()
 
 
 #: young objects allowed before a collection (CPython's default 700): a proxied call's messages, frames
