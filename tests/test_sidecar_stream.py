@@ -1,13 +1,16 @@
 """Issue 35 item 5: the sidecar's streaming hot path. Each read from upstream is written to the
 client from the upstream connection's callback (no task wake-up per chunk); a client too slow to
 take the bytes has its write finished by the call's task while upstream reading pauses; the read
-timeout, an upstream cut mid-stream and a client that hangs up still end the call cleanly. The real
+timeout, an upstream cut mid-stream and a client that hangs up still end the call cleanly, as do
+a client that stops reading (paused upstream reading never leaks into the connection pool) and a
+SIGTERM with a call stuck upstream (shutdown is bounded). The real
 sidecar on 127.0.0.1 in front of a real TCP server that streams SSE as vLLM does (chunked); every
 test ends with the leak check."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -25,10 +28,10 @@ from conftest import free_port
 from faulty_backend import METRICS
 from test_sidecar import CHAT, wait_until
 from vllm_mars.admission.placement import Backend, Placement
-from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+from vllm_mars.admission.sidecar import Sidecar, SidecarConfig, serving
 from vllm_mars.admission.sidecar.proxy import forward_bytes
-from vllm_mars.admission.sidecar import serving
 from vllm_mars.admission.sidecar.serving import ServerThread
+from vllm_mars.admission.upstream import _Conn
 
 
 def event(i: int, size: int) -> bytes:
@@ -522,3 +525,84 @@ def test_a_shutdown_that_overruns_its_bound_is_ended_by_the_watchdog(backend, mo
     t.join(10)
     time.sleep(0.7)
     assert hits == [0.5]
+
+
+@pytest.mark.parametrize("end", ["done", "close"])
+def test_a_client_that_stops_reading_then_hangs_up_ends_its_call(backend, end):
+    """A client with a tiny receive buffer that never reads: the sidecar's write waits with upstream
+    reading paused (the backend may meanwhile finish, or close its connection mid-stream); the
+    client then hangs up. The call ends at once, its upstream connection is closed (never pooled
+    paused) and nothing is left held."""
+    n, size = 48, 128 << 10
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        app = sc.app.app
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", sc.app.config.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: %d,0,%d,%s\r\ncontent-length: %d\r\n\r\n%s" % (n, size, end.encode(), len(body), body))
+        assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
+        assert app.in_flight == 1
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        s.close()
+        assert wait_until(lambda: app.in_flight == 0, 5), "the call outlived its client"
+        assert app.counters["client_disconnects"] == 1
+        assert not app.backends[0].pool._idle or all(c.transport.is_reading() for c in app.backends[0].pool._idle)
+        # the sidecar still serves
+        assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
+        assert_no_leak(sc)
+
+
+def _paused(app: Sidecar) -> bool:
+    """Some open upstream connection has reading paused (a write waits for its client)."""
+    return any(c._paused and not c.closed for c in gc.get_objects() if type(c) is _Conn)
+
+
+def test_upstream_closing_while_a_slow_client_holds_reading_paused_ends_with_an_error_event(backend):
+    """The backend sends everything and closes mid-stream while the sidecar's reading is paused for
+    a slow client: the client still gets every byte, then the error event, and nothing is held."""
+    n, size = 48, 128 << 10
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        raw = _slow_reader_call(sc.app.config.port, f"{n},0,{size},close")
+        assert any(b is False and e is True for _, b, e in sc.app.sends), "no write had to wait for the client"
+        body = dechunk(raw.partition(b"\r\n\r\n")[2])
+        ok = expected(n, size)[:-len(DONE)]
+        assert body.startswith(ok) and b"failed mid-stream" in body[len(ok):], body[len(ok):][:300]
+        assert_no_leak(sc)
+
+
+def test_a_client_that_stops_reading_for_good_is_cut_after_the_body_timeout(backend):
+    """A client that takes none of a streamed answer while keeping its connection open: its call
+    ends ``body_timeout_s`` after the write began waiting (it held its slot and its upstream call
+    forever before), the upstream call is closed, and the connection is closed with what the sidecar
+    still buffered for it dropped."""
+    n, size = 48, 128 << 10
+    with serve(backend, body_timeout_s=0.5) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        app = sc.app.app
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", sc.app.config.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: %d,0,%d,done\r\ncontent-length: %d\r\n\r\n%s" % (n, size, len(body), body))
+        assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
+        t0 = time.monotonic()
+        assert wait_until(lambda: app.in_flight == 0, 10), "the call of a client that stopped reading never ended"
+        assert time.monotonic() - t0 < 3
+        assert app.counters["client_disconnects"] == 1
+        s.settimeout(5)
+        got = b""
+        try:
+            while chunk := s.recv(1 << 20):  # what the kernel still held, then the end (never a hang)
+                got += chunk
+        except ConnectionResetError:
+            pass
+        s.close()
+        assert not got.endswith(b"0\r\n\r\n") and len(got) < n * size  # cut, not completed
+        assert not _paused(app)
+        assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
+        assert_no_leak(sc)

@@ -16,7 +16,8 @@ The guard (a subclass of uvicorn's httptools protocol) bounds what one client ca
 * ``keep_alive_s``: an idle keep-alive connection is closed after this long.
 
 The body of a request is bounded by the app (``body_timeout_s`` between body chunks and
-``body_deadline_s`` for the whole body -> 408, ``max_body_bytes`` -> 413).
+``body_deadline_s`` for the whole body -> 408, ``max_body_bytes`` -> 413); so is the client's side
+of a streamed answer (no bytes taken for ``body_timeout_s``: the call ends and the connection is reset).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ SLOW_GRACE_S = 2.0
 #: a scope key of every request served here: the app may put a callable there, called once when the
 #: client goes away before its response is complete (so no task per call waits on ``receive`` for it)
 ON_DISCONNECT = "mars.on_disconnect"
+#: a scope key of every request served here: resets the client's connection (its unsent bytes dropped)
+ABORT = "mars.abort"
 
 
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connections: int) -> type:
@@ -156,6 +159,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
+            self.scope[ABORT] = self.transport.abort  # type: ignore[literal-required]
             if not self._in_head:  # the next request on a kept-alive connection
                 self._arm()
 
