@@ -606,3 +606,33 @@ def test_a_client_that_stops_reading_for_good_is_cut_after_the_body_timeout(back
         assert not _paused(app)
         assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
         assert_no_leak(sc)
+
+
+def test_a_log_stream_nobody_reads_never_freezes_the_sidecar(backend):
+    """``mars sidecar`` whose stderr is a pipe nobody reads (a parent that stopped reading it): once
+    the pipe is full, each log line used to block the event loop in ``write`` (every call hung, and
+    SIGTERM was never acted on: the process had to be killed). Log writes happen off the loop now:
+    2500 malformed requests (a uvicorn warning each) later it still answers, and SIGTERM ends it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(serving.__file__).parents[3])}
+    p = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", backend.url,
+                          "--controller", "none", "--port", str(port)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: _health(port), 60), "the sidecar did not start"
+        for i in range(2500):  # ~100 bytes of log each: well past a 64 KiB pipe
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+                    s.sendall(b"GARBAGE \x00\x01 HTTP/9\r\n\r\n")
+                    s.recv(100)
+            except TimeoutError:
+                pytest.fail(f"the sidecar froze after {i} malformed requests")
+        assert _health(port)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(serving.SHUTDOWN_BOUND_S + 5)
+        assert time.monotonic() - t0 < 3
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

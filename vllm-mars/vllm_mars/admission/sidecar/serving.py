@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import logging.handlers
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -208,16 +210,15 @@ SHUTDOWN_BOUND_S = SHUTDOWN_GRACE_S + 10.0
 
 
 def _hard_exit(bound: float) -> None:
-    logger.error("shutdown still not done %.0f s after it began: exiting now", bound)
-    logging.shutdown()
-    os._exit(1)
+    os._exit(1)  # (nothing logged: a stderr nobody reads, full, is one way a process hangs here)
 
 
 def sidecar_server(app: Any, bound_s: float | None = None, on_overrun: Callable[[float], None] = _hard_exit) -> Any:
     """A uvicorn server for ``app`` that drains the admission queue as soon as shutdown begins
     (uvicorn sends the lifespan shutdown only after its grace period for open calls). With
-    ``bound_s``, a daemon watchdog armed when shutdown begins calls ``on_overrun(bound_s)`` (by
-    default: exit the process at once) unless :meth:`run` has returned by then; a second SIGTERM
+    ``bound_s``, a daemon watchdog armed by SIGTERM/SIGINT (Python runs the handler even while the
+    event loop is blocked) or when shutdown begins calls ``on_overrun(bound_s)`` (by default: exit
+    the process at once) unless :meth:`run` has returned by then; a second SIGTERM
     or SIGINT skips the rest of the grace period."""
     import uvicorn
 
@@ -225,17 +226,23 @@ def sidecar_server(app: Any, bound_s: float | None = None, on_overrun: Callable[
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             self.finished = threading.Event()
+            self.armed = False
+
+        def _arm(self) -> None:
+            if bound_s is not None and not self.armed:
+                self.armed = True
+                done = self.finished
+                threading.Thread(target=lambda: done.wait(bound_s) or on_overrun(bound_s),
+                                 name="mars-shutdown-watchdog", daemon=True).start()
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            self._arm()  # here, not only in shutdown: this runs even while the event loop is blocked
             if self.should_exit:
                 self.force_exit = True  # (uvicorn forces only on a second SIGINT)
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
-            if bound_s is not None:
-                done = self.finished
-                threading.Thread(target=lambda: done.wait(bound_s) or on_overrun(bound_s),
-                                 name="mars-shutdown-watchdog", daemon=True).start()
+            self._arm()
             app.drain()
             await super().shutdown(sockets)
 
@@ -254,7 +261,38 @@ def serve_app(app: Any) -> None:
     logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", cfg.host, cfg.port,
                    ", ".join(cfg.backends), cfg.controller)
     tune_gc()
-    sidecar_server(app, SHUTDOWN_BOUND_S).run()
+    server = sidecar_server(app, SHUTDOWN_BOUND_S)
+    log_off_loop()
+    server.run()
+
+
+#: log records waiting for a slow log stream, per logger; beyond, records are dropped
+LOG_QUEUE = 10_000
+
+
+class _Dropping(logging.handlers.QueueHandler):
+    """A queue handler that drops a record when the queue is full (never blocks, never writes)."""
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            pass
+
+
+def log_off_loop() -> None:
+    """Writes of log records move to a thread per logger (behind a bounded queue): a log stream
+    that stops taking bytes (a stderr pipe nobody reads) then drops records instead of blocking
+    the event loop, which froze every call and made the process deaf to SIGTERM. Process-wide:
+    the CLI's serving process only, after uvicorn has set up its loggers."""
+    for name in (None, "uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        hs = [h for h in lg.handlers if not isinstance(h, logging.handlers.QueueHandler)]
+        if not hs:
+            continue
+        q: queue.Queue = queue.Queue(LOG_QUEUE)
+        logging.handlers.QueueListener(q, *hs, respect_handler_level=True).start()  # (a daemon thread)
+        lg.handlers = [_Dropping(q)]
 
 
 #: young objects allowed before a collection (CPython's default 700): a proxied call's messages, frames
