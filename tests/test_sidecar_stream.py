@@ -1,17 +1,25 @@
 """Issue 35 item 5: the sidecar's streaming hot path. Each read from upstream is written to the
 client from the upstream connection's callback (no task wake-up per chunk); a client too slow to
 take the bytes has its write finished by the call's task while upstream reading pauses; the read
-timeout, an upstream cut mid-stream and a client that hangs up still end the call cleanly. The real
+timeout, an upstream cut mid-stream and a client that hangs up still end the call cleanly, as do
+a client that stops reading (paused upstream reading never leaks into the connection pool) and a
+SIGTERM with a call stuck upstream (shutdown is bounded). The real
 sidecar on 127.0.0.1 in front of a real TCP server that streams SSE as vLLM does (chunked); every
 test ends with the leak check."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Self
 
 import httpx
@@ -20,9 +28,10 @@ from conftest import free_port
 from faulty_backend import METRICS
 from test_sidecar import CHAT, wait_until
 from vllm_mars.admission.placement import Backend, Placement
-from vllm_mars.admission.sidecar import Sidecar, SidecarConfig
+from vllm_mars.admission.sidecar import Sidecar, SidecarConfig, serving
 from vllm_mars.admission.sidecar.proxy import forward_bytes
 from vllm_mars.admission.sidecar.serving import ServerThread
+from vllm_mars.admission.upstream import _Conn
 
 
 def event(i: int, size: int) -> bytes:
@@ -48,6 +57,8 @@ class SSEBackend:
         self.url = f"http://127.0.0.1:{port}"
         self.connections = 0
         self.hangups = 0
+        #: stalled answers whose caller hung up
+        self.stalls_dropped = 0
         #: the body of each POST received
         self.bodies: list[bytes] = []
         self._loop = asyncio.new_event_loop()
@@ -92,6 +103,7 @@ class SSEBackend:
                 if end == "stall":
                     await reader.read()
                     self.hangups += 1
+                    self.stalls_dropped += 1
                     break
                 if end == "close":
                     break
@@ -150,8 +162,8 @@ def backend():
 
 
 def serve(backend: SSEBackend, **kw) -> ServerThread:
-    cfg = SidecarConfig(backends=(backend.url,), controller="none", port=free_port(), telemetry_interval_s=0.05,
-                        **kw)
+    kw.setdefault("telemetry_interval_s", 0.05)
+    cfg = SidecarConfig(backends=(backend.url,), controller="none", port=free_port(), **kw)
     return ServerThread(Recording(Sidecar(cfg)))
 
 
@@ -382,3 +394,245 @@ def test_utf8_with_a_byte_order_mark_and_utf16_bodies_still_pass(backend):
             assert r.status_code == 200, r.text
             assert json.loads(backend.bodies[-1])["messages"] == CHAT["messages"]
         assert_no_leak(sc)
+
+
+def _slow_reader_call(port: int, spec: str) -> bytes:
+    """A streamed call from a client with a tiny receive buffer that reads slowly (16 KiB then a
+    short pause): the sidecar's writes back up and wait for the client."""
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+              b"content-type: application/json\r\nx-stream: %s\r\ncontent-length: %d\r\n\r\n%s"
+              % (spec.encode(), len(body), body))
+    time.sleep(0.3)
+    got = []
+    s.settimeout(30)
+    while chunk := s.recv(1 << 14):
+        got.append(chunk)
+        time.sleep(0.002)
+    s.close()
+    return b"".join(got)
+
+
+def test_a_connection_whose_last_write_waited_goes_back_to_the_pool_reading(backend):
+    """The last upstream read of a stream (its end) written to a slow client: the write waits with
+    upstream reading paused, and the connection then goes back to the pool. It must go back
+    reading: a paused connection reused by the next call never sees that call's answer (the call
+    hung forever, holding its slot, in the wedge seen under load)."""
+    n, size = 48, 128 << 10
+    with serve(backend, telemetry_interval_s=30, telemetry_stale_s=60) as sc:  # (no poll takes the connection)
+        assert wait_until(lambda: sc.app.any_up, 10)
+        port = sc.app.config.port
+        for _ in range(3):
+            raw = _slow_reader_call(port, f"{n},5,{size},done")
+            assert dechunk(raw.partition(b"\r\n\r\n")[2]) == expected(n, size)
+            last = [s for s in sc.app.sends if s[0]][-1]
+            if last[1] is False and last[2] is True:
+                break  # the last write waited for the client
+        else:
+            pytest.skip("the last write never had to wait for the client")
+        pool = sc.app.app.backends[0].pool
+        paused = [c for c in pool._idle if not c.transport.is_reading()]
+        t0 = time.monotonic()
+        try:
+            with httpx.Client(timeout=5) as c:
+                r = c.post(sc.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                           headers={"x-stream": "3,0,50,done"})
+        except httpx.TimeoutException:
+            pytest.fail(f"the next call hung ({len(paused)} paused connection(s) in the pool)")
+        assert r.status_code == 200 and r.content == expected(3, 50)
+        assert time.monotonic() - t0 < 5
+        assert not paused, "a paused connection went back to the pool"
+        assert_no_leak(sc)
+
+
+def test_sigterm_with_a_call_stuck_upstream_exits_within_the_grace_period(backend):
+    """``mars sidecar`` (the real CLI process) with a streamed call whose backend went silent (no
+    read timeout): SIGTERM ends the process within the shutdown grace period, and the stuck call is
+    cut: its client connection and its upstream call are closed."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(serving.__file__).parents[3])}
+    p = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", backend.url,
+                          "--controller", "none", "--port", str(port)], env=env)
+    try:
+        assert wait_until(lambda: _health(port), 60), "the sidecar did not start"
+        dropped = backend.stalls_dropped
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(serving.SHUTDOWN_GRACE_S + 5)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: 1,0,50,stall\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        got = s.recv(65536)
+        while b'"i":0' not in got:
+            got += s.recv(65536)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(serving.SHUTDOWN_GRACE_S + 5)
+        took = time.monotonic() - t0
+        assert took < serving.SHUTDOWN_GRACE_S + 3, took
+        while chunk := s.recv(65536):  # the client's connection is closed (not left open)
+            got += chunk
+        s.close()
+        assert not got.endswith(b"0\r\n\r\n")  # cut, not a complete answer
+        assert wait_until(lambda: backend.stalls_dropped == dropped + 1, 5), "the stuck upstream call was not closed"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_shutdown_that_overruns_its_bound_is_ended_by_the_watchdog(backend, monkeypatch):
+    """Whatever hangs in shutdown (here the app's own shutdown never returns: a fault injected, as
+    no real one is known), the watchdog fires once the bound has passed (the CLI's serving process
+    then exits at once); a server that finishes in time disarms it."""
+    hits: list[float] = []
+    hang = asyncio.Event()
+
+    async def stuck(self) -> None:
+        await hang.wait()
+
+    app = Sidecar(SidecarConfig(backends=(backend.url,), controller="none", port=free_port()))
+    monkeypatch.setattr(Sidecar, "shutdown", stuck)
+    srv = serving.sidecar_server(app, 0.5, on_overrun=hits.append)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    assert wait_until(lambda: srv.started, 30)
+    t0 = time.monotonic()
+    srv.should_exit = True
+    assert wait_until(lambda: hits, 10), "the watchdog never fired"
+    assert hits == [0.5] and 0.4 < time.monotonic() - t0 < 5
+    assert t.is_alive()  # (the injected hang holds the server)
+    app._loop.call_soon_threadsafe(hang.set)
+    t.join(10)
+    assert not t.is_alive()
+    monkeypatch.undo()
+    # in time: no overrun
+    app = Sidecar(SidecarConfig(backends=(backend.url,), controller="none", port=free_port()))
+    srv = serving.sidecar_server(app, 0.5, on_overrun=hits.append)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    assert wait_until(lambda: srv.started, 30)
+    srv.should_exit = True
+    t.join(10)
+    time.sleep(0.7)
+    assert hits == [0.5]
+
+
+@pytest.mark.parametrize("end", ["done", "close"])
+def test_a_client_that_stops_reading_then_hangs_up_ends_its_call(backend, end):
+    """A client with a tiny receive buffer that never reads: the sidecar's write waits with upstream
+    reading paused (the backend may meanwhile finish, or close its connection mid-stream); the
+    client then hangs up. The call ends at once, its upstream connection is closed (never pooled
+    paused) and nothing is left held."""
+    n, size = 48, 128 << 10
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        app = sc.app.app
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", sc.app.config.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: %d,0,%d,%s\r\ncontent-length: %d\r\n\r\n%s" % (n, size, end.encode(), len(body), body))
+        assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
+        assert app.in_flight == 1
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        s.close()
+        assert wait_until(lambda: app.in_flight == 0, 5), "the call outlived its client"
+        assert app.counters["client_disconnects"] == 1
+        assert not app.backends[0].pool._idle or all(c.transport.is_reading() for c in app.backends[0].pool._idle)
+        # the sidecar still serves
+        assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
+        assert_no_leak(sc)
+
+
+def _paused(app: Sidecar) -> bool:
+    """Some open upstream connection has reading paused (a write waits for its client)."""
+    return any(c._paused and not c.closed for c in gc.get_objects() if type(c) is _Conn)
+
+
+def test_upstream_closing_while_a_slow_client_holds_reading_paused_ends_with_an_error_event(backend):
+    """The backend sends everything and closes mid-stream while the sidecar's reading is paused for
+    a slow client: the client still gets every byte, then the error event, and nothing is held."""
+    n, size = 48, 128 << 10
+    with serve(backend) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        raw = _slow_reader_call(sc.app.config.port, f"{n},0,{size},close")
+        assert any(b is False and e is True for _, b, e in sc.app.sends), "no write had to wait for the client"
+        body = dechunk(raw.partition(b"\r\n\r\n")[2])
+        ok = expected(n, size)[:-len(DONE)]
+        assert body.startswith(ok) and b"failed mid-stream" in body[len(ok):], body[len(ok):][:300]
+        assert_no_leak(sc)
+
+
+def test_a_client_that_stops_reading_for_good_is_cut_after_the_body_timeout(backend):
+    """A client that takes none of a streamed answer while keeping its connection open: its call
+    ends ``body_timeout_s`` after the write began waiting (it held its slot and its upstream call
+    forever before), the upstream call is closed, and the connection is closed with what the sidecar
+    still buffered for it dropped."""
+    n, size = 48, 128 << 10
+    with serve(backend, body_timeout_s=0.5) as sc:
+        assert wait_until(lambda: sc.app.any_up, 10)
+        app = sc.app.app
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", sc.app.config.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"x-stream: %d,0,%d,done\r\ncontent-length: %d\r\n\r\n%s" % (n, size, len(body), body))
+        assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
+        t0 = time.monotonic()
+        assert wait_until(lambda: app.in_flight == 0, 10), "the call of a client that stopped reading never ended"
+        assert time.monotonic() - t0 < 3
+        assert app.counters["client_disconnects"] == 1
+        s.settimeout(5)
+        got = b""
+        try:
+            while chunk := s.recv(1 << 20):  # what the kernel still held, then the end (never a hang)
+                got += chunk
+        except ConnectionResetError:
+            pass
+        s.close()
+        assert not got.endswith(b"0\r\n\r\n") and len(got) < n * size  # cut, not completed
+        assert not _paused(app)
+        assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
+        assert_no_leak(sc)
+
+
+def test_a_log_stream_nobody_reads_never_freezes_the_sidecar(backend):
+    """``mars sidecar`` whose stderr is a pipe nobody reads (a parent that stopped reading it): once
+    the pipe is full, each log line used to block the event loop in ``write`` (every call hung, and
+    SIGTERM was never acted on: the process had to be killed). Log writes happen off the loop now:
+    2500 malformed requests (a uvicorn warning each) later it still answers, and SIGTERM ends it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(serving.__file__).parents[3])}
+    p = subprocess.Popen([sys.executable, "-m", "vllm_mars.cli", "sidecar", "--backend", backend.url,
+                          "--controller", "none", "--port", str(port)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: _health(port), 60), "the sidecar did not start"
+        for i in range(2500):  # ~100 bytes of log each: well past a 64 KiB pipe
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+                    s.sendall(b"GARBAGE \x00\x01 HTTP/9\r\n\r\n")
+                    s.recv(100)
+            except TimeoutError:
+                pytest.fail(f"the sidecar froze after {i} malformed requests")
+        assert _health(port)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(serving.SHUTDOWN_BOUND_S + 5)
+        assert time.monotonic() - t0 < 3
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -256,6 +256,8 @@ class UpstreamPool:
 
     def _put(self, c: _Conn) -> None:
         if len(self._idle) < self.max_idle:
+            if c._paused:  # (a push consumer paused it for a slow client, then the answer ended)
+                c.transport.resume_reading()  # type: ignore[union-attr]  (a paused idle connection never reads the next answer)
             c._reset()
             c.idle_since = time.monotonic()
             self._idle.append(c)

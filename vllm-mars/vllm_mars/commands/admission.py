@@ -101,7 +101,8 @@ def _add_sidecar_options(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="a request head must arrive within S seconds, else 408 and close (default 10)")
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                   help="longest wait between request body chunks, else 408 (default 30)")
+                   help="longest wait between request body chunks, else 408, and longest a client may take no bytes "
+                        "of a streamed answer, else the call ends (default 30)")
     g.add_argument("--body-deadline", type=float, default=60.0, metavar="S",
                    help="a whole request body must arrive within S seconds, else 408 (default 60)")
     g.add_argument("--keep-alive", type=float, default=5.0, metavar="S",

@@ -23,7 +23,8 @@ Faults: no live backend -> a new root gets 503 with ``Retry-After`` while roots 
 keep waiting; a backend that cannot be connected to -> the call waits up to ``backend_wait_s`` for
 a live one (it was never sent); a backend that fails after the call was sent -> 502 (never
 resent), or an SSE ``error`` event mid-stream, and the root ends; a client that disconnects -> the
-upstream request is closed (vLLM aborts it); invalid JSON or ``mars_*`` values -> 400, a body over
+upstream request is closed (vLLM aborts it), as when it takes no bytes of a streamed answer for
+``body_timeout_s`` (then its connection is reset); invalid JSON or ``mars_*`` values -> 400, a body over
 ``max_body_bytes`` -> 413, a slow body -> 408, unknown route -> 404, wrong method -> 405,
 missing/wrong API key -> 401.
 
@@ -58,6 +59,7 @@ from vllm_mars.admission.sidecar.config import SidecarConfig
 from vllm_mars.admission.sidecar.proxy import (
     MAX_JSON_VALUES,
     PARSED_BYTES_PER_VALUE,
+    ClientStalled,
     Forwarder,
     HTTPError,
     down_headers,
@@ -68,7 +70,7 @@ from vllm_mars.admission.sidecar.proxy import (
     read_body,
     upstream_headers,
 )
-from vllm_mars.admission.sidecar.serving import ON_DISCONNECT, ServerThread, serve_app
+from vllm_mars.admission.sidecar.serving import ABORT, ON_DISCONNECT, ServerThread, serve_app
 from vllm_mars.admission.sidecar.state import SidecarState
 from vllm_mars.admission.upstream import UpstreamBroken, UpstreamUnreachable
 from vllm_mars.clock import Clock
@@ -325,6 +327,11 @@ class Sidecar(SidecarState):
             if not disconnected:
                 raise
             self.counters["client_disconnects"] += 1
+        except ClientStalled as e:
+            logger.info("call from %s cut: %s", scope.get("client"), e)
+            self.counters["client_disconnects"] += 1
+            if (abort := scope.get(ABORT)) is not None:
+                abort()  # reset: a graceful close would wait for the client to take what is buffered
         finally:
             if watcher is None:
                 scope[ON_DISCONNECT] = None

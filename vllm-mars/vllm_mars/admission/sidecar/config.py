@@ -95,7 +95,8 @@ class SidecarConfig:
     header_timeout_s: float = 10.0
     #: Largest request head (bytes; else 431, connection closed).
     max_header_bytes: int = 64 << 10
-    #: Longest wait between two chunks of a request body (s; else 408).
+    #: Longest wait between two chunks of a request body (s; else 408), and the longest a client may
+    #: take no bytes of a streamed answer while its socket is full (s; else the call ends, connection reset).
     body_timeout_s: float = 30.0
     #: Client connections held at once; at the cap an idle keep-alive connection, else the slowest
     #: request still sending its head or body, makes room; otherwise 503 and closed.

@@ -7,7 +7,8 @@
   Statuses outside 200-599 from upstream become 502. A non-streaming answer is read whole before
   the client sees its status, so a body cut off upstream is a 502, never a truncated 200. A
   streaming (SSE) answer is passed through chunk by chunk; cut off mid-stream it ends with an SSE
-  ``error`` event. A call is resent only when its backend provably never got it (the connection
+  ``error`` event; a client that takes none of it for ``body_timeout_s`` (its socket full) ends
+  the call (:class:`ClientStalled`). A call is resent only when its backend provably never got it (the connection
   could not be made): it then waits up to ``backend_wait_s`` for a live backend.
 """
 
@@ -86,6 +87,11 @@ class HTTPError(Exception):
         self.status = status
         self.message = message
         self.headers = headers or []
+
+
+class ClientStalled(Exception):
+    """The client stopped taking the answer (its socket stayed full for ``body_timeout_s``): the
+    call ends, its upstream call is closed and its connection should be reset."""
 
 
 class Unreachable(Exception):
@@ -375,7 +381,12 @@ class Forwarder:
                     if pump.pending is not None:  # the client is slow: finish the write here, then go on
                         co, fut = pump.pending
                         pump.pending = None
-                        await finish(co, fut)
+                        try:
+                            async with asyncio.timeout(self.config.body_timeout_s):
+                                await finish(co, fut)
+                        except TimeoutError:
+                            raise ClientStalled(f"the client took no data for {self.config.body_timeout_s} s") \
+                                from None
                         if pump.ended:
                             break
                         resp.resume_reading()

@@ -16,7 +16,8 @@ The guard (a subclass of uvicorn's httptools protocol) bounds what one client ca
 * ``keep_alive_s``: an idle keep-alive connection is closed after this long.
 
 The body of a request is bounded by the app (``body_timeout_s`` between body chunks and
-``body_deadline_s`` for the whole body -> 408, ``max_body_bytes`` -> 413).
+``body_deadline_s`` for the whole body -> 408, ``max_body_bytes`` -> 413); so is the client's side
+of a streamed answer (no bytes taken for ``body_timeout_s``: the call ends and the connection is reset).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import logging.handlers
+import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Self
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ SLOW_GRACE_S = 2.0
 #: a scope key of every request served here: the app may put a callable there, called once when the
 #: client goes away before its response is complete (so no task per call waits on ``receive`` for it)
 ON_DISCONNECT = "mars.on_disconnect"
+#: a scope key of every request served here: resets the client's connection (its unsent bytes dropped)
+ABORT = "mars.abort"
 
 
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connections: int) -> type:
@@ -154,6 +161,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int, max_connect
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
+            self.scope[ABORT] = self.transport.abort  # type: ignore[literal-required]
             if not self._in_head:  # the next request on a kept-alive connection
                 self._arm()
 
@@ -190,18 +198,59 @@ def uvicorn_config(app: Any) -> Any:
     proto = guarded_protocol(cfg.header_timeout_s, cfg.max_header_bytes, cfg.max_connections)
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=proto,
                           lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=cfg.keep_alive_s,
-                          proxy_headers=False, server_header=False, timeout_graceful_shutdown=5)
+                          proxy_headers=False, server_header=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
-def sidecar_server(app: Any) -> Any:
+#: seconds calls still open at shutdown get to end on their own; then they are cancelled (their
+#: client connections and upstream calls closed)
+SHUTDOWN_GRACE_S = 5.0
+#: seconds after shutdown begins by which the serving process has exited, whatever still runs
+#: (:func:`serve_app`: a watchdog ends the process; shutdown can never hang forever)
+SHUTDOWN_BOUND_S = SHUTDOWN_GRACE_S + 10.0
+
+
+def _hard_exit(bound: float) -> None:
+    os._exit(1)  # (nothing logged: a stderr nobody reads, full, is one way a process hangs here)
+
+
+def sidecar_server(app: Any, bound_s: float | None = None, on_overrun: Callable[[float], None] = _hard_exit) -> Any:
     """A uvicorn server for ``app`` that drains the admission queue as soon as shutdown begins
-    (uvicorn sends the lifespan shutdown only after its grace period for open calls)."""
+    (uvicorn sends the lifespan shutdown only after its grace period for open calls). With
+    ``bound_s``, a daemon watchdog armed by SIGTERM/SIGINT (Python runs the handler even while the
+    event loop is blocked) or when shutdown begins calls ``on_overrun(bound_s)`` (by default: exit
+    the process at once) unless :meth:`run` has returned by then; a second SIGTERM
+    or SIGINT skips the rest of the grace period."""
     import uvicorn
 
     class SidecarServer(uvicorn.Server):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.finished = threading.Event()
+            self.armed = False
+
+        def _arm(self) -> None:
+            if bound_s is not None and not self.armed:
+                self.armed = True
+                done = self.finished
+                threading.Thread(target=lambda: done.wait(bound_s) or on_overrun(bound_s),
+                                 name="mars-shutdown-watchdog", daemon=True).start()
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self._arm()  # here, not only in shutdown: this runs even while the event loop is blocked
+            if self.should_exit:
+                self.force_exit = True  # (uvicorn forces only on a second SIGINT)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
+            self._arm()
             app.drain()
             await super().shutdown(sockets)
+
+        def run(self, sockets: Any = None) -> None:
+            try:
+                super().run(sockets)  # (the event loop's end included: its tasks cancelled, its threads joined)
+            finally:
+                self.finished.set()
 
     return SidecarServer(uvicorn_config(app))
 
@@ -212,7 +261,38 @@ def serve_app(app: Any) -> None:
     logger.warning("mars sidecar on http://%s:%s -> %s (controller %s)", cfg.host, cfg.port,
                    ", ".join(cfg.backends), cfg.controller)
     tune_gc()
-    sidecar_server(app).run()
+    server = sidecar_server(app, SHUTDOWN_BOUND_S)
+    log_off_loop()
+    server.run()
+
+
+#: log records waiting for a slow log stream, per logger; beyond, records are dropped
+LOG_QUEUE = 10_000
+
+
+class _Dropping(logging.handlers.QueueHandler):
+    """A queue handler that drops a record when the queue is full (never blocks, never writes)."""
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            pass
+
+
+def log_off_loop() -> None:
+    """Writes of log records move to a thread per logger (behind a bounded queue): a log stream
+    that stops taking bytes (a stderr pipe nobody reads) then drops records instead of blocking
+    the event loop, which froze every call and made the process deaf to SIGTERM. Process-wide:
+    the CLI's serving process only, after uvicorn has set up its loggers."""
+    for name in (None, "uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        hs = [h for h in lg.handlers if not isinstance(h, logging.handlers.QueueHandler)]
+        if not hs:
+            continue
+        q: queue.Queue = queue.Queue(LOG_QUEUE)
+        logging.handlers.QueueListener(q, *hs, respect_handler_level=True).start()  # (a daemon thread)
+        lg.handlers = [_Dropping(q)]
 
 
 #: young objects allowed before a collection (CPython's default 700): a proxied call's messages, frames
