@@ -33,28 +33,56 @@ OK_BODY = (b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message
            b'"total_tokens":4}}')
 
 
-class FaultyBackend:
-    """Runs on its own thread and event loop; ``posts`` counts POST requests received."""
+class LoopServer:
+    """A TCP server on its own thread and event loop, as a context manager. A subclass defines
+    ``_handle`` (adding each writer to ``_writers`` while it serves); leaving the context closes the
+    port and aborts every open connection, like a killed process."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.posts = 0
-        #: each POST's headers (lower-case names), in arrival order
-        self.post_headers: list[dict[str, str]] = []
-        #: the /metrics page served (a test may replace it)
-        self.metrics = METRICS
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
         self._ready.set()
         self._loop.run_forever()
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+class FaultyBackend(LoopServer):
+    """Runs on its own thread and event loop; ``posts`` counts POST requests received."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(port)
+        self.posts = 0
+        #: each POST's headers (lower-case names), in arrival order
+        self.post_headers: list[dict[str, str]] = []
+        #: the /metrics page served (a test may replace it)
+        self.metrics = METRICS
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -96,19 +124,3 @@ class FaultyBackend:
         finally:
             self._writers.discard(writer)
             writer.close()
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:  # like a killed process: the port and every open connection close
-            assert self._server is not None
-            self._server.close()
-            for w in list(self._writers):
-                w.transport.abort()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)

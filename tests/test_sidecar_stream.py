@@ -20,12 +20,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Self
 
 import httpx
 import pytest
 from conftest import free_port
-from faulty_backend import METRICS
+from faulty_backend import METRICS, LoopServer
 from test_sidecar import CHAT, wait_until
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig, serving
@@ -46,32 +45,20 @@ def frame(b: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(b), b)
 
 
-class SSEBackend:
+class SSEBackend(LoopServer):
     """Streams ``n`` SSE events per POST, as its ``x-stream: n,gap_ms,size,end`` header says: one
     write per event, ``gap_ms`` apart; ``end`` = ``done`` (the last event, ``[DONE]`` and the
     terminating chunk in one write), ``stall`` (then silence until the caller hangs up) or
     ``close`` (then the connection closes mid-stream). Counts connections and hang-ups seen."""
 
     def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(port)
         self.connections = 0
         self.hangups = 0
         #: stalled answers whose caller hung up
         self.stalls_dropped = 0
         #: the body of each POST received
         self.bodies: list[bytes] = []
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._server: asyncio.base_events.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
-        self._ready.set()
-        self._loop.run_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -112,22 +99,6 @@ class SSEBackend:
         finally:
             self._writers.discard(writer)
             writer.close()
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
-            assert self._server is not None
-            self._server.close()
-            for w in list(self._writers):
-                w.transport.abort()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 class Recording:
@@ -537,12 +508,7 @@ def test_a_client_that_stops_reading_then_hangs_up_ends_its_call(backend, end):
     with serve(backend) as sc:
         assert wait_until(lambda: sc.app.any_up, 10)
         app = sc.app.app
-        body = json.dumps({**CHAT, "stream": True}).encode()
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", sc.app.config.port))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"x-stream: %d,0,%d,%s\r\ncontent-length: %d\r\n\r\n%s" % (n, size, end.encode(), len(body), body))
+        s = _never_reading_call(sc.app.config.port, f"{n},0,{size},{end}")
         assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
         assert app.in_flight == 1
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
@@ -553,6 +519,18 @@ def test_a_client_that_stops_reading_then_hangs_up_ends_its_call(backend, end):
         # the sidecar still serves
         assert stream(sc, "3,0,50,done") == (200, expected(3, 50))
         assert_no_leak(sc)
+
+
+def _never_reading_call(port: int, spec: str) -> socket.socket:
+    """A streamed call (``x-stream: spec``) from a raw client with a tiny receive buffer that never
+    reads: the sidecar's writes to it back up."""
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"x-stream: %s\r\ncontent-length: %d\r\n\r\n%s" % (spec.encode(), len(body), body))
+    return s
 
 
 def _paused(app: Sidecar) -> bool:
@@ -583,12 +561,7 @@ def test_a_client_that_stops_reading_for_good_is_cut_after_the_body_timeout(back
     with serve(backend, body_timeout_s=0.5) as sc:
         assert wait_until(lambda: sc.app.any_up, 10)
         app = sc.app.app
-        body = json.dumps({**CHAT, "stream": True}).encode()
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", sc.app.config.port))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"x-stream: %d,0,%d,done\r\ncontent-length: %d\r\n\r\n%s" % (n, size, len(body), body))
+        s = _never_reading_call(sc.app.config.port, f"{n},0,{size},done")
         assert wait_until(lambda: _paused(app), 10), "upstream reading never paused"
         t0 = time.monotonic()
         assert wait_until(lambda: app.in_flight == 0, 10), "the call of a client that stopped reading never ended"
