@@ -11,17 +11,18 @@ hop taken out:
   :class:`~vllm_mars.admission.placement.Placement` (the sidecar's own class, with the run's
   ``--placement`` rule), and waits for admission at its replica; its turns and children stay on
   that replica; the root is released when the driver ends it (``end_root``);
-* each replica has its own admission controller (:class:`ReplicaAdmission`: the run's controller
-  for replica 0, one more built from the same policy and options for each other replica), which
-  sees only its replica's reading, so its window and KV budget are that replica's. The ``mars``
-  rule scores a replica's budget net of the blocks its controller has promised to admitted roots
-  and of the footprints of the roots waiting at it;
+* each replica has its own admission controller, by the fleet's one placement + admission logic
+  (:class:`~vllm_mars.admission.replicas.ReplicaAdmission`, which the sidecar and the Ray gate use
+  too: the run's controller for replica 0, one more built from the same policy and options for each
+  other replica), which sees only its replica's reading, so its window and KV budget are that
+  replica's. The ``mars`` rule scores a replica's budget net of the blocks its controller has
+  promised to admitted roots and of the footprints of the roots waiting at it;
 * each replica's reader is exact and always fresh (the sim reads its scheduler at this virtual
   instant), and its ``cache`` answers the ``mars`` rule's prefix term from the replica's own prefix
   cache (as ``--kv-events`` does for a real server).
 
-One controller over the replicas' summed reading (the shape of ``mars serve --ray`` and of one
-sidecar over several ``--backend`` s) under-admits at scale: experiments/scale_out/README.md.
+One controller over the replicas' summed reading under-admits at scale
+(experiments/scale_out/README.md); no path uses that shape any more.
 
 A call without a root (none in a replay; the calibration runs on an engine of its own) is a
 one-call workflow: placed, then released when it ends.
@@ -36,12 +37,13 @@ time-mean KV usage, and the placement imbalance (max / mean over replicas of eac
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
+from vllm_mars.admission.base import Telemetry
 from vllm_mars.admission.placement import Placement, check_placement, pooled_telemetry
+from vllm_mars.admission.replicas import ReplicaAdmission
 from vllm_mars.admission.telemetry import _Reader
 from vllm_mars.backend import CallResult
 
@@ -112,128 +114,6 @@ class SimReplica:
         return self.up
 
 
-class ReplicaAdmission:
-    """One admission controller per replica, behind the one controller protocol the driver feeds
-    (``offer``, ``tick``, ``observe``, ``finish``, ...; :mod:`vllm_mars.admission.base`).
-
-    ``offer`` places the root (``cluster``'s Placement) and queues it at its replica's controller;
-    ``tick`` ticks the controllers with something new to decide (an offer, a finish, a reading) and
-    returns what they admitted; ``observe`` gives each controller its own replica's reading, with
-    the driver's fields (clock, prefix hit rate, tool plane) from the pooled reading it is fed.
-    Events carry the replica's index. As the Placement's controller it answers
-    ``promised_blocks(roots of one replica)``: the blocks that replica's controller promised to
-    admitted roots, plus the footprints of the roots queued there (placed, not yet admitted)."""
-
-    def __init__(self, cluster: SimCluster, controllers: Sequence[Any],
-                 prompt_of: Callable[[str], Sequence[int] | None] | None = None) -> None:
-        self.cluster = cluster
-        self.ctrls = list(controllers)
-        first = self.ctrls[0]
-        self.name = first.name
-        self.interval_s = first.interval_s
-        self.config = getattr(first, "config", None)
-        self._prompt_of = prompt_of
-        #: root -> its replica's index (offered, until finished)
-        self._of: dict[str, int] = {}
-        #: per replica: its roots waiting for admission
-        self._queued: list[dict[str, PendingRoot]] = [{} for _ in self.ctrls]
-        #: replicas whose controller has something new to decide
-        self._dirty: set[int] = set()
-
-    # -- the controller protocol --------------------------------------------------------------------
-    def set_cost_model(self, cost: Any) -> None:
-        for c in self.ctrls:
-            if hasattr(c, "set_cost_model"):
-                c.set_cost_model(cost)
-
-    def offer(self, root: PendingRoot) -> None:
-        wf = root.workflow
-        if wf in self._of:
-            raise ValueError(f"root workflow {wf!r} is already queued or active")
-        r = self.cluster.place_root(wf, self._prompt_of(wf) if self._prompt_of is not None else None)
-        i = r.index
-        self.ctrls[i].offer(root)
-        self._of[wf] = i
-        self._queued[i][wf] = root
-        self._dirty.add(i)
-
-    def tick(self, now: float) -> list[str]:
-        out: list[str] = []
-        for i in sorted(self._dirty):
-            admitted = self.ctrls[i].tick(now)
-            q = self._queued[i]
-            for wf in admitted:
-                q.pop(wf, None)
-            out += admitted
-        self._dirty.clear()
-        return out
-
-    def observe(self, telemetry: Telemetry) -> None:
-        tel = telemetry
-        for i, reading in enumerate(self.cluster.readings()):
-            self.ctrls[i].observe(replace(reading, ts=tel.ts, prefix_hit_rate=tel.prefix_hit_rate,
-                                          tools_in_flight=tel.tools_in_flight, tool_workers=tel.tool_workers,
-                                          tool_queue_wait_s=tel.tool_queue_wait_s))
-        self._dirty.update(range(len(self.ctrls)))
-
-    def finish(self, workflow: str, now: float, final_tokens: int | None = None,
-               turns: int | None = None) -> None:
-        i = self._of.pop(workflow, None)
-        if i is None:
-            return
-        self._queued[i].pop(workflow, None)
-        self.ctrls[i].finish(workflow, now, final_tokens=final_tokens, turns=turns)
-        self._dirty.add(i)
-
-    def update_estimate(self, workflow: str, prefill_tokens: int, now: float) -> int | None:
-        i = self._of.get(workflow)
-        if i is None:
-            return None
-        q = self._queued[i]
-        if workflow in q and (q[workflow].prefill_tokens or 0) < prefill_tokens:
-            q[workflow] = replace(q[workflow], prefill_tokens=prefill_tokens)
-        return self.ctrls[i].update_estimate(workflow, prefill_tokens, now)
-
-    def observe_cached(self, workflow: str, cached_tokens: int) -> None:
-        i = self._of.get(workflow)
-        if i is not None:
-            self.ctrls[i].observe_cached(workflow, cached_tokens)
-
-    def take_events(self) -> list[AdmissionEvent]:
-        out: list[AdmissionEvent] = []
-        for i, c in enumerate(self.ctrls):
-            out += [AdmissionEvent(e.ts, e.event, {**e.data, "replica": i}) for e in c.take_events()]
-        return out
-
-    @property
-    def num_active(self) -> int:
-        return sum(c.num_active for c in self.ctrls)
-
-    @property
-    def num_queued(self) -> int:
-        return sum(c.num_queued for c in self.ctrls)
-
-    # -- for the Placement --------------------------------------------------------------------------
-    def promised_blocks(self, workflows: Iterable[str] | None = None) -> int:
-        """Blocks owed on one replica (``workflows``: the roots placed there), or on all (None)."""
-        if workflows is None:
-            return sum(self._owed(i) for i in range(len(self.ctrls)))
-        for wf in workflows:
-            i = self._of.get(wf)
-            if i is not None:
-                return self._owed(i)
-        return 0
-
-    def _owed(self, i: int) -> int:
-        c = self.ctrls[i]
-        promised = getattr(c, "promised_blocks", None)
-        owed = promised() if promised is not None else 0
-        fp = getattr(c, "footprint_blocks", None)
-        if fp is not None:
-            owed += sum(fp(q) for q in self._queued[i].values())
-        return owed
-
-
 class SimCluster:
     """The driver's Backend over N sim engines and one Placement (see the module docstring)."""
 
@@ -270,11 +150,12 @@ class SimCluster:
         roots are placed at their first call by its promises. More: a :class:`ReplicaAdmission` over
         ``controller`` (replica 0's) and ``make()`` for each other replica; roots are placed when
         offered (``prompt_of(root)``: its first prompt, for the ``mars`` rule's prefix term)."""
+        self.placement = Placement(self.replicas, controller, rule=self.rule)
         if make is None or len(self.replicas) == 1:
-            self.placement = Placement(self.replicas, controller, rule=self.rule)
             return controller
-        self.admission = ReplicaAdmission(self, [controller, *(make() for _ in self.replicas[1:])], prompt_of)
-        self.placement = Placement(self.replicas, self.admission, rule=self.rule)
+        self.admission = ReplicaAdmission(self.placement, make, first=controller, prompt_of=prompt_of,
+                                          place=self.place_root, readings=self._readings_for,
+                                          label=lambda r: r.index, lazy=True)
         return self.admission
 
     def set_cost_model(self, cost: Any) -> None:
@@ -299,6 +180,13 @@ class SimCluster:
         observes right after it samples, with no step between), else fresh ones."""
         taken, self._taken = self._taken, None
         return taken if taken is not None else [r.telemetry.last for r in self.replicas]
+
+    def _readings_for(self, replicas: Sequence[SimReplica], fed: Telemetry) -> list[Telemetry]:
+        """Each replica's reading (:meth:`readings`) with the driver's fields of the reading it
+        feeds (clock, prefix hit rate, tool plane)."""
+        return [replace(r, ts=fed.ts, prefix_hit_rate=fed.prefix_hit_rate, tools_in_flight=fed.tools_in_flight,
+                        tool_workers=fed.tool_workers, tool_queue_wait_s=fed.tool_queue_wait_s)
+                for r in self.readings()]
 
     def end_root(self, root: str) -> None:
         """The driver ended root ``root``: its replica no longer carries it."""
