@@ -68,7 +68,7 @@ class RootState:
 
     def __init__(self, root: str, now: float) -> None:
         self.root = root
-        #: the backend it was placed on at admission (opaque here)
+        #: the backend it is placed on (opaque here; set when admitted)
         self.backend: Any = None
         self.admitted = False
         #: whatever the feeder waits on until admission (an asyncio future in the sidecar)
@@ -142,6 +142,12 @@ class RootTable:
 
     def get(self, root: str) -> RootState | None:
         return self.roots.get(root)
+
+    def rebind(self, controller: Any, place: Callable[[RootState], Any] | None) -> None:
+        """Feed ``controller`` and place admitted roots by ``place`` from now on (before any root:
+        the sidecar switching to per-backend admission)."""
+        assert not self.roots, "rebind before the first root"
+        self.controller, self._place = controller, place
 
     # -- arrival and admission --------------------------------------------------------------------
     def arrive(self, ident: Identity, prefill_tokens: int | None) -> RootState:

@@ -22,14 +22,17 @@ Three parts, each reusing the one-machine code rather than copying it:
   ranks best (budget above the guard margin, minus promises, plus cached prefix).
 * :class:`RayGate`: the admission sidecar (:class:`~vllm_mars.admission.sidecar.Sidecar`: routes,
   identity, admission controller, root lifecycle, /metrics) whose backends are the replicas of the
-  :class:`ReplicaSet`. It places a root at admission with that same :class:`Placement` and pins the
-  root's calls to the replica, and sends them with the sidecar's own pooled HTTP client straight to
+  :class:`ReplicaSet`. Admission is per replica, by the fleet logic the multi-backend sidecar and
+  the cluster sim use (:class:`~vllm_mars.admission.replicas.ReplicaAdmission`): a root is placed
+  when it arrives, with that same :class:`Placement`, and waits at its replica's own controller,
+  which reads only that replica. The gate pins the root's calls to the replica and sends them with the sidecar's own pooled HTTP client straight to
   the replica's vLLM server (its address comes in the routing stats). Why not through the Serve
   handle: one handle call costs the caller 2.2 ms of CPU, 3.7x the gate's whole call over HTTP
   (0.6 ms; ``benchmark/perf/ingress_throughput.py``, RESULTS.md "Ingress throughput"). A replica
   that dies with a call in flight, before the client saw any of the answer (its engine refuses
   connections: the answer can never come), is marked down, and the root is placed on a live
-  replica and the call resent there: the root keeps its admission and rebuilds its KV on the new replica. After a
+  replica and the call resent there: the root keeps running, queues at the new replica's controller
+  ahead of new roots (its slot moves with it) and rebuilds its KV there. After a
   streamed answer began, the call ends with an SSE ``error`` event and the root ends, as in the
   sidecar.
 

@@ -90,6 +90,8 @@ class RayGate(Sidecar):
         self.forwarder = RayForwarder(self, config, self.placement, self.counters, self._backend_failed,
                                       self.lifecycle.finish, lambda r: self.lifecycle.get(r.root) is r,
                                       lambda: self._up_event)
+        # a controller per replica, a root placed when it arrives (replicas join as Serve reports them)
+        self.admit_per_replica()
 
     async def startup(self) -> None:
         await super().startup()
@@ -105,8 +107,10 @@ class RayGate(Sidecar):
             b.pool.close()
 
     def _replicas_changed(self) -> None:
-        """Serve's replica set changed (or fresh stats came): the placement sees the live replicas; a
-        root whose replica left keeps its admission and is placed again at its next call."""
+        """Serve's replica set changed (or fresh stats came): the placement sees the live replicas, a
+        new replica gets its controller, roots queued at a replica that left queue again at a live
+        one, and an admitted root whose replica left is placed again at its next call (it queues at
+        its new replica's controller ahead of new roots and keeps running meanwhile)."""
         live = self.replicas.backends
         self.backends = self.placement.backends = list(live)
         self._observe()

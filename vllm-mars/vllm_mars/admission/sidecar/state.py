@@ -5,6 +5,11 @@ event log and ``/metrics``.
 
 Admission: the first call of a root workflow waits until the controller admits the root; later
 turns and children of an admitted root pass at once (children of a waiting root wait with it).
+With one backend the controller reads it and a root is placed there when admitted. With several
+(``--backend`` URLs, or the data-parallel ranks of one) admission is per backend
+(:meth:`SidecarState.admit_per_replica`: :class:`~vllm_mars.admission.replicas.ReplicaAdmission`,
+the fleet logic the Ray gate and the cluster sim use too): a new root is placed when it arrives,
+waits at its backend's own controller, which reads only that backend, and keeps that backend.
 Plain calls without identity are one-call workflows. Waiting calls are bounded in number and bytes
 (beyond: 503 with ``Retry-After``) and keep no parsed body (large ones are spilled to a file).
 No live backend -> a new root gets 503 with ``Retry-After`` while roots already queued keep waiting.
@@ -19,10 +24,11 @@ import math
 from collections import deque
 from typing import Any
 
-from vllm_mars.admission.base import AdmissionController, AdmissionEvent, make_controller
+from vllm_mars.admission.base import AdmissionController, AdmissionEvent, ControllerBase, make_controller
 from vllm_mars.admission.continuity import Continuity, offers_tools
 from vllm_mars.admission.identity import Identity, estimate_prompt_tokens
 from vllm_mars.admission.placement import Backend, Placement, pooled_telemetry
+from vllm_mars.admission.replicas import ReplicaAdmission
 from vllm_mars.admission.roots import RootState, RootTable
 from vllm_mars.admission.sidecar.config import SidecarConfig
 from vllm_mars.admission.sidecar.held import HeldBody, QueueBudget, give_back_memory
@@ -70,6 +76,30 @@ class SidecarState:
         self._kv_subs: list[Any] = []
         #: a new root's prompt token ids while it waits for placement (``--kv-events`` only)
         self._root_tokens: dict[str, list[int]] = {}
+        #: the per-backend admission (None: one backend, the controller reads it)
+        self.admission: ReplicaAdmission | None = None
+
+    def admit_per_replica(self) -> ReplicaAdmission:
+        """Admit per backend from now on (idempotent; call before the first call): the controller
+        becomes the first backend's, each other backend gets one built from its class and config, and
+        roots are placed when they arrive (see the module docstring)."""
+        if self.admission is None:
+            first = self.controller
+            cfg = self.config
+
+            def make() -> AdmissionController:  # the same class and options as the first
+                if isinstance(first, ControllerBase):
+                    return type(first)(first.config)
+                return make_controller(cfg.controller, dict(cfg.controller_options))
+
+            adm = self.admission = ReplicaAdmission(self.placement, make, first=first,
+                                                    prompt_of=self._root_tokens.get, clock=self.clock.now)
+            self.controller = adm  # type: ignore[assignment]
+            self.lifecycle.rebind(adm, lambda r: adm.backend_of(r.root))
+            fw = getattr(self, "forwarder", None)
+            if fw is not None:
+                fw.placement = adm  # a root moved off an unreachable backend moves its admission too
+        return self.admission
 
     @property
     def roots(self) -> dict[str, RootState]:
@@ -85,6 +115,8 @@ class SidecarState:
         self._up_event = asyncio.Event()
         await asyncio.gather(*(b.telemetry.poll_upstream(b.pool) for b in self.placement.servers))
         self.backends = self.placement.expand_ranks()  # one backend per data-parallel rank
+        if len(self.backends) > 1:
+            self.admit_per_replica()
         if cfg.kv_events:
             self._kv_subs = self.placement.follow_kv_events(cfg.kv_events)
         self._observe()
@@ -133,8 +165,9 @@ class SidecarState:
         return up
 
     def _observe(self) -> None:
-        """Feed the controller the live replicas' summed reading (none live: the controller sees
-        its last reading age, which is pressure, never blind admission)."""
+        """Feed the controller the live backends' reading: the one backend's, or each backend's to
+        its own controller (per-backend admission; fed the sum, it takes each backend's own). None
+        live: the controller sees its last reading age, which is pressure, never blind admission."""
         self._update_up()
         tel = pooled_telemetry(self.backends)
         if tel is not None:

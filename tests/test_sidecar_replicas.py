@@ -1,0 +1,163 @@
+"""The sidecar with several backends admits per backend (:mod:`vllm_mars.admission.replicas`, the
+logic the Ray gate and the cluster sim use too): a root is placed when it arrives and waits at its
+backend's own controller, so a root queued at a full backend does not hold up one placed on a free
+backend; a root's turns stay on its backend; a backend that dies sends its roots to a live one (a
+queued root queues there, an admitted root's next call is resent there) and loses none. Each test
+ends with the leak check: nothing active, queued, in flight or placed, and the engine idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from conftest import free_port
+from faulty_backend import FaultyBackend
+from vllm_mars.admission.replicas import ReplicaAdmission
+from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
+from vllm_mars.admission.telemetry import parse_prometheus
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+        "temperature": 0}
+
+
+def wait_until(pred, timeout=10.0, step=0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+def chat(sc, root: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(sc.url + "/v1/chat/completions", json=CHAT, headers={"X-MARS-Workflow": root}, timeout=timeout)
+
+
+def finish(sc, root: str) -> None:
+    assert httpx.post(f"{sc.url}/mars/v1/workflows/{root}/finish", timeout=10).status_code == 200
+
+
+def in_background(sc, root: str) -> tuple[threading.Thread, dict]:
+    """A call of ``root`` on a thread (it waits while its root is queued); the result lands in ``out``."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["r"] = chat(sc, root)
+        except BaseException as e:  # noqa: BLE001 (reported by the caller's asserts)
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def home(sc, root: str):
+    return sc.call(lambda: sc.app.admission.backend_of(root))
+
+
+def assert_no_leak(sc) -> None:
+    app = sc.app
+    assert wait_until(lambda: app.in_flight == 0 and app.controller.num_active == 0
+                      and app.controller.num_queued == 0, 10), (app.in_flight, app.controller.num_active,
+                                                                app.controller.num_queued)
+    assert not app.roots and app.queue_budget.calls == 0
+    assert all(not b.roots for b in app.admission.backends), [b.roots for b in app.admission.backends]
+
+
+def engine_idle(url: str) -> bool:
+    m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+    return all(sum(v for _, v in m.get(n, [])) == 0
+               for n in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
+
+
+def test_a_root_queued_at_a_full_backend_does_not_block_one_on_a_free_backend(openai_server):
+    """One real server reached by two names: two backends, each with its own cap-1 controller,
+    round-robin placement. A and B fill both; C waits at A's backend, D at B's. B finishing
+    admits D (queued behind C in arrival order, but on the backend that has room), C keeps waiting
+    until A ends. One pooled cap-2 controller would admit C first (the head of its queue)."""
+    port = openai_server.url.rsplit(":", 1)[1]
+    urls = (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+    cfg = SidecarConfig(backends=urls, controller="cap", controller_options={"cap": 1}, placement="round-robin",
+                        port=free_port(), telemetry_interval_s=0.1)
+    with SidecarThread(cfg) as sc:
+        adm = sc.app.admission
+        assert isinstance(adm, ReplicaAdmission) and sc.app.controller is adm and len(adm.ctrls) == 2
+        assert chat(sc, "A").status_code == 200
+        assert chat(sc, "B").status_code == 200  # (one pooled cap-1 controller would hold B here)
+        ba, bb = home(sc, "A"), home(sc, "B")
+        assert ba is not bb and sc.app.roots["A"].backend is ba and sc.app.roots["B"].backend is bb
+        tc, oc = in_background(sc, "C")
+        assert wait_until(lambda: sc.app.roots.get("C") is not None)
+        td, od = in_background(sc, "D")
+        assert wait_until(lambda: sc.app.roots.get("D") is not None)
+        assert home(sc, "C") is ba and home(sc, "D") is bb, "placed when they arrived, before admission"
+        assert sc.app.controller.num_queued == 2 and not oc and not od
+        assert sc.call(lambda: [c.num_queued for c in adm.ctrls]) == [1, 1]
+
+        finish(sc, "B")
+        td.join(30)
+        assert od["r"].status_code == 200, od
+        assert sc.app.roots["D"].backend is bb
+        time.sleep(0.5)  # several ticks: C stays queued at its full backend
+        assert tc.is_alive() and not oc and not sc.app.roots["C"].admitted
+
+        assert chat(sc, "A").status_code == 200  # A's later turn: still on its backend
+        assert sc.app.roots["A"].backend is ba and ba.roots >= {"A", "C"} and "A" not in bb.roots
+        finish(sc, "A")
+        tc.join(30)
+        assert oc["r"].status_code == 200, oc
+        assert sc.app.roots["C"].backend is ba
+        text = httpx.get(sc.url + "/metrics", timeout=10).text
+        assert "mars_admission_limit 2" in text  # the two backends' caps
+        for root in ("C", "D"):
+            finish(sc, root)
+        assert_no_leak(sc)
+    assert wait_until(lambda: engine_idle(openai_server.url), 30)
+
+
+def test_a_dead_backend_sends_its_roots_to_a_live_one():
+    """Two backends (real TCP servers with canned /metrics; a killed process closes the port), a
+    cap-1 controller each, round robin. A on f1 and B on f2 are admitted; C queues at f1. f1 dies:
+    C queues again at f2 (f2 is full: B), A's next call is resent to f2 and answered (A keeps
+    running; it leaves f1's controller and queues at f2's behind C). B ending admits C on f2."""
+    f1 = FaultyBackend(free_port()).__enter__()
+    try:
+        _dead_backend_case(f1)
+    finally:
+        if f1._thread.is_alive():
+            f1.__exit__(None, None, None)
+
+
+def _dead_backend_case(f1: FaultyBackend) -> None:
+    with FaultyBackend(free_port()) as f2:
+        cfg = SidecarConfig(backends=(f1.url, f2.url), controller="cap", controller_options={"cap": 1},
+                            placement="round-robin", port=free_port(), telemetry_interval_s=0.05,
+                            backend_wait_s=10.0)
+        with SidecarThread(cfg) as sc:
+            adm = sc.app.admission
+            assert chat(sc, "A").status_code == 200 and chat(sc, "B").status_code == 200
+            b1, b2 = home(sc, "A"), home(sc, "B")
+            assert (b1.url, b2.url) == (f1.url, f2.url) and (f1.posts, f2.posts) == (1, 1)
+            tc, oc = in_background(sc, "C")
+            assert wait_until(lambda: sc.app.roots.get("C") is not None)
+            assert home(sc, "C") is b1 and not oc
+
+            f1.__exit__(None, None, None)  # f1's process dies: its port closes
+            assert wait_until(lambda: home(sc, "C") is b2, 10), "a root queued at a dead backend queues at a live one"
+            assert not b1.up and tc.is_alive() and not oc  # f2 is full (B): C waits there
+
+            r = chat(sc, "A")  # A's backend refuses: the call is resent to f2, A keeps its admission
+            assert r.status_code == 200 and f2.posts == 2 and f1.posts == 1
+            assert sc.app.roots["A"].backend is b2 and home(sc, "A") is b2 and sc.app.roots["A"].admitted
+            assert sc.app.counters["upstream_errors"] == 0
+
+            finish(sc, "B")
+            tc.join(30)
+            assert oc["r"].status_code == 200, oc
+            assert sc.app.roots["C"].backend is b2 and f2.posts == 3
+            assert sc.call(lambda: (adm.ctrls[0].num_active, adm.ctrls[0].num_queued)) == (0, 0)
+            for root in ("A", "C"):
+                finish(sc, root)
+            assert_no_leak(sc)
