@@ -212,12 +212,13 @@ def test_replicas_new_roots_by_budget_and_sticky(openai_server):
         def pooled_and_members():  # on the sidecar's loop: one consistent view
             return pooled_telemetry(sc.app.backends), [b.telemetry.last for b in sc.app.backends]
 
-        # The controller sees the replicas' engine queues summed (the pooled view once carried only
-        # their KV, so no sidecar controller saw a call waiting in an engine).
+        # The summed reading (what the sidecar feeds its admission, which hands each backend's
+        # controller that backend's own) carries the engine queues, not only the KV.
         pooled, members = sc.call(pooled_and_members)
         assert all(t.waiting is not None and t.running is not None for t in members)
         assert pooled.waiting == sum(t.waiting for t in members)
         assert pooled.running == sum(t.running for t in members)
+        assert sc.app.controller is sc.app.admission and len(sc.app.admission.ctrls) == 2  # one per backend
 
 
 def test_idle_timeout_api_key_and_event_log(openai_server, tmp_path):
