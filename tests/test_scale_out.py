@@ -82,6 +82,8 @@ def test_one_server_with_two_ranks_is_two_backends_pinned_by_header():
                 time.sleep(0.05)
             assert call("B") == "0"
             assert [call("A") for _ in range(3)] == ["1"] * 3  # A stays on its rank
+            assert s.admission is not None and s.admission.backends == s.backends  # a controller per rank
+            assert s.admission.backend_of("A") is s.backends[1] and s.admission.backend_of("B") is s.backends[0]
             assert call("B") == "0"
             page = httpx.get(sc.url + "/metrics", timeout=10).text
             assert f'mars_backend_roots{{backend="{fb.url}#1"}} 1' in page
@@ -93,6 +95,7 @@ def test_one_engine_server_stays_one_backend_without_rank_header():
         cfg = SidecarConfig(backends=(fb.url,), controller="none", port=free_port())
         with SidecarThread(cfg) as sc:
             assert [b.name for b in sc.app.backends] == [fb.url]
+            assert sc.app.admission is None  # one backend: the controller reads it, as before
             r = httpx.post(sc.url + "/v1/chat/completions", headers={"X-MARS-Workflow": "W"}, timeout=30,
                            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200

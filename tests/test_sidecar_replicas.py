@@ -105,6 +105,9 @@ def test_a_root_queued_at_a_full_backend_does_not_block_one_on_a_free_backend(op
 
         assert chat(sc, "A").status_code == 200  # A's later turn: still on its backend
         assert sc.app.roots["A"].backend is ba and ba.roots >= {"A", "C"} and "A" not in bb.roots
+        r = httpx.post(sc.url + "/v1/chat/completions", json=CHAT, timeout=60,
+                       headers={"x-session-id": "A-child", "x-parent-session-id": "A"})
+        assert r.status_code == 200 and sc.app.roots["A"].backend is ba  # a child runs on its root's backend
         finish(sc, "A")
         tc.join(30)
         assert oc["r"].status_code == 200, oc
@@ -161,3 +164,58 @@ def _dead_backend_case(f1: FaultyBackend) -> None:
             for root in ("A", "C"):
                 finish(sc, root)
             assert_no_leak(sc)
+
+
+# -- the Ray gate's replica set (plain data: the Serve RunningReplica fields the set reads) ---------
+
+class _Rep:
+    def __init__(self, rid: str, free: int) -> None:
+        self.replica_id = type("Id", (), {"unique_id": rid})()
+        self.routing_stats = {"url": f"http://127.0.0.1:9/{rid}", "seq": 1, "telemetry": {
+            "free_blocks": free, "total_blocks": 100, "block_size": 16, "kv_usage": 1 - free / 100}}
+
+
+def test_ray_replicas_get_a_controller_as_they_join_and_a_leaving_one_sends_its_roots_on():
+    """The gate's admission over Serve's replica set (as MarsRouter feeds it): a controller per
+    replica, made when the replica first reports; roots queued at a replica that leaves queue at a
+    live one ahead of new roots; an admitted root the gate moves (its replica died under a call)
+    queues there too, running meanwhile, and is not reported admitted twice."""
+    from vllm_mars.admission.base import PendingRoot, make_controller
+    from vllm_mars.admission.placement import Placement, pooled_telemetry
+    from vllm_mars.serve_ray.replica import ReplicaSet
+
+    rs = ReplicaSet()
+    pl = rs.placement = Placement([], None, rule="round-robin")
+    adm = ReplicaAdmission(pl, lambda: make_controller("cap", {"cap": 1}))
+    assert adm.ctrls == [] and pl.controller is adm
+    rs.sync([_Rep("r1", 50), _Rep("r2", 50)])
+    adm.observe(pooled_telemetry(pl.backends))
+    b1, b2 = rs.by_id["r1"], rs.by_id["r2"]
+    assert adm.backends == [b1, b2] and len(adm.ctrls) == 2
+    for k, wf in enumerate("ABCD"):
+        adm.offer(PendingRoot(wf, float(k), 64))
+    assert [adm.backend_of(w) for w in "ABCD"] == [b1, b2, b1, b2]
+    assert adm.tick(4.0) == ["A", "B"] and adm.num_queued == 2
+    assert adm.promised_blocks(b1.roots) == adm.footprint_blocks(PendingRoot("C", 0.0, 64)) == 0  # (cap: no model)
+
+    rs.drop("r1")  # r1 dies: Serve drops it
+    adm.observe(pooled_telemetry(pl.backends))
+    assert adm.backend_of("C") is b2 and b1.roots == {"A"} and adm.ctrls[0].num_queued == 0
+    assert adm.place("A") is b2 and b2.roots == {"A", "B", "C", "D"}  # the gate re-places A (its call)
+    assert adm.ctrls[0].num_active == 0 and not b1.roots
+    adm.finish("B", 5.0)
+    assert adm.tick(5.0) == ["C"]  # C (moved while queued) before D (arrived earlier, not moved)
+    adm.finish("C", 6.0)
+    assert adm.tick(6.0) == [] and adm.ctrls[1].num_active == 1  # A takes r2's slot: not admitted twice
+    adm.finish("A", 7.0)
+    assert adm.tick(7.0) == ["D"]
+
+    rs.sync([_Rep("r2", 50), _Rep("r3", 90)])  # a replacement replica joins
+    adm.observe(pooled_telemetry(pl.backends))
+    b3 = rs.by_id["r3"]
+    assert adm.backends == [b1, b2, b3] and len(adm.ctrls) == 3
+    adm.offer(PendingRoot("E", 8.0, 64))
+    assert adm.backend_of("E") in (b2, b3) and adm.tick(8.0) == (["E"] if adm.backend_of("E") is b3 else [])
+    for wf in "DE":
+        adm.finish(wf, 9.0)
+    assert adm.num_active == adm.num_queued == 0 and not (b1.roots or b2.roots or b3.roots)
