@@ -95,6 +95,10 @@ def test_a_root_queued_at_a_full_backend_does_not_block_one_on_a_free_backend(op
         assert home(sc, "C") is ba and home(sc, "D") is bb, "placed when they arrived, before admission"
         assert sc.app.controller.num_queued == 2 and not oc and not od
         assert sc.call(lambda: [c.num_queued for c in adm.ctrls]) == [1, 1]
+        text = httpx.get(sc.url + "/metrics", timeout=10).text
+        for u in urls:
+            assert f'mars_backend_admission_queued{{backend="{u}"}} 1' in text, text
+            assert f'mars_backend_admission_active{{backend="{u}"}} 1' in text
 
         finish(sc, "B")
         td.join(30)

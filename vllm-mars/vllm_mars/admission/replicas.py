@@ -195,7 +195,8 @@ class ReplicaAdmission:
 
     def footprint_blocks(self, root: PendingRoot) -> int:
         """``root``'s footprint by the controller of its backend (0: that controller has no model)."""
-        fp = getattr(self.ctrls[self._of.get(root.workflow, 0)], "footprint_blocks", None)
+        i = self._of.get(root.workflow, 0)
+        fp = getattr(self.ctrls[i], "footprint_blocks", None) if i < len(self.ctrls) else None
         return fp(root) if fp is not None else 0
 
     def take_events(self) -> list[AdmissionEvent]:

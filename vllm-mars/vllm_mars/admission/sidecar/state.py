@@ -334,4 +334,14 @@ class SidecarState:
             if b.telemetry.cache is not None:
                 lines.append(f"mars_backend_cached_blocks{lab} {len(b.telemetry.cache)}")
             lines.append(f"mars_backend_upstream_requests_total{lab} {b.pool.requests}")
+        adm = self.admission
+        if adm is not None:  # each backend's own controller
+            lines += ["# HELP mars_backend_admission_active Roots admitted by this backend's controller.",
+                      "# TYPE mars_backend_admission_active gauge",
+                      "# HELP mars_backend_admission_queued Roots waiting at this backend's controller.",
+                      "# TYPE mars_backend_admission_queued gauge"]
+            for b, c in zip(adm.backends, adm.ctrls, strict=True):
+                lab = f'{{backend="{b.name}"}}'
+                lines.append(f"mars_backend_admission_active{lab} {c.num_active}")
+                lines.append(f"mars_backend_admission_queued{lab} {c.num_queued}")
         return "\n".join(lines) + "\n"
