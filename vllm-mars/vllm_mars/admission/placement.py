@@ -21,7 +21,9 @@ down) and ``least-loaded`` (the fewest requests in the engine, running + waiting
 reading; ties to fewer roots). Every rule places roots only: a root's later turns and children
 stay where it was placed. One Placement serves the sidecar, the Ray router and the cluster sim
 (:mod:`vllm_mars.sim.cluster`): a backend there is anything with ``name``, ``roots``, ``up`` and a
-reader ``telemetry`` (``last``, ``budget_blocks``, ``cache``).
+reader ``telemetry`` (``last``, ``budget_blocks``, ``cache``). With several backends its controller
+is :class:`~vllm_mars.admission.replicas.ReplicaAdmission` (a controller per backend; it places a
+root when the root arrives and answers the promises of each backend's controller).
 """
 
 from __future__ import annotations
