@@ -18,10 +18,19 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.engine.kv_events import count_block_removals
-from vllm_mars.engine.rig import make_request, rig_kv_spec
+from vllm_mars.engine.rig import (
+    abort_request,
+    assert_block_invariants,
+    assert_no_leaks,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    rig_kv_spec,
+    step_outputs,
+)
 from vllm_mars.sim import blockpool
 from vllm_mars.sim import engine as sim_engine
-from vllm_mars.sim.blockpool import SimBlockPool, SimFullAttentionManager
+from vllm_mars.sim.blockpool import SimBlockPool, SimFullAttentionManager, SimKVCacheManager
 
 BS = 16
 
@@ -98,6 +107,13 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
             hits = pair.both("lookup", lambda p, i: _lookup(p, req, group, i == 1))
             (stock_hit, stock_len), (sim_hit, sim_len) = hits[0][1], hits[1][1]
             assert [_ids(g) for g in sim_hit] == [_ids(g) for g in stock_hit] and sim_len == stock_len
+            for i, cls in enumerate((FullAttentionManager, SimFullAttentionManager)):  # free-capacity count
+                hit_blocks = hits[i][1][0][0]
+                with_null = list(hit_blocks) + [pair.pools[i].null_block]
+                counts = [cls._get_num_evictable_blocks(hit_blocks), cls._get_num_evictable_blocks(with_null)]
+                if i == 0:
+                    stock_counts = counts
+            assert counts == stock_counts
             use_hit = rng.random() < 0.75
             hit = [list(stock_hit[0]), list(sim_hit[0])] if use_hit else [[], []]
             seen["hits"] += bool(hit[0])
@@ -174,6 +190,51 @@ def test_random_operations_cover_refusals_and_resets():
         for k, v in _random_run(seed, False, num_blocks=48).items():
             totals[k] = totals.get(k, 0) + v
     assert totals["refused"] and totals["resets"], totals
+
+
+def test_a_scheduler_with_the_sim_classes_decides_as_vllms():
+    """Two MarsSchedulers (fcfs) on a small pool, one with the sim's classes installed: random
+    arrivals with shared prefixes, aborts and preemptions give the same decisions, outputs (the
+    cached-token counts included), pool state and removal counts every step; both end leak-free."""
+    rng = random.Random(7)
+    kw = {"num_blocks": 120, "block_size": BS, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+    stock, ours = make_scheduler("fcfs", **kw), make_scheduler("fcfs", **kw)
+    assert blockpool.install(ours) and not blockpool.install(ours)  # once; a second time changes nothing
+    assert type(ours.kv_cache_manager) is SimKVCacheManager and type(stock.kv_cache_manager.block_pool) is BlockPool
+    counters = [count_block_removals(s.kv_cache_manager.block_pool) for s in (stock, ours)]
+    prefixes = [[rng.randrange(3, 4000) for _ in range(rng.choice((40, 96, 200)))] for _ in range(4)]
+    preemptions = cached = created = 0
+    for n in range(400):
+        if n < 300 and rng.random() < 0.4:
+            ids = list(rng.choice(prefixes)) + [rng.randrange(3, 4000) for _ in range(rng.randint(1, 150))]
+            kwargs = {"request_id": f"r{n}", "prompt_token_ids": ids, "max_tokens": rng.randint(1, 60)}
+            for s in (stock, ours):
+                s.add_request(make_request(**kwargs, block_size=BS))
+        if rng.random() < 0.03 and stock.requests:
+            rid = rng.choice(sorted(stock.requests))
+            for s in (stock, ours):
+                abort_request(s, rid)
+        outs = []
+        for s in (stock, ours):
+            so = s.schedule()
+            result = s.update_from_output(so, fake_model_output(s, so))
+            # the prefill stats whole: their cache-creation count is vLLM's estimate of cached tokens
+            stats = [repr(o.prefill_stats) for eco in result.values() for o in eco.outputs]
+            outs.append((dict(so.num_scheduled_tokens), sorted(so.preempted_req_ids or ()), step_outputs(result),
+                         stats))
+        assert outs[0] == outs[1], f"step {n} differs"
+        preemptions += len(outs[0][1])
+        cached += sum(o.cached_tokens or 0 for o in outs[0][2])
+        created += sum("num_cache_creation_tokens=0)" not in t for t in outs[0][3] if t != "None")
+        assert _state(ours.kv_cache_manager.block_pool) == _state(stock.kv_cache_manager.block_pool)
+        assert counters[0].blocks_removed == counters[1].blocks_removed
+        assert_block_invariants(ours)
+        if n >= 300 and not stock.has_requests():
+            break
+    assert not stock.has_requests() and not ours.has_requests()
+    assert preemptions > 0 and cached > 0 and created > 0 and counters[0].blocks_removed > 0
+    assert_no_leaks(stock)
+    assert_no_leaks(ours)
 
 
 def _run(tmp_path: Path, policy: str, on: bool, monkeypatch, *, rps: float = 1.5, num_blocks: int = 330):

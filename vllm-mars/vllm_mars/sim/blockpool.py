@@ -10,20 +10,22 @@ method and property calls (``get_new_blocks`` -> ``_maybe_evict_cached_block`` -
 
 :class:`SimBlockPool` subclasses vLLM's ``BlockPool`` and overrides ``get_new_blocks``,
 ``cache_full_blocks``, ``touch`` and ``free_blocks`` with loops that read and write the same fields
-directly, and :class:`SimFullAttentionManager` answers the full-attention prefix lookup with one walk
-of the hash map at C speed (``map``/``takewhile``). The result is vLLM's, exactly: the same blocks
+directly; :class:`SimFullAttentionManager` answers the full-attention prefix lookup with one walk of
+the hash map at C speed (``map``/``takewhile``) and counts a hit's free blocks the same way; and
+:class:`SimKVCacheManager` reads a request's cached-token estimate (its prefill stats, once per
+request, over all its blocks) at C speed too. The result is vLLM's, exactly: the same blocks
 handed out, the same free-queue (LRU eviction) order, the same hash map contents and order, the same
 removals reported through ``_emit_block_removed_events`` (in one call per operation instead of one
 per block: the same hashes in the same order, so the same KV events and the same removal count).
 Every case off the common path calls vLLM's own code: a block under two hashes, a hash held by two
 blocks, a metrics collector, KV events on (``cache_full_blocks``), a block mask, block sizes that
 differ from the hash block size, EAGLE, DCP, more than one KV cache group. tests/test_sim_blockpool.py
-checks all of it against the stock pool on random operation sequences, and whole sim runs
-byte-identical with it on and off.
+checks all of it against the stock pool on random operation sequences, a scheduler with these classes
+against one without step by step, and whole sim runs byte-identical with them on and off.
 
-:func:`install` turns a built scheduler's pool and full-attention manager into these classes in
-place (``__class__``), so every reference vLLM and the scheduler hold (coordinator, managers, the
-blocks' ``pool``, retention) sees them. Only the sim installs it (``vllm_mars.sim.engine``).
+:func:`install` turns a built scheduler's pool, KV cache manager and full-attention manager into these classes in
+place (``__class__``), so every reference vLLM and the scheduler hold (scheduler, coordinator,
+managers, the blocks' ``pool``, retention) sees them. Only the sim installs it (``vllm_mars.sim.engine``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat, takewhile
-from operator import add, is_not
+from operator import add, attrgetter, is_not
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -43,6 +46,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 ENABLED = True
 
 _FOUND = partial(is_not, None)
+#: a block's fields read at C speed (KVCacheBlock has slots; its properties are Python calls)
+_REF_CNT = attrgetter("ref_cnt")
+_IS_NULL = attrgetter("is_null")
+_HASH_TOKENS = attrgetter("_block_hash_num_tokens")
 
 
 def _group_suffix(group_id: int) -> bytes:
@@ -187,17 +194,41 @@ class SimFullAttentionManager(FullAttentionManager):
             held = [h if isinstance(h, KVCacheBlock) else next(iter(h.values())) for h in held]
         return (held,), len(held) * block_size
 
+    @classmethod
+    def _get_num_evictable_blocks(cls, blocks: Sequence[KVCacheBlock]) -> int:
+        """The prefix-hit blocks now in the free queue (unreferenced, not the null block)."""
+        unreferenced = list(map(_REF_CNT, blocks)).count(0)
+        if unreferenced and any(map(_IS_NULL, blocks)):
+            return super()._get_num_evictable_blocks(blocks)
+        return unreferenced
+
+
+class SimKVCacheManager(KVCacheManager):
+    """vLLM's KV cache manager whose estimate of a request's cached tokens (read once per request,
+    for its prefill stats) scans the request's blocks at C speed."""
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+            return super().estimate_cached_tokens(request)
+        if not groups[0].kv_cache_spec.prefix_cacheable:
+            return 0
+        # the most prefix tokens any of its blocks is cached under (vLLM's max over its blocks)
+        return max(filter(None, map(_HASH_TOKENS, self.get_blocks(request.request_id).blocks[0])), default=0)
+
 
 def install(scheduler: Any) -> bool:
-    """Turn ``scheduler``'s vLLM block pool and full-attention managers into the sim's classes, in
-    place. False (nothing changed) when the pool is not vLLM's own class or vLLM keys hashes
-    differently from what the lean loops assume."""
-    coordinator = scheduler.kv_cache_manager.coordinator
+    """Turn ``scheduler``'s vLLM block pool, KV cache manager and full-attention managers into the
+    sim's classes, in place. False (nothing changed) when the pool or manager is not vLLM's own
+    class or vLLM keys hashes differently from what the lean loops assume."""
+    manager = scheduler.kv_cache_manager
+    coordinator = manager.coordinator
     pool = coordinator.block_pool
-    if type(pool) is not BlockPool or not _packing_is_concatenation():
+    if type(pool) is not BlockPool or type(manager) is not KVCacheManager or not _packing_is_concatenation():
         return False
     pool.__class__ = SimBlockPool
-    for manager in coordinator.single_type_managers:
-        if type(manager) is FullAttentionManager:
-            manager.__class__ = SimFullAttentionManager
+    manager.__class__ = SimKVCacheManager
+    for single in coordinator.single_type_managers:
+        if type(single) is FullAttentionManager:
+            single.__class__ = SimFullAttentionManager
     return True
