@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ def _ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+class Each(tuple):
+    """An argument with one value per pool (stock, sim)."""
+
+
 class _Pair:
     """vLLM's pool and the sim's, driven with the same operations and compared after each."""
 
@@ -59,14 +64,17 @@ class _Pair:
         self.counters = None if events else [count_block_removals(p) for p in self.pools]
         self.ops: list[str] = []
 
-    def both(self, op: str, fn):
-        """``fn(pool, i)`` on each pool; the two results, after checking the pools agree."""
-        self.ops.append(op)
+    def both(self, op: str, *args):
+        """``pool.<op>(*args)`` on each pool (an :class:`Each` argument gives each pool its own
+        value; a callable ``op`` is called as ``op(pool, *args)``); the two results, after checking
+        the pools agree."""
+        self.ops.append(str(op))
         results = []
         for i, pool in enumerate(self.pools):
+            call = partial(op, pool) if callable(op) else getattr(pool, op)
             try:
-                results.append(("ok", fn(pool, i)))
-            except Exception as e:  # a refusal must be the same refusal
+                results.append(("ok", call(*(a[i] if isinstance(a, Each) else a for a in args))))
+            except (AssertionError, RuntimeError, ValueError) as e:  # a refusal must be the same refusal
                 results.append(("raised", type(e).__name__))
         assert results[0][0] == results[1][0], (self.ops[-5:], results)
         self.check()
@@ -81,8 +89,7 @@ class _Pair:
             assert self.counters[1].blocks_removed == self.counters[0].blocks_removed
 
 
-def _lookup(pool: BlockPool, request, group: int, sim: bool):
-    cls = SimFullAttentionManager if sim else FullAttentionManager
+def _lookup(pool: BlockPool, cls, request, group: int):
     return cls.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1, [group], pool, rig_kv_spec(BS),
                                       drop_eagle_block=False, alignment_tokens=BS)
 
@@ -104,7 +111,7 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
             tokens = fam[:cut] + [rng.randrange(3, 4000) for _ in range(rng.randrange(0, 3 * BS))]
             req = make_request(f"r{step}", prompt_token_ids=tokens, max_tokens=4, block_size=BS)
             group = 0 if rng.random() < 0.85 else 1
-            hits = pair.both("lookup", lambda p, i: _lookup(p, req, group, i == 1))
+            hits = pair.both(_lookup, Each((FullAttentionManager, SimFullAttentionManager)), req, group)
             (stock_hit, stock_len), (sim_hit, sim_len) = hits[0][1], hits[1][1]
             assert [_ids(g) for g in sim_hit] == [_ids(g) for g in stock_hit] and sim_len == stock_len
             for i, cls in enumerate((FullAttentionManager, SimFullAttentionManager)):  # free-capacity count
@@ -121,27 +128,26 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
             need = -(-len(tokens) // BS) - len(hit[0])
             if need > pair.pools[0].get_num_free_blocks() - sum(b.ref_cnt == 0 for b in hit[0]):
                 # vLLM's refusal: asking for more blocks than are free
-                res = pair.both("refuse", lambda p, i: p.get_new_blocks(p.get_num_free_blocks() + 1))
+                res = pair.both("get_new_blocks", pair.pools[0].get_num_free_blocks() + 1)
                 assert res[0][0] == "raised"
                 seen["refused"] += 1
                 continue
             before = len(pair.pools[0].cached_block_hash_to_block)
-            pair.both("touch", lambda p, i: p.touch(hit[i]))
-            new = pair.both("alloc", lambda p, i: p.get_new_blocks(need))
+            pair.both("touch", Each(hit))
+            new = pair.both("get_new_blocks", need)
             assert _ids(new[0][1]) == _ids(new[1][1])
             seen["evictions"] += len(pair.pools[0].cached_block_hash_to_block) < before  # cached blocks reused
             blocks = [hit[0] + new[0][1], hit[1] + new[1][1]]
             full = min(len(tokens) // BS, len(blocks[0]))
             cached = len(hit[0])
             upto = rng.randrange(cached, full + 1)
-            pair.both("cache", lambda p, i: p.cache_full_blocks(req, blocks[i], cached, upto, BS, group))
+            pair.both("cache_full_blocks", req, Each(blocks), cached, upto, BS, group)
             owners.append({"req": req, "blocks": blocks, "cached": upto, "full": full, "group": group})
         elif roll < 0.60:
             o = rng.choice(owners)
             if o["cached"] < o["full"]:
                 upto = rng.randrange(o["cached"] + 1, o["full"] + 1)
-                pair.both("grow", lambda p, i: p.cache_full_blocks(o["req"], o["blocks"][i], o["cached"], upto, BS,
-                                                                    o["group"]))
+                pair.both("cache_full_blocks", o["req"], Each(o["blocks"]), o["cached"], upto, BS, o["group"])
                 o["cached"] = upto
         elif roll < 0.85:
             o = owners.pop(rng.randrange(len(owners)))
@@ -151,25 +157,24 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
                 perm.reverse()
             elif order == "shuffled":
                 rng.shuffle(perm)
-            pair.both("free", lambda p, i: p.free_blocks(o["blocks"][i][j] for j in perm))
+            pair.both("free_blocks", Each(iter([blocks[j] for j in perm]) for blocks in o["blocks"]))
         elif roll < 0.92:
             ids = {rng.randrange(1, num_blocks) for _ in range(rng.randrange(1, 6))}
-            pair.both("evict", lambda p, i: p.evict_blocks(ids))
+            pair.both("evict_blocks", ids)
         elif roll < 0.97:
             o = rng.choice(owners)
             if o["cached"] >= 2:  # a block reachable from an earlier boundary too: a second hash
                 k = rng.randrange(1, o["cached"])
-                pair.both("partial", lambda p, i: p.cache_partial_block(o["req"], o["blocks"][i][k], k * BS,
-                                                                        o["group"], BS))
+                pair.both("cache_partial_block", o["req"], Each(b[k] for b in o["blocks"]), k * BS, o["group"], BS)
                 seen["partial"] += 1
         else:
             for o in owners:
-                pair.both("free", lambda p, i, o=o: p.free_blocks(reversed(o["blocks"][i])))
+                pair.both("free_blocks", Each(reversed(b) for b in o["blocks"]))
             owners.clear()
-            res = pair.both("reset", lambda p, i: p.reset_prefix_cache())
+            res = pair.both("reset_prefix_cache")
             seen["resets"] += res[0][1] is True
     for o in owners:
-        pair.both("free", lambda p, i, o=o: p.free_blocks(reversed(o["blocks"][i])))
+        pair.both("free_blocks", Each(reversed(b) for b in o["blocks"]))
     stock = pair.pools[0]
     assert stock.get_num_free_blocks() == stock.num_gpu_blocks - 1  # every block back (the null block aside)
     return seen
