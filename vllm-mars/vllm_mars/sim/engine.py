@@ -188,6 +188,7 @@ class SimBackend:
 
     async def start(self) -> None:
         from vllm_mars.engine.rig import PrefixReusingHasher, enable_engine_core_env_cache, make_scheduler
+        from vllm_mars.sim import blockpool as sim_blockpool
 
         loop = asyncio.get_running_loop()
         if not is_virtual(loop):
@@ -218,6 +219,8 @@ class SimBackend:
             from vllm_mars.sim.offload import transfers_of
 
             self._xfer = transfers_of(self.scheduler)
+        if sim_blockpool.ENABLED:  # vLLM's pool with leaner per-block loops, same results (sim/blockpool.py)
+            sim_blockpool.install(self.scheduler)
         # KV block removals are counted where vLLM would emit them as events, without the events
         self.scheduler.count_block_removals()
         enable_engine_core_env_cache()
