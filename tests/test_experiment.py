@@ -80,11 +80,14 @@ def test_two_cell_grid_runs_every_policy_and_writes_the_table(grid):
         assert c["speedup"] == pytest.approx(summaries["fcfs"]["e2e_s"]["mean"] / summaries["mars"]["e2e_s"]["mean"])
         assert c["policies"]["mars"]["goodput_wps_alpha3.0"] == summaries["mars"]["goodput_wps"]["3.0"]
         assert c["policies"]["fcfs"]["p95_e2e_s"] == summaries["fcfs"]["e2e_s"]["p95"]
+        assert c["policies"]["mars"]["kv_usage_max"] == summaries["mars"]["kv_usage"]["max"] > 0
+        assert c["policies"]["mars"]["mean_tool_wait_s"] == summaries["mars"]["tools"]["mean_wait_s"] == 0  # no cpu_tool
     # one T_ideal cost model for the whole grid, from the sim's calibration
     cost = json.loads((out / "cost_model.json").read_text())
     assert record["cost_model"] == cost and cost["prefill_s_per_token"] > 0
     table = (out / "table.md").read_text()
     assert "| compact | 8 | 0 |" in table and "fastest baseline" in table and "mars-short-ret" in table
+    assert "| adm. wait (s) | tool wait (s) | KV | mean TTFT (s) |" in table
     for png in ("speedup_heatmap.png", "mean_e2e_vs_rps.png", "goodput_vs_rps.png"):
         assert (out / png).stat().st_size > 1000, png
     assert json.loads((out / "results.json").read_text())["cells"] == record["cells"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.driver.tools import SimulatedTools
+from vllm_mars.metrics.compare import compare_record
 from vllm_mars.metrics.events import read_events
 from vllm_mars.sim.loop import run_virtual
 
@@ -98,6 +99,11 @@ def test_a_tool_bound_sim_cell_queues_tools_and_feeds_the_cpu_signal(tmp_path):
     assert two["e2e_s"]["mean"] > free["e2e_s"]["mean"] * 1.3
     samples = [e for e in read_events(out["two"]) if e["event"] == "kv_sample"]
     assert any((e.get("tools_in_flight") or 0) > 2 for e in samples), "the telemetry sees tools beyond the cores"
+    # an experiment's record carries the tool plane and the KV pool (what a tool-bound cell is read by)
+    rec = compare_record("wl", {4.0: {"free": free, "two": two}})["cells"][0]["policies"]
+    assert rec["free"]["mean_tool_wait_s"] == 0 and rec["two"]["mean_tool_wait_s"] == two["tools"]["mean_wait_s"] > 0
+    assert 0 < rec["two"]["kv_usage_mean"] <= rec["two"]["kv_usage_max"] == two["kv_usage"]["max"] < 1
+    assert rec["two"]["p95_admission_wait_s"] == two["admission"]["wait_s"]["p95"]
 
 
 @pytest.mark.parametrize(("label", "scheduler"), [("continuum-concur", "continuum"),

@@ -165,7 +165,8 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
               ("preempt = preemptions; recomputed = computed tokens a preemption threw away (computed again "
                "later); prefix hit = cached / prompt tokens (a context evicted from the prefix cache while its "
                "workflow ran a tool is recomputed on its next turn and lowers it); KV evicted = cached KV blocks "
-               "removed (vLLM KV events); adm. wait = mean seconds a root waited for admission."), ""]
+               "removed (vLLM KV events); adm. wait = mean / p95 seconds a root waited for admission; tool wait = mean "
+               "seconds a tool call queued for a tool core (0 without `cpu_tool`); KV = mean / max KV usage."), ""]
     rows = []
     for c in cells:
         for p in (p for p in pols if p in c["policies"]):
@@ -173,10 +174,13 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
             rows.append([c["workload"], f"{c['rps']:g}", str(c["seed"]), p,
                          f"{d.get('completed')}/{d.get('workflows')}", _fmt(d.get("mean_e2e_s")),
                          _fmt(d.get("preemptions")), _fmt(d.get("recomputed_tokens")), _fmt(d.get("prefix_hit_rate")),
-                         _fmt(d.get("kv_blocks_removed")), _fmt(d.get("mean_admission_wait_s")),
+                         _fmt(d.get("kv_blocks_removed")),
+                         f"{_fmt(d.get('mean_admission_wait_s'))} / {_fmt(d.get('p95_admission_wait_s'))}",
+                         _fmt(d.get("mean_tool_wait_s")),
+                         f"{_fmt(d.get('kv_usage_mean'), 3)} / {_fmt(d.get('kv_usage_max'), 3)}",
                          _fmt(d.get("mean_ttft_s"), 3)])
     lines += _table(["workload", "rps", "seed", "policy", "done", "mean E2E (s)", "preempt", "recomputed",
-                     "prefix hit", "KV evicted", "adm. wait (s)", "mean TTFT (s)"], rows) + [""]
+                     "prefix hit", "KV evicted", "adm. wait (s)", "tool wait (s)", "KV", "mean TTFT (s)"], rows) + [""]
     lines += [f"![{f}]({f})" for f in plots]
     return "\n".join(lines)
 

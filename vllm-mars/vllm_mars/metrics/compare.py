@@ -61,6 +61,11 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
                 "kv_blocks_removed": s.get("kv_blocks_removed"),
                 "prefix_hit_rate": s.get("prefix_hit_rate"), "mean_ttft_s": (s.get("ttft_s") or {}).get("mean"),
                 "mean_admission_wait_s": ((s.get("admission") or {}).get("wait_s") or {}).get("mean"),
+                "p95_admission_wait_s": ((s.get("admission") or {}).get("wait_s") or {}).get("p95"),
+                # the tool plane (a tool-bound cell: `[replay] cpu_tool`) and the KV pool it may fill
+                "mean_tool_wait_s": (s.get("tools") or {}).get("mean_wait_s"),
+                "kv_usage_mean": (s.get("kv_usage") or {}).get("mean"),
+                "kv_usage_max": (s.get("kv_usage") or {}).get("max"),
                 "makespan_s": s.get("makespan_s"), "t_ideal_source": s.get("t_ideal_source"),
                 "run_dir": (run_dirs or {}).get(rps, {}).get(p)}
         out["cells"].append(cell)
