@@ -84,6 +84,19 @@ EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.block_pool.BlockPool.free_blocks": ("ordered_blocks",),
     "vllm.v1.core.block_pool.BlockPool.get_num_free_blocks": (),
     "vllm.v1.core.block_pool.BlockPool._emit_block_removed_events": ("block_hashes",),
+    # the sim's block pool (vllm_mars.sim.blockpool) overrides or calls these
+    "vllm.v1.core.block_pool.BlockPool.get_new_blocks": ("num_blocks",),
+    "vllm.v1.core.block_pool.BlockPool.cache_full_blocks": (
+        "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id",
+        "block_mask"),
+    "vllm.v1.core.block_pool.BlockPool._remove_cached_block_hashes": ("block",),
+    "vllm.v1.core.block_pool.BlockPool._insert_block_hash": ("block_hash_with_group_id", "block", "num_tokens"),
+    "vllm.v1.core.block_pool.BlockPool._notify_reuse": ("blocks",),
+    "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager.find_longest_cache_hit": (
+        "block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec", "drop_eagle_block",
+        "alignment_tokens", "dcp_world_size", "pcp_world_size"),
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager._get_num_evictable_blocks": ("blocks",),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.estimate_cached_tokens": ("request",),
     "vllm.v1.core.sched.request_queue.RequestQueue.add_request": ("request",),
     "vllm.v1.core.sched.request_queue.RequestQueue.pop_request": (),
     "vllm.v1.core.sched.request_queue.RequestQueue.peek_request": (),
