@@ -286,12 +286,13 @@ def test_cluster_runs_are_byte_identical_to_the_recorded_ones(tmp_path, n):
     """The per-replica admission moved into :mod:`vllm_mars.admission.replicas` (shared with the
     sidecar and the Ray gate) without changing a sim run: ``--replicas 2/4`` (``mars`` rule) give the
     events and summary recorded from the code before the move (main at ec28432, generated with this
-    test's settings and gzipped)."""
+    test's settings and gzipped; the workload's path is recorded as ``@COMPACT@``)."""
     import gzip
 
     out = _run(tmp_path, f"r{n}", replicas=n, placement="mars")
     for f in ("summary.json", "events.jsonl"):
-        want = gzip.decompress((GOLDEN / f"r{n}-mars.{f}.gz").read_bytes())
+        want = gzip.decompress((GOLDEN / f"r{n}-mars.{f}.gz").read_bytes()).replace(
+            b"@COMPACT@", str(COMPACT).encode())
         assert (out / f).read_bytes() == want, f"replicas={n}: {f} differs from the recorded run"
     s = json.loads((out / "summary.json").read_text())
     assert s["engine"]["leak_check"] == "ok" and s["engine"]["cluster"]["admission"] == "per-replica"
