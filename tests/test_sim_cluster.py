@@ -265,9 +265,10 @@ def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_pa
     assert (cfg.replicas, cfg.placement, cfg.policy) == (16, "round-robin", "mars")
     assert "window_max" not in cfg.admission_options, "each replica's controller has the one-engine defaults"
     assert cfg.kv_scale == 0.125 and cfg.backend == "sim"
-    assert {w.name: (w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
-        "N1": (100, (0.2, 0.4), 8), "N4": (400, (0.8, 1.6), 8), "N16": (1600, (3.2, 6.4), 8),
-        "N64": (6400, (12.8, 25.6), 8)}
+    assert {w.name: (w.preset, w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
+        "N1": ("ILR-2", 100, (0.2, 0.4), 8), "N4": ("ILR-2", 400, (0.8, 1.6), 8),
+        "N16": ("ILR-2", 1600, (3.2, 6.4), 8), "N64": ("ILR-2", 6400, (12.8, 25.6), 8),
+        "N1-ILR3": ("ILR-3", 100, (0.16,), 8), "N4-ILR3": ("ILR-3", 400, (0.64,), 8)}
     bad = tmp_path / "bad.toml"
     for table, text in (('{ replicas = 2, placement = "rr" }', "variants.x.replay: placement 'rr' unknown; allowed:"),
                         ("{ replicas = 2, rps = 3.0 }", "variants.x.replay.rps: unknown key"),

@@ -15,7 +15,7 @@ OUT but without a run dir in WORK (a run of an earlier session or machine) keeps
 cell record from OUT's ``results.json`` and its table row from ``rows.json``; a run dir in WORK
 replaces both.
 
-Columns: admission (``per-replica``: one controller per replica; ``pooled``: one controller over the
+Columns: workload (the ILR preset); admission (``per-replica``: one controller per replica; ``pooled``: one controller over the
 summed reading, the runs up to commit 52035b3); mean / p95 admission wait (s: a root's arrival to
 its start); mean / p95 E2E (s); goodput at alpha 3 (workflows/s finishing within 3 x T_ideal);
 rebuilt tokens: tokens of a workflow's own previous context (its last call's prompt + output, in
@@ -113,7 +113,7 @@ def _p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.95 * len(xs)))] if xs else float("nan")
 
 
-HEAD = ["replicas", "roots/s per replica", "placement", "admission", "done", "mean adm. wait (s)",
+HEAD = ["workload", "replicas", "roots/s per replica", "placement", "admission", "done", "mean adm. wait (s)",
         "p95 adm. wait (s)", "mean E2E (s)", "p95 E2E (s)", "goodput a=3 (wf/s)", "rebuilt (M tok)", "prefix hit",
         "imb. roots", "imb. busy", "imb. KV", "virtual s", "wall s", "CPU s"]
 
@@ -128,7 +128,8 @@ def _row(d: Path, cell, p: str, cost: dict) -> list[str]:
     n = rc.get("replicas") or 1
     # runs before per-replica admission (commit 52035b3 and earlier) had one pooled controller
     shape = "-" if n == 1 else cl.get("admission", "pooled")
-    return [str(n), f"{cell.rps / n:g}", cl.get("placement", "(one)"), shape, f"{s['completed']}/{s['workflows']}",
+    return [cell.workload.preset or cell.workload.name, str(n), f"{cell.rps / n:g}", cl.get("placement", "(one)"),
+            shape, f"{s['completed']}/{s['workflows']}",
             f"{sum(waits) / len(waits):.1f}" if waits else "-", f"{_p95(waits):.1f}" if waits else "-",
             f"{s['e2e_s']['mean']:.1f}", f"{s['e2e_s']['p95']:.1f}",
             f"{s['goodput_wps']['3.0']:.3f}", f"{(rebuilt + (s.get('recomputed_tokens') or 0)) / 1e6:.2f}",
