@@ -268,7 +268,7 @@ def test_the_scale_out_experiment_sets_replicas_and_placement_per_variant(tmp_pa
     assert {w.name: (w.preset, w.num_workflows, w.rps, w.scale) for w in exp.workloads} == {
         "N1": ("ILR-2", 100, (0.2, 0.4), 8), "N4": ("ILR-2", 400, (0.8, 1.6), 8),
         "N16": ("ILR-2", 1600, (3.2, 6.4), 8), "N64": ("ILR-2", 6400, (12.8, 25.6), 8),
-        "N1-ILR3": ("ILR-3", 100, (0.16,), 8), "N4-ILR3": ("ILR-3", 400, (0.64,), 8)}
+        "N1-ILR3": ("ILR-3", 100, (0.16, 0.32), 8), "N4-ILR3": ("ILR-3", 400, (0.64, 1.28), 8)}
     bad = tmp_path / "bad.toml"
     for table, text in (('{ replicas = 2, placement = "rr" }', "variants.x.replay: placement 'rr' unknown; allowed:"),
                         ("{ replicas = 2, rps = 3.0 }", "variants.x.replay.rps: unknown key"),
