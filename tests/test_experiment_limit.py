@@ -1,6 +1,7 @@
 """The no-thrash limit in the experiment report: the gap-closed computation on a hand-made pair of
 results, matching by cell and workload, the ``limit`` key / ``--limit`` / ``mars experiment gap``,
-and the shipped paper_grid_nothrash results (every run free of preemptions and evictions)."""
+and the shipped no-thrash limits (paper_grid_nothrash_kernels, paper_grid_nothrash: every run free of
+preemptions and evictions)."""
 
 from __future__ import annotations
 
@@ -108,17 +109,25 @@ def test_a_bad_limit_in_the_file_is_a_one_line_error(tmp_path, capsys, value, te
     assert "--limit: " in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
-def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed():
+@pytest.mark.parametrize(("paper_file", "limit_file", "seeds"), [
+    # the paper grid on its measured-kernel profile, and its limit on the same profile
+    ("paper_grid", "paper_grid_nothrash_kernels", (0,)),
+    # the seed study still on the roofline prior, and the roofline limit
+    ("paper_grid_seeds", "paper_grid_nothrash", (0, 1, 2)),
+])
+def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed(paper_file, limit_file, seeds):
     from vllm_mars.experiment.spec import load_experiment
 
-    paper = load_experiment(REPO / "experiments" / "studies" / "paper_grid.toml")
-    nothrash = load_experiment(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml")
-    assert paper.limit == (REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json").resolve()
-    assert nothrash.policies == ("fcfs",) and nothrash.base.kv_scale == 10.0 and nothrash.seeds == (0, 1, 2)
-    seed0 = {c.key for c in nothrash.cells() if c.seed == 0}
-    assert seed0 == {"ILR-3/rps0.08/seed0", "ILR-3/rps0.16/seed0", "ILR-4/rps0.02/seed0", "ILR-4/rps0.04/seed0",
-                     "ILR-4/rps0.08/seed0"}
-    assert seed0 <= {c.key for c in paper.cells()}
+    studies, results = REPO / "experiments" / "studies", REPO / "experiments" / "results"
+    paper = load_experiment(studies / f"{paper_file}.toml")
+    nothrash = load_experiment(studies / f"{limit_file}.toml")
+    assert paper.limit == (results / limit_file / "results.json").resolve()
+    assert nothrash.base.profile == paper.base.profile
+    assert nothrash.policies == ("fcfs",) and nothrash.base.kv_scale == 10.0 and nothrash.seeds == seeds
+    cells = {c.key for c in nothrash.cells() if c.seed in paper.seeds}
+    want = {"ILR-3/rps0.08", "ILR-3/rps0.16", "ILR-4/rps0.02", "ILR-4/rps0.04", "ILR-4/rps0.08"}
+    assert cells == {f"{k}/seed{s}" for k in want for s in paper.seeds}
+    assert cells <= {c.key for c in paper.cells()}
     pw = {w.name: w for w in paper.workloads}
     for w in nothrash.workloads:
         assert (w.preset, w.num_workflows, w.scale, w.arrival) == (pw[w.name].preset, pw[w.name].num_workflows,
@@ -127,8 +136,8 @@ def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed():
     for c in lim["cells"]:
         d = c["policies"]["fcfs"]
         assert d["completed"] == d["workflows"] and d["preemptions"] == 0 and d["kv_blocks_removed"] == 0, c["key"]
-    rows, notes = limit_rows(load_limit(REPO / "experiments" / "results" / "paper_grid" / "results.json"), lim)
-    assert len(rows) == 5 and notes == [] and all(r["limit_mean_e2e_s"] for r in rows)
+    rows, notes = limit_rows(load_limit(results / paper_file / "results.json"), lim)
+    assert len(rows) == len(cells) and notes == [] and all(r["limit_mean_e2e_s"] for r in rows)
 
 
 def test_the_experiment_report_carries_the_limit_section(tmp_path):

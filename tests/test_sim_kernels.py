@@ -83,7 +83,12 @@ def test_shipped_kernel_profiles_load_without_the_library_and_say_where_they_com
         p = load_profile(name)
         src = p.kernels.source
         assert f"{kn.LIBRARY} {kn.LIBRARY_VERSION}" in src and "table_vllm 0.24.0" in src
-        assert f"pins vLLM {kn.PINNED_VLLM}" in src and p.efficiency.step_overhead_s == kn.STEP_OVERHEAD_S
+        assert f"pins vLLM {kn.PINNED_VLLM}" in src
+        # scheduled as vLLM 0.32 schedules on a GPU (async): the once-fitted CPU work overlaps the kernels
+        e = p.efficiency
+        assert (e.overlapped_step_s, e.overlapped_per_seq_s) == (kn.STEP_OVERHEAD_S, kn.PER_SEQ_OVERHEAD_S)
+        assert (e.step_overhead_s, e.per_seq_overhead_s) == (kn.ASYNC_STEP_OVERHEAD_S, kn.ASYNC_PER_SEQ_OVERHEAD_S)
+        assert "async scheduling" in p.description and kn.ASYNC_OVERHEAD_SOURCE in e.source
         assert p.kv_capacity_tokens() >= p.max_model_len
         # longer prefill chunks and more decodes cost more
         assert p.step_seconds([(8192, 0)], []) > p.step_seconds([(512, 0)], []) > 0
@@ -141,9 +146,13 @@ def test_measured_steps_replace_the_kernel_tables(tmp_path):
 def test_async_scheduling_overlaps_the_cpu_work_with_the_kernels(tmp_path):
     from dataclasses import replace
 
-    sync = load_profile("h100-llama-3.1-8b-kernels")
+    shipped = load_profile("h100-llama-3.1-8b-kernels")   # async, as vLLM 0.32 runs on a GPU
+    assert kn.DEFAULT_SCHEDULING == "async" and shipped.efficiency.overlapped_step_s == kn.STEP_OVERHEAD_S
+    # the same tables priced synchronously: the CPU overheads between steps, nothing overlapped
+    sync = shipped.with_efficiency(replace(shipped.efficiency, overlapped_step_s=0.0, overlapped_per_seq_s=0.0,
+                                           step_overhead_s=kn.STEP_OVERHEAD_S, per_seq_overhead_s=kn.PER_SEQ_OVERHEAD_S))
     e = sync.efficiency
-    assert (e.overlapped_step_s, e.overlapped_per_seq_s) == (0.0, 0.0)  # every shipped profile: no overlap
+    assert shipped.step_seconds([], [1024] * 4) < sync.step_seconds([], [1024] * 4)
     over = sync.with_efficiency(replace(e, overlapped_step_s=0.012, overlapped_per_seq_s=0.0001,
                                         step_overhead_s=0.0002, per_seq_overhead_s=0.00001))
     for prefill, decode in (([], [1024] * 4), ([], [1024] * 64), ([(8192, 0)], []), ([(512, 0)], [2048] * 16)):
@@ -209,7 +218,7 @@ def test_mars_profile_from_kernels_writes_a_profile_the_sim_loads(tmp_path, caps
     from vllm_mars.cli import main
 
     out = tmp_path / "b200-llama.json"
-    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--scheduling", "async", "--out", str(out)]) == 0
+    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--out", str(out)]) == 0  # async: the default
     p = load_profile(str(out))
     assert p.hardware.name == "NVIDIA B200 180GB" and "system b200_sxm" in p.kernels.source
     # async scheduling: the once-fitted CPU work overlaps the kernels, the fitted rest stays in series
@@ -218,7 +227,12 @@ def test_mars_profile_from_kernels_writes_a_profile_the_sim_loads(tmp_path, caps
     assert (e.step_overhead_s, e.per_seq_overhead_s) == (kn.ASYNC_STEP_OVERHEAD_S, kn.ASYNC_PER_SEQ_OVERHEAD_S)
     assert "async scheduling" in e.source and kn.ASYNC_OVERHEAD_SOURCE in e.source
     assert p.step_seconds([(8192, 0)], []) < load_profile("h100-llama-3.1-8b-kernels").step_seconds([(8192, 0)], [])
-    assert f"wrote {out}" in capsys.readouterr().out
+    assert p.name == "b200-llama-3.1-8b-kernels" and f"wrote {out}" in capsys.readouterr().out
+    sync = tmp_path / "b200-llama-sync.json"
+    assert main(["profile", "--from-kernels", "b200", "llama-3.1-8b", "--scheduling", "sync", "--out", str(sync)]) == 0
+    s = load_profile(str(sync))
+    assert s.name == "b200-llama-3.1-8b-kernels-sync" and s.kernels.to_dict() == p.kernels.to_dict()
+    assert (s.efficiency.overlapped_step_s, s.efficiency.step_overhead_s) == (0.0, kn.STEP_OVERHEAD_S)
     with pytest.raises(ValueError, match="GPU 'a10': not one of b200, h100, h200"):
         Profile.from_kernels("a10", "llama-3.1-8b")
     capsys.readouterr()

@@ -56,10 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="with --from-kernels: tensor-parallel degree (default 1)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "fp8"), default="auto",
                    help="with --from-kernels: GEMM/MoE precision of the tables (default auto: the checkpoint's)")
-    p.add_argument("--scheduling", choices=("sync", "async"), default="sync",
-                   help="with --from-kernels: vLLM's scheduling mode the step times model (default sync: the "
-                        "CPU overheads between steps; async: --async-scheduling, that CPU work overlaps the "
-                        "kernels; the default of vLLM 0.32 on a GPU)")
+    p.add_argument("--scheduling", choices=("sync", "async"), default=None,
+                   help="with --from-kernels: vLLM's scheduling mode the step times model (default async, as "
+                        "vLLM 0.32 runs on a GPU: the CPU work overlaps the kernels; sync: "
+                        "--no-async-scheduling, the CPU overheads between steps)")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "

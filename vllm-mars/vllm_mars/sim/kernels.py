@@ -17,8 +17,9 @@ One step = ``linear(T) + logits(n) + sum(prefill_attn(chunk, prefix)) + decode_a
 1-D tables piecewise linear, 2-D bilinear, both extrapolated linearly past their last point).
 The two overheads are the profile's (``Efficiency``), fitted once (see
 ``benchmark/perf/gpu_validation.py --fit-overheads``) and applied to every table-built profile.
-With async scheduling (``Profile.from_kernels(scheduling="async")``) that CPU work overlaps the
-kernels instead: step = ``max(kernels, overlapped CPU time) + the non-overlapped rest``.
+With async scheduling (``Profile.from_kernels(scheduling="async")``, the default, as vLLM 0.32 runs
+on a GPU: :data:`DEFAULT_SCHEDULING`) that CPU work overlaps the kernels instead: step =
+``max(kernels, overlapped CPU time) + the non-overlapped rest``.
 
 :func:`build_tables` fills the tables from aiconfigurator-core (``pip install
 'vllm-mars[kernels]'``): its compiled engine over its per-kernel silicon tables for vLLM, queried
@@ -68,6 +69,16 @@ ASYNC_OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --sch
                          "vLLM 0.18 configurations (InferenceX), 2026-12-05")
 #: how a table-built profile schedules: sync (the CPU overheads between steps) or async (overlapped)
 SCHEDULING = ("sync", "async")
+#: how the pinned vLLM schedules on every setup a table-built profile describes (one CUDA GPU or TP on one
+#: node, a generative model, no speculative decoding, no pipeline parallelism): async. vLLM 0.32's
+#: ``VllmConfig.__post_init__`` (``vllm/config/vllm.py``) turns ``async_scheduling`` on when it is left
+#: unset unless the runner is a pooling one, speculative decoding is of a kind other than EAGLE/MTP, draft
+#: model, n-gram GPU, DSpark or DFlash (or has ``disable_padded_drafter_batch``), the executor lacks
+#: ``supports_async_scheduling()`` (only the uniprocess and multiprocess executors have it: TP 1 runs the
+#: first, TP > 1 on one node the second; Ray has not), ROCm DeepEP high-throughput DBO, or pipeline
+#: parallelism on the V1 model runner; only the CPU platform (``vllm/platforms/cpu.py``) turns it off
+#: regardless, which is why the CPU engine here runs synchronously
+DEFAULT_SCHEDULING = "async"
 
 #: aiconfigurator's name of each GPU the profiles know, and the datasheet figures of ours
 SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm"}

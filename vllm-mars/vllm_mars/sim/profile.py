@@ -9,7 +9,8 @@ read from a config-only Hugging Face model dir, and a few efficiency coefficient
   each part ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x bw_eff))``, plus a fixed
   per-step and a per-scheduled-request overhead, plus (TP > 1) two all-reduces per layer. A profile
   with overlapped CPU time (vLLM's async scheduling) takes ``max(that GPU time, the overlapped CPU
-  time)`` plus the overheads; one without (every shipped profile) is unchanged by it.
+  time)`` plus the overheads (the shipped ``*-kernels`` profiles); one without (the roofline profiles)
+  charges the overheads in series.
 - :meth:`Profile.kv_capacity_tokens`: the KV pool vLLM would allocate:
   ``(CUDA-visible memory x gpu_memory_utilization - weights - activation peak - non-torch memory)
   / KV bytes per token`` (vLLM's ``determine_available_memory``).
@@ -268,16 +269,20 @@ class Profile:
 
     @classmethod
     def from_kernels(cls, gpu: str, model: str, *, tp: int = 1, dtype: str = "auto", name: str | None = None,
-                     max_model_len: int | None = None, scheduling: str = "sync") -> Profile:
+                     max_model_len: int | None = None, scheduling: str | None = None) -> Profile:
         """A profile whose steps come from aiconfigurator-core's vLLM kernel tables (needs the
         ``kernels`` extra): ``gpu`` one of :data:`~vllm_mars.sim.kernels.GPUS`, ``model`` a shipped
         model name or a config-only model dir. KV memory as vLLM sizes it (CUDA-visible memory x 0.9
         - weights - the model class's activation peak - non-torch memory); ``max_model_len`` (default)
         the largest power of two the pool holds, at most the model's ``max_position_embeddings``.
-        ``scheduling``: ``sync`` (the CPU overheads between steps) or ``async`` (vLLM's async scheduling:
-        that CPU work overlaps the kernels; :data:`~vllm_mars.sim.kernels.ASYNC_OVERHEAD_SOURCE`)."""
+        ``scheduling``: ``async`` (vLLM's async scheduling: that CPU work overlaps the kernels;
+        :data:`~vllm_mars.sim.kernels.ASYNC_OVERHEAD_SOURCE`) or ``sync`` (the CPU overheads between
+        steps); default (None) what the pinned vLLM runs, :data:`~vllm_mars.sim.kernels.DEFAULT_SCHEDULING`.
+        The default name is ``GPU-MODEL[-tpN]-kernels``, with ``-sync`` or ``-async`` added when the
+        scheduling is not the default."""
         from vllm_mars.sim import kernels as kn
 
+        scheduling = kn.DEFAULT_SCHEDULING if scheduling is None else scheduling
         if scheduling not in kn.SCHEDULING:
             raise ValueError(f"scheduling {scheduling!r}: not one of {', '.join(kn.SCHEDULING)}")
         g = gpu.lower()
@@ -304,7 +309,7 @@ class Profile:
                                  f"the kernels, the non-overlapped rest fitted once ({kn.ASYNC_OVERHEAD_SOURCE}); "
                                  "roofline coefficients are priors, unused while the kernel tables price the steps")
         shipped = model_dir.parent == MODELS_DIR
-        name = name or f"{g}-{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}-kernels{'-async' if scheduling == 'async' else ''}"
+        name = name or f"{g}-{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}-kernels{'' if scheduling == kn.DEFAULT_SCHEDULING else f'-{scheduling}'}"
         kw: dict[str, Any] = {"name": name, "model": model_dir.name if shipped else str(model_dir.resolve()),
                               "hardware": hw, "efficiency": eff, "cuda_visible_bytes": kn.cuda_visible_bytes(g),
                               "activation_reserve_bytes": act, "non_torch_bytes": non_torch}
