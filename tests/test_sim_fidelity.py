@@ -123,3 +123,58 @@ def test_sim_call_times_are_on_the_run_clock_after_calibration(tmp_path):
     assert cost is not None
     ends = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"call_end"' in line]
     assert ends[0]["ttft_s"] == pytest.approx(prof.step_seconds([(588, 0)], []), rel=1e-3, abs=2e-6)
+
+
+def test_sim_with_the_real_runs_step_times_reproduces_the_run(tmp_path, tiny_model):
+    """The sim's mechanism against the real engine, without its step-time model: charged the recorded
+    time of each of a real run's steps (--step-trace; the calibration's steps skipped), the sim runs
+    the very same batches step for step (arrivals and tool returns land at the same step boundaries,
+    the same KV runs out) and so the same preemptions, recomputed tokens and call times."""
+    from vllm_mars.cli import main as mars
+
+    lines = []
+    for i in range(6):
+        turns = [{"output_tokens": 48, "tool_s": 0.02, "tool": "t"},
+                 {"append_tokens": 30, "output_tokens": 48, "tool_s": 0.02, "tool": "t"},
+                 {"append_tokens": 30, "output_tokens": 48}]
+        lines.append(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"tr-{i}", "prompt_tokens": 150 + 20 * i,
+                                 "turns": turns}))
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("\n".join(lines) + "\n")
+    common = ["--workload", str(wl), "--rps", "20", "--no-progress", "--no-plots"]
+    # 16 blocks of 32 tokens: the calls outgrow the pool, so the engine preempts
+    assert mars(["replay", *common, "--backend", "inprocess", "--num-blocks", "16", "--max-model-len", "480",
+                 "--record-steps", "--out", str(tmp_path / "real")]) == 0
+    steps = [json.loads(x) for x in (tmp_path / "real" / "steps.jsonl").read_text().splitlines()]
+    assert any(s.get("calibration") for s in steps) and not steps[-1].get("calibration")
+    # the step-time model does not matter here (a shipped GPU profile, with this engine's shape)
+    prof = load_profile("h200-llama-3.1-8b")
+    shaped = prof.with_efficiency(prof.efficiency, model=prof.model_dir(), num_blocks=16, block_size=32,
+                                  max_model_len=480, max_num_seqs=32, max_num_batched_tokens=1024)
+    shaped = shaped.write(tmp_path / "shape.toml")
+    assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--step-trace",
+                 str(tmp_path / "real" / "steps.jsonl"), "--out", str(tmp_path / "sim")]) == 0
+    real, sim = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "sim"))
+    trace = sim["engine"]["step_trace"]
+    assert trace["mismatched_steps"] == 0 and trace["first_mismatch"] is None, trace
+    assert trace["sim_steps"] == trace["recorded_steps"] == sum(1 for s in steps if not s.get("calibration"))
+    assert real["preemptions"] > 0
+    for key in ("preemptions", "recomputed_tokens", "completed"):
+        assert sim[key] == real[key], key
+    assert sim["calls"]["cached_tokens"] == real["calls"]["cached_tokens"]
+    # times: the same steps, so the same clock up to the real driver's own sub-step latencies
+    assert sim["e2e_s"]["mean"] == pytest.approx(real["e2e_s"]["mean"], rel=0.02)
+    assert sim["engine"]["leak_check"] == "ok"
+
+
+def test_step_trace_errors(tmp_path):
+    from vllm_mars.driver.config import ReplayConfig
+
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01, "calibration": True}) + "\n")
+    with pytest.raises(ValueError, match="needs --backend sim"):
+        ReplayConfig(step_trace=str(steps)).validate()
+    with pytest.raises(ValueError, match=r"steps\.jsonl: no recorded run steps"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
+    with pytest.raises(ValueError, match="cannot drive --replicas"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps), replicas=2).validate()

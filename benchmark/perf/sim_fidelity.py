@@ -1,19 +1,26 @@
-"""Sim fidelity: one workload through the real CPU engine (tiny model, wall time) and through the sim
-(virtual time, a CPU profile fitted on this machine), for each policy; errors of the sim's metrics.
+"""Sim fidelity: the same workloads through the real CPU engine (tiny model, wall time) and through the
+sim (virtual time), per policy, repeated; errors of the sim's medians against the real runs' medians.
 
-    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py                 # fit a profile now, then run
-    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py --profile cpu-tiny --policies fcfs,mars
+    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py                   # fit a grid profile now
+    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py --policies fcfs --workloads compact --repeats 2
 
-Steps: (1) `mars profile` on the CPU engine (the `cpu` grid) unless --profile is given; (2) per policy,
-`mars replay --backend inprocess --record-steps` (the real engine; its steps are timed); (3) the same
-replay with `--backend sim` and the grid-fitted profile (the engine shape of the real run: same KV
-blocks, block size and limits); (4) the same again with a profile fitted to the real runs' own
-recorded steps (`mars profile --from-steps`: one profile for all policies' runs, and one per policy to
-its own run), which separates the step-time model's error (and a shared machine's changing load) from
-the scheduling simulation's; (5) with --real-repeat, a second real run per policy: the real-vs-real
-spread is the noise floor of the comparison. Writes results/sim_fidelity.json:
-``{"fcfs": {"mean_e2e_err": ..., ...}, "mars": {...}, "_winner": {...}, "_meta": {...}}``; errors
-are (sim - real) / real, prefix-hit error is sim - real (a difference of rates).
+Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engine, generated from
+``sim_fidelity_ilr3.toml`` at ``--scale 80``; or a path) and policy:
+
+1. ``--repeats`` real runs (``mars replay --backend inprocess --record-steps``); their spread is the
+   noise floor (a shared machine's changing load moves a real run's timing, and with it where KV
+   runs out);
+2. the trace check, per real run: the sim charged that run's own recorded step times, step by step
+   (``--step-trace``). It must give the real run's preemptions and recomputed tokens exactly and
+   its batches step for step: any difference is the sim's mechanism (event order, arrivals and tool
+   returns against step boundaries, KV sizing), not its step-time model;
+3. the sim with a profile fitted to each real run's own steps (``mars profile --from-steps``);
+4. the sim with the ``cpu`` grid fit of ``mars profile`` (one deterministic run; a grid timed on a
+   loaded machine describes its load at that moment).
+
+Every sim run has the real runs' engine shape (KV blocks, block size, limits). Writes
+results/sim_fidelity.json; errors are (sim - real) / real of medians over the repeats. Resumable: a
+rerun with the same ``--out`` reuses finished real runs and the grid fit.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -32,6 +40,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmark" / "perf" / "results" / "sim_fidelity.json"
+ILR3_PRESET = Path(__file__).resolve().parent / "sim_fidelity_ilr3.toml"
+ILR3_SCALE = 80
+KEYS = ("mean_e2e_s", "p95_e2e_s", "mean_ttft_s", "preemptions", "recomputed_tokens", "prefix_hit_rate",
+        "makespan_s")
 
 
 def metrics(summary: dict) -> dict:
@@ -40,6 +52,21 @@ def metrics(summary: dict) -> dict:
             "recomputed_tokens": summary.get("recomputed_tokens") or 0,
             "prefix_hit_rate": summary.get("prefix_hit_rate"), "completed": summary.get("completed"),
             "makespan_s": summary.get("makespan_s")}
+
+
+def median(runs: list[dict]) -> dict:
+    out = {}
+    for k in KEYS:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
+def spread(runs: list[dict]) -> dict:
+    """Largest relative distance of a run from the runs' median, per metric (0 for one run)."""
+    med = median(runs)
+    return {k: (round(max(abs(r[k] - med[k]) for r in runs) / med[k], 4) if med[k] else None)
+            for k in ("mean_e2e_s", "preemptions", "recomputed_tokens")}
 
 
 def rel(sim: float | None, real: float | None) -> float | None:
@@ -51,14 +78,10 @@ def rel(sim: float | None, real: float | None) -> float | None:
 
 
 def errors(real: dict, sim: dict) -> dict:
-    out = {"mean_e2e_err": rel(sim["mean_e2e_s"], real["mean_e2e_s"]),
-           "p95_e2e_err": rel(sim["p95_e2e_s"], real["p95_e2e_s"]),
-           "mean_ttft_err": rel(sim["mean_ttft_s"], real["mean_ttft_s"]),
-           "preemptions_err": rel(sim["preemptions"], real["preemptions"]),
-           "recomputed_tokens_err": rel(sim["recomputed_tokens"], real["recomputed_tokens"])}
-    if sim["prefix_hit_rate"] is not None and real["prefix_hit_rate"] is not None:
-        out["prefix_hit_rate_diff"] = round(sim["prefix_hit_rate"] - real["prefix_hit_rate"], 4)
-    return out
+    return {"mean_e2e_err": rel(sim["mean_e2e_s"], real["mean_e2e_s"]),
+            "p95_e2e_err": rel(sim["p95_e2e_s"], real["p95_e2e_s"]),
+            "preemptions_err": rel(sim["preemptions"], real["preemptions"]),
+            "recomputed_tokens_err": rel(sim["recomputed_tokens"], real["recomputed_tokens"])}
 
 
 def fit_grid_profile(out: Path, grid: str, repeats: int | None) -> Path:
@@ -75,104 +98,127 @@ def fit_grid_profile(out: Path, grid: str, repeats: int | None) -> Path:
 
 
 def shaped(profile: str, cfg, dest: Path) -> Path:
-    """The profile with the real run's engine shape (KV blocks, block size, limits)."""
+    """The profile with the real run's engine shape (KV blocks, block size, limits) as the in-process
+    engine resolves them (the CPU build's block size, the context limit the pool holds)."""
+    from vllm_mars.driver.config import InProcessEngine
+    from vllm_mars.engine.local import CPU_BLOCK_SIZE
     from vllm_mars.sim.profile import load_profile
 
+    e = InProcessEngine.of(replace(cfg, backend="inprocess"))
     p = load_profile(profile)
-    p = p.with_efficiency(p.efficiency, model=p.model_dir(), num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                          max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens)
+    p = p.with_efficiency(p.efficiency, model=p.model_dir(), num_blocks=e.num_blocks,
+                          block_size=e.block_size or CPU_BLOCK_SIZE, max_model_len=e.max_model_len,
+                          max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens)
     return p.write(dest)
+
+
+def workload_file(name: str, out: Path) -> str:
+    if name == "compact":
+        return str(ROOT / "benchmark" / "workloads" / "compact.jsonl")
+    if name == "ilr3":
+        path = out / "ilr3_cut.jsonl"
+        if not path.exists():
+            from vllm_mars.cli import main as mars
+
+            if mars(["gen-workload", "--preset", str(ILR3_PRESET), "--scale", str(ILR3_SCALE), "-o", str(path)]):
+                raise SystemExit("gen-workload failed")
+        return str(path)
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="fcfs,mars")
-    ap.add_argument("--workload", default=str(ROOT / "benchmark" / "workloads" / "compact.jsonl"))
-    ap.add_argument("--num-workflows", type=int, default=None)
+    ap.add_argument("--policies", default="fcfs,mars,continuum")
+    ap.add_argument("--workloads", default="compact,ilr3", help="compact, ilr3 or JSONL paths, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="real runs per workload and policy (medians, spread)")
     ap.add_argument("--rps", type=float, default=4.0)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default=None, help="a fitted CPU profile (default: fit one now)")
+    ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: fit one)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
-    ap.add_argument("--no-self-fit", action="store_true", help="skip the sim runs with the self-fitted profiles")
-    ap.add_argument("--real-repeat", action="store_true",
-                    help="run the real engine twice per policy: the real-vs-real spread is the noise floor")
+    ap.add_argument("--real-only", action="store_true", help="only the real runs (a later run adds the sims)")
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
     args = ap.parse_args(argv)
 
+    from vllm_mars.cli import main as mars
     from vllm_mars.driver.runner import ReplayConfig, run_replay
 
     out = Path(args.out or f"runs/sim_fidelity_{time.strftime('%Y%m%d_%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = os.getloadavg()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+
+    def run(cfg) -> dict:
+        d = Path(cfg.out)
+        if not (d / "summary.json").exists() or (cfg.backend == "inprocess" and not (d / "steps.jsonl").exists()):
+            d, _ = run_replay(cfg)
+        return json.loads((d / "summary.json").read_text())
+
+    # 1. the real runs, interleaved over policies (a load change hits every policy alike)
+    real: dict = {}
+    for w in workloads:
+        base = ReplayConfig(workload=workload_file(w, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
+                            progress=False, plots=False)
+        for i in range(args.repeats):
+            for pol in policies:
+                d = out / w / f"real-{pol}-r{i}"
+                s = run(replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d)))
+                real.setdefault(w, {}).setdefault(pol, []).append((d, metrics(s)))
+                print(f"real {w} {pol} r{i}: {metrics(s)}", file=sys.stderr)
+    if args.real_only:
+        return 0
     grid_fit = out / "cpu-tiny-grid.toml"
     profile = args.profile or (str(grid_fit) if grid_fit.exists() else str(fit_grid_profile(out, args.grid,
                                                                                              args.grid_repeats)))
-    base = ReplayConfig(workload=args.workload, num_workflows=args.num_workflows, rps=args.rps, seed=args.seed,
-                        num_blocks=args.num_blocks, progress=False)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    grid_profile = shaped(profile, base, out / "profile-grid.toml")
-    real, sim, sim_self = {}, {}, {}
-    real2 = {}
-    for pol in policies:
-        for tag in ("", "-r2") if args.real_repeat else ("",):
-            d = out / f"real-{pol}{tag}"
-            if not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):  # resumable
-                cfg = replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d))
-                d, _ = run_replay(cfg)
-            (real2 if tag else real)[pol] = metrics(json.loads((d / "summary.json").read_text()))
-        print(f"real {pol}: {real[pol]}", file=sys.stderr)
-    for pol in policies:
-        cfg = replace(base, policy=pol, backend="sim", profile=str(grid_profile), out=str(out / f"sim-{pol}"))
-        d, _ = run_replay(cfg)
-        sim[pol] = metrics(json.loads((d / "summary.json").read_text()))
-    sim_own = {}
-    if not args.no_self_fit:
-        from vllm_mars.cli import main as mars
-
-        def fit_steps(name: str, pols: list[str]) -> Path:
-            path = out / f"cpu-tiny-{name}.toml"
-            steps = [str(out / f"real-{pol}" / "steps.jsonl") for pol in pols]
-            if mars(["profile", "--from-steps", *steps, "--out", str(path)]) != 0:
-                raise SystemExit("mars profile --from-steps failed")
-            return shaped(str(path), base, out / f"profile-{name}.toml")
-
-        # one profile fitted to every policy's recorded steps, and one per policy to its own run's steps
-        self_profile = fit_steps("self", policies)
-        for pol in policies:
-            cfg = replace(base, policy=pol, backend="sim", profile=str(self_profile), out=str(out / f"simself-{pol}"))
-            d, _ = run_replay(cfg)
-            sim_self[pol] = metrics(json.loads((d / "summary.json").read_text()))
-            own = fit_steps(f"own-{pol}", [pol])
-            d, _ = run_replay(replace(cfg, profile=str(own), out=str(out / f"simown-{pol}")))
-            sim_own[pol] = metrics(json.loads((d / "summary.json").read_text()))
-
-    def winner(m: dict) -> str:
-        return min(m, key=lambda p: m[p]["mean_e2e_s"])
-
     result: dict = {}
-    for pol in policies:
-        result[pol] = {**errors(real[pol], sim[pol]), "real": real[pol], "sim": sim[pol]}
-        if sim_self:
-            result[pol]["self_fit"] = {**errors(real[pol], sim_self[pol]), "sim": sim_self[pol]}
-            result[pol]["own_run_fit"] = {**errors(real[pol], sim_own[pol]), "sim": sim_own[pol]}
-        if real2:
-            result[pol]["real_repeat"] = {**errors(real[pol], real2[pol]), "real": real2[pol]}
-    result["_winner"] = {"real": winner(real), "sim": winner(sim), "same": winner(real) == winner(sim)}
-    if sim_self:
-        result["_winner"]["sim_self_fit"] = winner(sim_self)
+    for w in workloads:
+        base = ReplayConfig(workload=workload_file(w, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
+                            progress=False, plots=False, backend="sim")
+        grid_profile = shaped(profile, base, out / w / "profile-grid.toml")
+        res = result[w] = {}
+        for pol in policies:
+            runs = real[w][pol]
+            trace, own = [], []
+            for d, _ in runs:
+                # 2. the trace check: the sim with this run's own recorded step times
+                s = run(replace(base, policy=pol, profile=str(grid_profile), step_trace=str(d / "steps.jsonl"),
+                                out=str(d.with_name(d.name.replace("real", "simtrace")))))
+                trace.append({**metrics(s), "step_trace": (s.get("engine") or {}).get("step_trace")})
+                # 3. a profile fitted to this run's own steps
+                fit = d.with_name(d.name.replace("real", "fit") + ".toml")
+                if mars(["profile", "--from-steps", str(d / "steps.jsonl"), "--out", str(fit)]) != 0:
+                    raise SystemExit("mars profile --from-steps failed")
+                prof = shaped(str(fit), base, fit)
+                s = run(replace(base, policy=pol, profile=str(prof), out=str(d.with_name(d.name.replace("real", "simown")))))
+                own.append(metrics(s))
+            # 4. the grid fit
+            grid = metrics(run(replace(base, policy=pol, profile=str(grid_profile), out=str(out / w / f"simgrid-{pol}"))))
+            rm = median([m for _, m in runs])
+            res[pol] = {
+                "real": {**rm, "runs": [m for _, m in runs], "spread": spread([m for _, m in runs])},
+                "trace": {"exact": all(t["preemptions"] == m["preemptions"]
+                                       and t["recomputed_tokens"] == m["recomputed_tokens"]
+                                       for t, (_, m) in zip(trace, runs)),
+                          "runs": trace},
+                "own_run_fit": {**errors(rm, median(own)), "median": median(own), "runs": own},
+                "grid_fit": {**errors(rm, grid), "sim": grid},
+            }
+        best = {k: min(policies, key=lambda p, k=k: res[p][k]["mean_e2e_s"] if k == "real" else
+                       (res[p][k]["median"] if k == "own_run_fit" else res[p][k]["sim"])["mean_e2e_s"])
+                for k in ("real", "own_run_fit", "grid_fit")}
+        res["_winner"] = {**best, "same": len(set(best.values())) == 1}
     result["_meta"] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0)), "machine": f"{platform.node()} "
         f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
         "loadavg_start": [round(x, 1) for x in load0], "loadavg_end": [round(x, 1) for x in os.getloadavg()],
         "command": "PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py " + " ".join(argv or sys.argv[1:]),
-        "workload": args.workload, "rps": args.rps, "num_blocks": args.num_blocks, "profile": profile,
-        "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
+        "workloads": workloads, "policies": policies, "repeats": args.repeats, "rps": args.rps,
+        "num_blocks": args.num_blocks, "profile": profile, "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
     print(json.dumps(result, indent=2))
     if args.results:
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)

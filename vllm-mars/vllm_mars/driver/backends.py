@@ -68,6 +68,8 @@ class InProcessBackend:
         #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
         #: stepper loop), for `mars profile --from-steps`
         self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
+        #: index in step_times of the run's first step (the ones before it are the calibration's)
+        self.run_first_step = 0
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -134,6 +136,12 @@ class InProcessBackend:
                     if cmd[0] == "reset":
                         ok = engine.reset_prefix_cache()
                         self._loop.call_soon_threadsafe(cmd[1].set_result, ok)
+                        continue
+                    if cmd[0] == "mark":  # the run starts: the steps so far were the calibration's
+                        if pending is not None:
+                            self.step_times.append((pending[0], pending[1], t_end - pending[2]))
+                            pending = None
+                        self.run_first_step = len(self.step_times)
                         continue
                     rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
@@ -209,6 +217,13 @@ class InProcessBackend:
         except asyncio.CancelledError:  # timed out or abandoned: the engine must not keep it
             await self.abort(request_id)
             raise
+
+    def mark_run_start(self) -> None:
+        """With record_steps: the steps recorded from now on are the run's (called before the run's
+        first call; the stepper takes it in order with the calls, between steps)."""
+        if self.step_times is not None:
+            self._cmds.put(("mark",))
+            self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is None:
@@ -381,6 +396,13 @@ class HTTPBackend:
             return await task
         finally:
             self._streams.pop(request_id, None)
+
+    def mark_run_start(self) -> None:
+        """With record_steps: the steps recorded from now on are the run's (called before the run's
+        first call; the stepper takes it in order with the calls, between steps)."""
+        if self.step_times is not None:
+            self._cmds.put(("mark",))
+            self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         task = self._streams.pop(request_id, None)

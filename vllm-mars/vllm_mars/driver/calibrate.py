@@ -52,7 +52,8 @@ async def calibrate_apart(plan: RunPlan, backend: Any, clock: Any) -> CostModel:
     behind ``--backend http`` keeps the calibration prompts in its cache."""
     if isinstance(plan.engine, SimEngine):
         # one engine of the run's shape, whatever its --replicas (every replica is that engine)
-        cal = replace(plan, engine=replace(plan.engine, replicas=None)).make_backend(clock)
+        # (and the profile's step times: a recorded run's are the run's, not its calibration's)
+        cal = replace(plan, engine=replace(plan.engine, replicas=None, step_trace=None)).make_backend(clock)
         await cal.start()
         try:
             # Virtual time is free: the sim calibrates over longer prompts, closer to its contexts.

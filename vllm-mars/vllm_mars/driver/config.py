@@ -30,6 +30,7 @@ from vllm_mars.engine import local
 from vllm_mars.options import check_fields
 from vllm_mars.sim.cluster import SimCluster
 from vllm_mars.sim.engine import SimBackend, get_profile
+from vllm_mars.sim.step_trace import StepTrace
 from vllm_mars.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -82,6 +83,10 @@ class ReplayConfig:
     profile: str | None = _opt(None, help="step-time profile for --backend sim (shipped name, e.g. "
                                           "h200-qwen3-coder-30b-a3b, or a profile file); it sets the KV pool and "
                                           "the engine limits (block size, context, batch)")
+    step_trace: str | None = _opt(None, help="--backend sim: charge step i the time step i took in a recorded real run "
+                                             "(its steps.jsonl from --record-steps, same workload and engine shape) "
+                                             "instead of the profile's: the sim then reproduces that run unless its "
+                                             "mechanism differs (run_end reports the first batch that differed)")
     replicas: int | None = _opt(None, help="--backend sim: N simulated engines (each with --profile's KV pool and step "
                                            "times) behind the sidecar's placement, each with its own admission "
                                            "controller (a root is placed when it arrives, then admitted by its "
@@ -201,6 +206,8 @@ class InProcessEngine:
     def of(cls, cfg: ReplayConfig) -> InProcessEngine:
         _only(cfg, "sim", cfg.kv_scale is not None,
               "kv_scale scales the sim profile's KV pool: it needs --backend sim")
+        _only(cfg, "sim", cfg.step_trace is not None,
+              "step_trace replays recorded step times in the sim: it needs --backend sim")
         _no_cluster(cfg)
         blocks = cfg.engine_num_blocks()
         cap = local.kv_capacity_tokens(blocks, cfg.block_size, local.on_cpu())
@@ -243,6 +250,8 @@ class HTTPEngine:
             raise ValueError("the http backend needs --url")
         _only(cfg, "sim", cfg.kv_scale is not None,
               "kv_scale scales the sim profile's KV pool: it needs --backend sim")
+        _only(cfg, "sim", cfg.step_trace is not None,
+              "step_trace replays recorded step times in the sim: it needs --backend sim")
         _no_cluster(cfg)
         _only(cfg, "inprocess", cfg.record_steps,
               "--record-steps times the in-process engine's steps: it needs --backend inprocess")
@@ -284,6 +293,8 @@ class SimEngine:
     placement: str = "mars"
     #: GiB of vLLM's CPU KV offload tier (``--engine-arg kv_offloading_size``; None: no tier)
     kv_offloading_size: float | None = None
+    #: a recorded run's steps.jsonl whose step times replace the profile's (``vllm_mars.sim.step_trace``)
+    step_trace: str | None = None
 
     @classmethod
     def of(cls, cfg: ReplayConfig) -> SimEngine:
@@ -316,7 +327,12 @@ class SimEngine:
         if what and not 2 <= n <= SIM_MAX_KV_BLOCKS:
             raise ValueError(f"{what}: the sim's KV pool must be 2..{SIM_MAX_KV_BLOCKS} blocks (profile {p.name}: "
                              f"{base} blocks, so kv_scale {2 / base:.3g}..{SIM_MAX_KV_BLOCKS / base:.4g})")
-        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size), cfg.replicas, cfg.placement, offload)
+        if cfg.step_trace is not None:
+            if cfg.replicas is not None:
+                raise ValueError("step_trace replays one recorded engine's steps: it cannot drive --replicas")
+            StepTrace(p, cfg.step_trace)  # its errors name the file and line before anything starts
+        return cls(p, n, min(p.max_model_len, (n - 1) * p.block_size), cfg.replicas, cfg.placement, offload,
+                   cfg.step_trace)
 
     def shaped(self, cfg: ReplayConfig) -> ReplayConfig:
         """``cfg`` with the profile's engine shape and the pool as ``num_blocks``."""
@@ -335,7 +351,8 @@ class SimEngine:
     def make(self, clock: Callable[[], float], policy: str, policy_options: dict[str, Any], seed: int) -> Any:
         """One engine, or with ``replicas`` a :class:`~vllm_mars.sim.cluster.SimCluster` of that many."""
         def one() -> SimBackend:
-            return SimBackend(self.profile, clock, policy=policy, policy_options=policy_options, seed=seed,
+            profile = self.profile if self.step_trace is None else StepTrace(self.profile, self.step_trace)
+            return SimBackend(profile, clock, policy=policy, policy_options=policy_options, seed=seed,
                               max_model_len=self.max_model_len, num_blocks=self.num_blocks,
                               kv_offloading_size=self.kv_offloading_size)
 

@@ -54,10 +54,15 @@ def default_out_dir(policy: str) -> Path:
     return out
 
 
-def write_steps(path: Path, steps) -> None:
-    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds"}``."""
+def write_steps(path: Path, steps, first_run_step: int = 0) -> None:
+    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds"}``;
+    the steps before ``first_run_step`` (the calibration's) also carry ``"calibration": true``."""
     with open(path, "w") as f:
-        f.writelines(json.dumps({"prefill": pf, "decode": dc, "seconds": round(dt, 7)}) + "\n" for pf, dc, dt in steps)
+        for i, (pf, dc, dt) in enumerate(steps):
+            rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7)}
+            if i < first_run_step:
+                rec["calibration"] = True
+            f.write(json.dumps(rec) + "\n")
 
 
 def write_run_outputs(out: Path, plots: bool = True) -> dict[str, Any]:
@@ -114,6 +119,9 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
                   or getattr(getattr(backend, "scheduler", None), "set_cost_model", None))
         if policy_cost is not None and setter is not None and "cost_model" not in cfg.policy_options:
             setter(policy_cost)  # the policies price rebuilds with the engine's model
+        mark = getattr(backend, "mark_run_start", None)  # recorded steps: the calibration's end here
+        if mark is not None:
+            mark()
         clock.start()
         replay = Replay(plan, out, backend, plans, arrivals, clock, cost)
         if policy_cost is not cost and hasattr(replay.ctrl, "set_cost_model"):
@@ -128,7 +136,7 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
                 replay.events.emit("run_end", engine=backend.engine_stats())
                 replay.events.close()
             if getattr(backend, "step_times", None):
-                write_steps(out / STEPS_FILE, backend.step_times)
+                write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0))
     return out, cost
 
 

@@ -364,6 +364,11 @@ class SimBackend:
         out = _StepOut()
         crossed = False
         while done < horizon:
+            k = done % bs
+            new = starts[k]
+            if new and len(new) > pool.get_num_free_blocks():
+                break  # an allocation could fail: vLLM preempts; the full path runs it
+            # (priced after that check: each step asks its time once, which a recorded trace needs)
             decode = [r.num_computed_tokens for r in running]
             dt = profile.step_seconds(_NO_PREFILL, decode)
             if not dt > 0:
@@ -371,10 +376,6 @@ class SimBackend:
             # Something else runs before the step ends (a timer, a ready callback): the step still
             # runs here, and sleeps through the loop as the full path does; the caller starts over.
             crossed = not idle(dt)
-            k = done % bs
-            new = starts[k]
-            if new and len(new) > pool.get_num_free_blocks():
-                break  # an allocation could fail: vLLM preempts; the full path runs it
             now = loop.time()
             begin(now)
             # schedule(): one token each, allocate_slots where a block starts or fills
@@ -478,6 +479,9 @@ class SimBackend:
                    hash_blocks_reused=self._hasher.reused if self._hasher else 0)
         if self._xfer is not None:
             out["offload"] = self._xfer.stats()
+        trace = getattr(self.profile, "trace_stats", None)  # --step-trace (vllm_mars.sim.step_trace)
+        if trace is not None:
+            out["step_trace"] = trace()
         return out
 
     async def close(self) -> None:

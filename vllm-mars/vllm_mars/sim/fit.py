@@ -201,9 +201,10 @@ def step_label(prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> str
     return f"{kind} ~{1 << max(tokens.bit_length() - 1, 0)} tokens"
 
 
-def load_samples(path: str) -> list[Sample]:
+def load_samples(path: str, run_only: bool = False) -> list[Sample]:
     """Timed steps from a JSON-lines file (``steps.jsonl`` of a run with record_steps, or the
-    ``--samples-out`` of ``mars profile``); ValueError naming file:line and field."""
+    ``--samples-out`` of ``mars profile``); ValueError naming file:line and field. ``run_only``: without
+    the steps a run's calibration took before it (marked ``"calibration": true``)."""
     out: list[Sample] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -225,5 +226,7 @@ def load_samples(path: str) -> list[Sample]:
                                  "and seconds (number) expected") from None
             if not seconds > 0:
                 raise ValueError(f"{where}: field 'seconds' must be > 0, got {seconds!r}")
+            if run_only and d.get("calibration") is True:
+                continue
             out.append(Sample(prefill, decode, seconds, str(d.get("label") or step_label(prefill, decode))))
     return out
