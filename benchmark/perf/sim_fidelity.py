@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
     ap.add_argument("--real-only", action="store_true", help="only the real runs (a later run adds the sims)")
+    ap.add_argument("--no-new-real", action="store_true", help="use the real runs already in --out (at most "
+                    "--repeats each), start none")
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for pol in policies:
                 d = out / w / f"real-{pol}-r{i}"
+                if args.no_new_real and not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):
+                    continue
                 s = run(replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d)))
                 real.setdefault(w, {}).setdefault(pol, []).append((d, metrics(s)))
                 print(f"real {w} {pol} r{i}: {metrics(s)}", file=sys.stderr)
@@ -201,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             rm = median([m for _, m in runs])
             res[pol] = {
                 "real": {**rm, "runs": [m for _, m in runs], "spread": spread([m for _, m in runs])},
-                "trace": {"exact": all(t["preemptions"] == m["preemptions"]
+                # exact: every recorded step's batch was the sim's, so the same preemptions
+                "trace": {"exact": sum(t["step_trace"]["mismatched_steps"] == 0 and t["preemptions"] == m["preemptions"]
                                        and t["recomputed_tokens"] == m["recomputed_tokens"]
                                        for t, (_, m) in zip(trace, runs)),
-                          "runs": trace},
+                          "of": len(runs), "runs": trace},
                 "own_run_fit": {**errors(rm, median(own)), "median": median(own), "runs": own},
                 "grid_fit": {**errors(rm, grid), "sim": grid},
             }
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
         "loadavg_start": [round(x, 1) for x in load0], "loadavg_end": [round(x, 1) for x in os.getloadavg()],
         "command": "PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py " + " ".join(argv or sys.argv[1:]),
-        "workloads": workloads, "policies": policies, "repeats": args.repeats, "rps": args.rps,
+        "workloads": workloads, "policies": policies,
+        "real_runs": {w: {p: len(real[w][p]) for p in policies} for w in workloads}, "rps": args.rps,
         "num_blocks": args.num_blocks, "profile": profile, "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
     print(json.dumps(result, indent=2))
     if args.results:
