@@ -128,7 +128,8 @@ def test_a_dead_backend_sends_its_roots_to_a_live_one():
     """Two backends (real TCP servers with canned /metrics; a killed process closes the port), a
     cap-1 controller each, round robin. A on f1 and B on f2 are admitted; C queues at f1. f1 dies:
     C queues again at f2 (f2 is full: B), A's next call is resent to f2 and answered (A keeps
-    running; it leaves f1's controller and queues at f2's behind C). B ending admits C on f2."""
+    running; it leaves f1's controller and is counted active at f2's at once, over its cap). B
+    ending leaves f2 at its cap (A): C waits until A ends too."""
     f1 = FaultyBackend(free_port()).__enter__()
     try:
         _dead_backend_case(f1)
@@ -160,13 +161,16 @@ def _dead_backend_case(f1: FaultyBackend) -> None:
             assert sc.app.roots["A"].backend is b2 and home(sc, "A") is b2 and sc.app.roots["A"].admitted
             assert sc.app.counters["upstream_errors"] == 0
 
+            assert sc.call(lambda: (adm.ctrls[1].num_active, adm.ctrls[1].num_queued)) == (2, 1)  # A, B; C
             finish(sc, "B")
+            time.sleep(0.5)
+            assert tc.is_alive() and not oc and not sc.app.roots["C"].admitted  # A holds f2's one slot
+            finish(sc, "A")
             tc.join(30)
             assert oc["r"].status_code == 200, oc
             assert sc.app.roots["C"].backend is b2 and f2.posts == 3
             assert sc.call(lambda: (adm.ctrls[0].num_active, adm.ctrls[0].num_queued)) == (0, 0)
-            for root in ("A", "C"):
-                finish(sc, root)
+            finish(sc, "C")
             assert_no_leak(sc)
 
 
@@ -232,7 +236,6 @@ def test_ray_replicas_get_a_controller_as_they_join_and_a_leaving_one_is_retired
         == ["r2"]
     assert adm.num_active == snap["active"] == 2 and adm.num_queued == 2  # A counted at once, over r2's window
     assert adm.num_admitted == 2  # r1's admission of A still counts once; adopting A is no new admission
-    assert adm.place("A") is b2  # the feeder's re-placement finds A where it went: no second move
     assert adm.tick(5.0) == []  # r2 is over its window: nothing new
     adm.finish("B", 5.0)
     assert adm.tick(5.0) == []  # A (running) still holds r2's one slot
