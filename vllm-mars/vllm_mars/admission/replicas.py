@@ -50,7 +50,6 @@ from typing import Any, TypeVar
 from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
 from vllm_mars.admission.placement import Placement
 
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
