@@ -204,6 +204,43 @@ def test_replica_set_follows_serve_and_places_by_budget():
         b.pool.close()
 
 
+def test_the_router_scores_replicas_under_the_gate_admission_lock():
+    """MarsRouter runs on Serve's router thread; scoring reads the gate's promises (and drops the
+    landed ones): it takes the admission's lock, so it waits while the gate's loop holds it, then
+    ranks by budget (no catch-all for a state changed under it)."""
+    import asyncio
+    import threading
+
+    from vllm_mars.admission.base import PendingRoot, make_controller
+    from vllm_mars.admission.placement import Placement, pooled_telemetry
+    from vllm_mars.admission.replicas import ReplicaAdmission
+    from vllm_mars.serve_ray.router import MarsRouter
+
+    s = serve_ray.ReplicaSet(stale_s=5.0)
+    s.sync([_Rep("r1", _stats("http://h:1", 1, 30)), _Rep("r2", _stats("http://h:2", 1, 90))])
+    pl = s.placement = Placement(s.backends, None)
+    adm = ReplicaAdmission(pl, lambda: make_controller("mars", {}))
+    adm.observe(pooled_telemetry(pl.backends))
+    router = MarsRouter.__new__(MarsRouter)  # no Serve: choose_replicas reads only the shared set
+    router._set = s
+    cands = [_Rep("r1", {}), _Rep("r2", {})]
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=asyncio.run(router.choose_replicas(cands))), daemon=True)
+    with adm.lock:
+        t.start()
+        t.join(0.3)
+        assert "r" not in out  # waits for the gate's loop
+    t.join(10)
+    assert [[c.replica_id.unique_id for c in g] for g in out["r"]] == [["r2"], ["r1"]]
+    adm.offer(PendingRoot("A", 0.0, 64))
+    assert adm.backend_of("A") is s.by_id["r2"]
+    adm.finish("A", 1.0)
+    assert adm.num_active == adm.num_queued == 0 and all(not b.roots for b in s.backends)
+    assert all(c.promised_blocks() == 0 for c in adm.ctrls)
+    for b in s.backends:
+        b.pool.close()
+
+
 def test_a_dead_replica_server_is_told_from_a_live_one():
     """What decides a resend: a server that refuses, or whose listening socket nobody accepts on
     (a killed server's socket kept by a surviving child), gives no HTTP answer; a live one does."""

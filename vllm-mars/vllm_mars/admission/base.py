@@ -274,6 +274,22 @@ class ControllerBase:
         self._events.append(AdmissionEvent(now, event, {"controller": self.name, **data}))
 
     # -- admitting --------------------------------------------------------------------------------
+    def adopt(self, root: PendingRoot, now: float) -> None:
+        """``root`` is already running and joins this controller (it was moved here off a backend
+        that left): it is active at once, over the limit if need be (new roots then wait until the
+        active set is below the limit again), and its footprint is promised here until telemetry
+        can show it. No admission event: it was admitted once, where it started."""
+        self.offer(root)
+        record, blocks, promise_s = self._adoption(root, now)
+        self._admit(self._queue[root.workflow], now, record, blocks, promise_s)
+        self.num_admitted -= 1  # admitted once already, where it started
+
+    def _adoption(self, root: PendingRoot, now: float) -> tuple[Any, int, float]:
+        """Hook: what :meth:`adopt` stores for ``root`` (as :meth:`_admit`'s ``record``), the blocks
+        it promises and for how long (default: footprint blocks when the controller has a model)."""
+        fp = getattr(self, "footprint_blocks", None)
+        return True, (fp(root) if fp is not None else 0), float(getattr(self.config, "promise_s", 0.0))
+
     def _admit(self, root: PendingRoot, now: float, record: Any = True, blocks: int = 0,
                promise_s: float = 0.0) -> None:
         """Move ``root`` from the queue to the active set, promising ``blocks`` until ``now + promise_s``."""

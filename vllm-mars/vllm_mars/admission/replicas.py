@@ -16,8 +16,20 @@ replicas) and the cluster sim (``--replicas N``) all use it:
   there (placed, not yet admitted);
 * a root queued at a backend that went down, or left the fleet, is placed again on a live one and
   queued there (in its arrival order); an admitted root whose backend cannot be reached is moved by
-  :meth:`ReplicaAdmission.place` (the feeder's re-placement): it leaves the old controller and
-  queues at the new one ahead of new roots (it keeps running meanwhile: it was admitted).
+  :meth:`ReplicaAdmission.place` (the feeder's re-placement);
+* a moved admitted root is **counted at its new backend at once**: it is already running (its next
+  call goes there), so its new controller adopts it as active
+  (:meth:`~vllm_mars.admission.base.ControllerBase.adopt`), over that backend's window if need be,
+  and promises its footprint there. The window absorbs it: that controller admits no new root until
+  its active set is below its limit again. (Queueing it first instead would let the backend admit a
+  full window of new roots next to a root that runs anyway: one root over its window.)
+* a backend that leaves the fleet (a Ray replica that died; it is no longer in the placement's
+  backends) has its controller **retired**: its admitted roots move as above, its queued roots queue
+  again at live backends, and its controller leaves every sum (window, limit, /metrics). A backend
+  that comes back is a new backend object and gets a fresh controller.
+* thread safety: every method runs under :attr:`ReplicaAdmission.lock` (an ``RLock``); a reader on
+  another thread (the Ray Serve router scoring replicas by :meth:`Placement.score`) takes it too, as
+  those reads also update controller state (promises that landed are dropped).
 
 It speaks the controller protocol of :mod:`vllm_mars.admission.base` (``offer``, ``tick``,
 ``observe``, ``finish``, ...), so the driver and the sidecar's root table feed it as one
@@ -29,12 +41,25 @@ Why not one controller over the summed reading: at 16-64 replicas it held roots 
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_mars.admission.base import AdmissionEvent, PendingRoot, Telemetry
 from vllm_mars.admission.placement import Placement
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(f: _F) -> _F:
+    """Run the method under its instance's :attr:`ReplicaAdmission.lock`."""
+    @functools.wraps(f)
+    def run(self: ReplicaAdmission, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return f(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def own_readings(backends: Sequence[Any], fed: Telemetry) -> list[Telemetry | None]:
@@ -60,10 +85,12 @@ class ReplicaAdmission:
                  readings: Callable[[Sequence[Any], Telemetry], Sequence[Telemetry | None]] | None = None,
                  label: Callable[[Any], Any] | None = None, lazy: bool = False,
                  clock: Callable[[], float] | None = None) -> None:
+        #: held by every method; take it to read this state from another thread (see the module docstring)
+        self.lock = threading.RLock()
         self.placement = placement
         placement.controller = self
         self._make = make
-        self._first = first if first is not None else make()
+        self._first: Any = first if first is not None else make()
         self.name = self._first.name
         self.interval_s = self._first.interval_s
         self.config = getattr(self._first, "config", None)
@@ -83,28 +110,61 @@ class ReplicaAdmission:
         self._of: dict[str, int] = {}
         #: per backend: its roots waiting for admission
         self._queued: list[dict[str, PendingRoot]] = []
-        #: roots moved while admitted: queued at their new backend, running meanwhile
+        #: roots moved while admitted to a controller that cannot adopt: queued there, running meanwhile
         self._moved: set[str] = set()
         #: root -> its latest prompt estimate (a moved root is queued again with it)
         self._prefill: dict[str, int | None] = {}
         #: backends whose controller has something new to decide
         self._dirty: set[int] = set()
+        #: events of retired controllers, not taken yet
+        self._retired_events: list[AdmissionEvent] = []
+        #: controllers retired (their backends left the fleet), and the roots they had admitted
+        self.retired = 0
+        self._retired_admitted = 0
         self.sync()
 
     # -- backends -----------------------------------------------------------------------------------
+    @_locked
     def sync(self) -> None:
-        """Give every backend of the placement a controller (backends join later: Ray replicas)."""
-        for b in self.placement.backends:
+        """Give every backend of the placement a controller (backends join later: Ray replicas), and
+        retire the controllers of backends that left it (see the module docstring)."""
+        current = self.placement.backends
+        for b in current:
             if id(b) not in self._slot_of:
                 self._slot(b)
+        if len(self.backends) > len(current) and current:  # some left (each current one has a slot)
+            here = {id(b) for b in current}
+            for i in reversed([i for i, b in enumerate(self.backends) if id(b) not in here]):
+                self._retire(i)
+
+    def _retire(self, i: int) -> None:
+        """Backend ``i`` left the fleet: its roots move to live backends, its controller goes."""
+        gone = self.backends[i]
+        admitted = [wf for wf, j in self._of.items() if j == i and wf not in self._queued[i]]
+        for wf in admitted + list(self._queued[i]):
+            self._move(wf, i)
+        c = self.ctrls[i]
+        evs = c.take_events()
+        if evs:
+            lab = self._label(gone)
+            self._retired_events += [AdmissionEvent(e.ts, e.event, {**e.data, "replica": lab}) for e in evs]
+        self._retired_admitted += getattr(c, "num_admitted", 0)
+        del self.backends[i], self.ctrls[i], self._queued[i]
+        self._slot_of = {id(b): k for k, b in enumerate(self.backends)}
+        self._of = {wf: (j - 1 if j > i else j) for wf, j in self._of.items()}
+        self._dirty = {j - 1 if j > i else j for j in self._dirty if j != i}
+        self.retired += 1
 
     def _slot(self, b: Any) -> int:
         i = self._slot_of.get(id(b))
         if i is None:
             i = self._slot_of[id(b)] = len(self.backends)
-            c = self._first if i == 0 else self._make()
-            if i and self._cost is not None and hasattr(c, "set_cost_model"):
-                c.set_cost_model(self._cost)
+            if self._first is not None:  # the first backend's (once: a backend after it gets a fresh one)
+                c, self._first = self._first, None
+            else:
+                c = self._make()
+                if self._cost is not None and hasattr(c, "set_cost_model"):
+                    c.set_cost_model(self._cost)
             self.backends.append(b)
             self.ctrls.append(c)
             self._queued.append({})
@@ -116,12 +176,14 @@ class ReplicaAdmission:
         return None if i is None else self.backends[i]
 
     # -- the controller protocol --------------------------------------------------------------------
+    @_locked
     def set_cost_model(self, cost: Any) -> None:
         self._cost = cost
-        for c in self.ctrls:
+        for c in [*self.ctrls, *([self._first] if self._first is not None else [])]:
             if hasattr(c, "set_cost_model"):
                 c.set_cost_model(cost)
 
+    @_locked
     def offer(self, root: PendingRoot) -> None:
         wf = root.workflow
         if wf in self._of:
@@ -136,6 +198,7 @@ class ReplicaAdmission:
         self._queued[i][root.workflow] = root
         self._dirty.add(i)
 
+    @_locked
     def tick(self, now: float) -> list[str]:
         self._now = now
         out: list[str] = []
@@ -156,6 +219,7 @@ class ReplicaAdmission:
             return True
         return False
 
+    @_locked
     def observe(self, telemetry: Telemetry) -> None:
         """Give each controller its own backend's reading (``readings``, from the fed one)."""
         self.sync()
@@ -165,6 +229,7 @@ class ReplicaAdmission:
         self._dirty.update(range(len(self.ctrls)))
         self._requeue_stranded()
 
+    @_locked
     def finish(self, workflow: str, now: float, final_tokens: int | None = None,
                turns: int | None = None) -> None:
         i = self._of.pop(workflow, None)
@@ -177,6 +242,7 @@ class ReplicaAdmission:
         Placement.release(workflow, self.backends[i])
         self._dirty.add(i)
 
+    @_locked
     def update_estimate(self, workflow: str, prefill_tokens: int, now: float) -> int | None:
         i = self._of.get(workflow)
         if i is None:
@@ -188,19 +254,22 @@ class ReplicaAdmission:
             q[workflow] = replace(q[workflow], prefill_tokens=prefill_tokens)
         return self.ctrls[i].update_estimate(workflow, prefill_tokens, now)
 
+    @_locked
     def observe_cached(self, workflow: str, cached_tokens: int) -> None:
         i = self._of.get(workflow)
         if i is not None:
             self.ctrls[i].observe_cached(workflow, cached_tokens)
 
+    @_locked
     def footprint_blocks(self, root: PendingRoot) -> int:
         """``root``'s footprint by the controller of its backend (0: that controller has no model)."""
         i = self._of.get(root.workflow, 0)
         fp = getattr(self.ctrls[i], "footprint_blocks", None) if i < len(self.ctrls) else None
         return fp(root) if fp is not None else 0
 
+    @_locked
     def take_events(self) -> list[AdmissionEvent]:
-        out: list[AdmissionEvent] = []
+        out, self._retired_events = self._retired_events, []
         for b, c in zip(self.backends, self.ctrls, strict=True):
             evs = c.take_events()
             if evs:
@@ -218,13 +287,15 @@ class ReplicaAdmission:
 
     @property
     def num_admitted(self) -> int:
-        return sum(getattr(c, "num_admitted", 0) for c in self.ctrls)
+        return self._retired_admitted + sum(getattr(c, "num_admitted", 0) for c in self.ctrls)
 
+    @_locked
     def limit(self) -> int:
         """The backends' active-root limits summed (-1: one is unlimited)."""
         lims = [c.limit() if hasattr(c, "limit") else -1 for c in self.ctrls]
         return -1 if any(v < 0 for v in lims) else sum(lims)
 
+    @_locked
     def snapshot(self) -> dict[str, Any]:
         """For /metrics: the summed window and limit, and each backend's controller."""
         per = [{"backend": str(self._label(b)), **(c.snapshot() if hasattr(c, "snapshot") else {})}
@@ -234,6 +305,7 @@ class ReplicaAdmission:
                 "active": self.num_active, "queued": self.num_queued, "per_replica": per}
 
     # -- for the Placement --------------------------------------------------------------------------
+    @_locked
     def promised_blocks(self, workflows: Iterable[str] | None = None) -> int:
         """Blocks owed on one backend (``workflows``: the roots placed there), or on all (None)."""
         if workflows is None:
@@ -254,14 +326,16 @@ class ReplicaAdmission:
         return owed
 
     # -- moves --------------------------------------------------------------------------------------
+    @_locked
     def release(self, root: str, b: Any) -> None:
         """The feeder takes ``root`` off ``b`` before placing it again (:meth:`place`)."""
         Placement.release(root, b)
 
+    @_locked
     def place(self, root: str, tokens: Sequence[int] | None = None) -> Any:
         """Place root ``root`` again now (its backend cannot be reached): it leaves its controller
-        and queues at the new backend's, ahead of new roots; when it was admitted it keeps running
-        meanwhile (its admission there is not reported again). Returns the new backend."""
+        and joins the new backend's: queued ahead of new roots while it waits still, adopted as
+        active at once when it was admitted (it runs already). Returns the new backend."""
         i = self._of.get(root)
         if i is None:  # not offered here: a plain placement
             return self.placement.place(root, tokens)
@@ -278,11 +352,17 @@ class ReplicaAdmission:
             tokens = self._prompt_of(wf)
         j = self._slot(self.placement.place(wf, tokens))
         if queued is not None:  # waiting still: it keeps its place in arrival order (a returner)
-            root = replace(queued, meta={**queued.meta, "returning": True, "moved": True})
-        else:
+            self._queue_at(j, replace(queued, meta={**queued.meta, "returning": True, "moved": True}))
+            return j
+        root = PendingRoot(wf, now, self._prefill.get(wf), {"returning": True, "moved": True})
+        adopt = getattr(self.ctrls[j], "adopt", None)
+        if adopt is None:  # a controller without adopt: queued first, running meanwhile
             self._moved.add(wf)
-            root = PendingRoot(wf, now, self._prefill.get(wf), {"returning": True, "moved": True})
-        self._queue_at(j, root)
+            self._queue_at(j, root)
+            return j
+        adopt(root, now)  # running already: counted there at once (see the module docstring)
+        self._of[wf] = j
+        self._dirty.add(j)
         return j
 
     def _requeue_stranded(self) -> None:

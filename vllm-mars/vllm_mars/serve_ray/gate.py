@@ -33,8 +33,13 @@ class RayForwarder(Forwarder):
     async def forward(self, r: Any, path: str, body: dict, headers: list[tuple[bytes, bytes]], send: Any,
                       extra: list[tuple[bytes, bytes]] = (), scan: Any = None) -> bool:
         b = r.backend
-        if self.gate.replicas.by_id.get(b.name) is not b:
-            raise Unreachable(f"replica {b.name} left the deployment")
+        by_id = self.gate.replicas.by_id
+        if by_id.get(b.name) is not b:
+            adm = self.gate.admission
+            moved = adm.backend_of(r.root) if adm is not None else None
+            if moved is None or moved is b or by_id.get(moved.name) is not moved:
+                raise Unreachable(f"replica {b.name} left the deployment")
+            r.backend = b = moved  # its replica's controller was retired: the root moved with it
         try:
             return await super().forward(r, path, body, headers, send, extra, scan)
         except _BrokenBeforeAnswer as e:

@@ -13,6 +13,7 @@ promised to its roots, plus cached prefix): the same placement, never a second c
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -47,15 +48,12 @@ class MarsRouter(RequestRouter):
                 return []  # pinned replica alive but busy: wait for it (its KV is there)
         s = self._set
         pl = s.placement
-
-        def score(c: Any) -> float:
-            b = s.by_id.get(c.replica_id.unique_id)
-            if b is None:
-                return -math.inf
-            try:
-                return pl.score(b)
-            except RuntimeError:  # the gate changed a root set meanwhile: rank it without promises
-                return b.telemetry.budget_blocks(pl.kv_target)
-
-        ranked = sorted(candidate_replicas, key=lambda c: -score(c))
+        by_id = s.by_id
+        # the gate's admission changes the promises and root sets on its own loop, and reading them
+        # updates them too: score under its lock (held for a few dict reads, never across an await)
+        lock = getattr(pl.controller, "lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            scores = {id(c): pl.score(b) if (b := by_id.get(c.replica_id.unique_id)) is not None else -math.inf
+                      for c in candidate_replicas}
+        ranked = sorted(candidate_replicas, key=lambda c: -scores[id(c)])
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]

@@ -321,6 +321,16 @@ class MarsAdmissionController(Selection):
         logger.debug("admitted %s (limit %s, budget %s)", out, limit, budget)
         return out
 
+    def _adoption(self, root: PendingRoot, now: float) -> tuple[_Active, int, float]:
+        """An adopted root (:meth:`ControllerBase.adopt`) is tracked like one this tick admitted."""
+        tokens = self._est_tokens(root)
+        blocks = self.footprint_blocks(root)
+        turns = root.meta.get("turns") if root.meta else None
+        self._life_version += 1
+        self._life_dirty.add(root.workflow)
+        return (_Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
+                        turns if isinstance(turns, int) else None), blocks, self.config.promise_s)
+
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""
         return {**super().snapshot(),
