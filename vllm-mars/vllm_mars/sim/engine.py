@@ -599,6 +599,12 @@ class SimBackend:
         s = self.scheduler
         blocked = self._blocked
         if blocked is None or blocked.request is not head:
+            store = s.retention
+            if store and s.scheduler_reserve_full_isl:
+                # the reclaim seam would release retained KV even without a cache hit: no lookup
+                tokens = min(head.num_tokens, s.max_model_len)
+                if -(-tokens // s.block_size) <= s.free_blocks() + store.num_blocks:
+                    return None
             blocked = self._blocked = _blocked_head(s, (head, self._lookup(head)))
         if blocked is None or head.num_stale_output_tokens:
             return None
