@@ -1,7 +1,8 @@
 """The sim's decode fast-forward changes nothing: byte-identical ``summary.json`` and ``events.jsonl``
 with it on and off, across policies, on a pool small enough that calls queue, are preempted, and
 evict each other's prefixes (each run ends with the sim's leak check). It must also run most steps,
-steps during which a timer fires among them, or the speed it buys is not there."""
+steps during which a timer fires and steps beside calls that wait and cannot start among them, or
+the speed it buys is not there."""
 
 from __future__ import annotations
 
@@ -74,12 +75,22 @@ def test_fast_forward_gives_byte_identical_runs(tmp_path, monkeypatch, policy):
     assert run.ff_crossed > 0
     off_run = max(off_backends, key=lambda b: b.steps)
     assert off_run.ff_steps == 0 and off_run.steps == run.steps
+    # calls wait that cannot start (the pool is small): the steps beside them run too
+    assert run.ff_waiting > run.ff_steps / 5, f"{run.ff_waiting} of {run.ff_steps} beside waiting calls"
 
 
 def test_a_preempting_cell_is_identical_too(tmp_path, monkeypatch):
-    """fcfs on an even smaller pool: preemptions happen, and runs stay identical."""
+    """fcfs on an even smaller pool: preemptions happen, calls wait that cannot start (the fast-forward
+    runs the decode steps beside them), and runs stay identical."""
     wl = _workload(tmp_path / "wl.jsonl")
-    outs = []
+    outs, runs = [], []
+    start = sim_engine.SimBackend.start
+
+    async def recording_start(self):
+        runs.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(sim_engine.SimBackend, "start", recording_start)
     for fast in (True, False):
         monkeypatch.setattr(sim_engine.SimBackend, "fast_forward", fast)
         out, _ = run_replay(ReplayConfig(workload=str(wl), policy="fcfs", rps=4.0, backend="sim", profile=PROFILE,
@@ -88,3 +99,5 @@ def test_a_preempting_cell_is_identical_too(tmp_path, monkeypatch):
     assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
     assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()
     assert json.loads((outs[0] / "summary.json").read_text())["preemptions"] > 0
+    fast_run = max((b for b in runs if b.ff_steps), key=lambda b: b.steps)
+    assert fast_run.ff_waiting > 0, "no decode step beside a waiting call was fast-forwarded"

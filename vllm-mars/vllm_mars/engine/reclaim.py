@@ -57,8 +57,10 @@ def install_reclaim(sched: Any) -> None:
     manager.allocate_slots = allocate_slots
 
 
-def reclaim_can_help(sched: Any, request: Request, num_new_tokens: int, kwargs: dict[str, Any]) -> bool:
-    """False only when even releasing every retained block could not satisfy this allocation.
+def reclaim_can_help(sched: Any, request: Request, num_new_tokens: int, kwargs: dict[str, Any],
+                     free: int | None = None) -> bool:
+    """False only when even releasing every retained block could not satisfy this allocation
+    (``free``: the pool's free blocks, default now).
 
     A lower bound on the new blocks it needs (ignoring vLLM's watermark and cached hits that
     sit in the free queue) is compared with free + retained blocks; without that check a
@@ -77,4 +79,4 @@ def reclaim_can_help(sched: Any, request: Request, num_new_tokens: int, kwargs: 
     hit = kwargs.get("new_computed_blocks")
     hits = len(hit.blocks[0]) if hit is not None else 0
     need = -(-tokens // sched.block_size) - held - hits
-    return need <= sched.free_blocks() + sched.retention.num_blocks
+    return need <= (sched.free_blocks() if free is None else free) + sched.retention.num_blocks

@@ -286,6 +286,11 @@ class MarsSchedulerMixin:
     def schedule(self, throttle_prefills: bool = False):
         now = self.clock.now()
         self._mars_begin_step(now)
+        return self._mars_schedule_begun(now, throttle_prefills)
+
+    def _mars_schedule_begun(self, now: float, throttle_prefills: bool = False) -> Any:
+        """vLLM's ``schedule()`` and the policy's end of the step, for a step whose
+        ``_mars_begin_step(now)`` already ran (the simulator's fast-forward hands such a step back)."""
         out = super().schedule(throttle_prefills)
         self._mars_end_step(out, now)
         return out

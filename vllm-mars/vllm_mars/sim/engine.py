@@ -28,11 +28,26 @@ submitted or aborted calls). Any step that could differ (an arrival, a finish, a
 possible preemption, an abort) runs the full path. Results are identical with it off
 (tests/test_sim_fast_forward.py).
 
+Calls may wait during such steps when vLLM's waiting loop would admit none of them. It stops before
+the queue's head when the running set or the token budget is full; otherwise the step, after the
+policy's step hooks, sorts the queue as vLLM's loop does (the policies' keys do not read the KV
+pool, so sorting before the decodes' allocations orders it as after them) and checks that the head cannot start
+(``_WaitPlan``): its prefix-cache lookup (the last full-path step's, kept by a wrapper of the
+scheduler's ``_get_local_prefix_cache_hit``, or a new one: a lookup changes nothing) stays the same
+(no decode's new block evicts one of its hit blocks, no decode's full block is cached under one of
+its hashes); vLLM's own block count for a one-token chunk beside that hit (and for the whole
+sequence, which vLLM requires to fit), plus the watermark, exceeds the free blocks the decodes
+leave, so no chunk the policy may choose fits; and no retained KV could be released to make it fit
+(``engine.reclaim.reclaim_can_help``). The policy is then asked what vLLM's loop asks, in its order:
+the gate (``max_num_active_reqs``) and the head's chunk cap (``_reserve_prefill_lookahead``). When the
+check fails, the step goes on through vLLM's ``schedule()`` (``MarsScheduler._mars_schedule_begun``)
+and the full path takes it.
+
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
 
-Why one module of about 510 lines: it is one class, one step loop, whose full path and decode
+Why one module of about 650 lines: it is one class, one step loop, whose full path and decode
 fast-forward share its per-step state and must give identical results; split apart, the two paths
 that must agree would live in different files.
 """
@@ -53,6 +68,8 @@ from vllm_mars.sim.loop import LoopClock, is_virtual
 #: vLLM's RequestStatus.RUNNING, resolved by :func:`_ff_supported` (importing vLLM when this module is
 #: imported made every ``mars`` command, ``mars sidecar --help`` included, pay vLLM's import time)
 _RUNNING: Any = None
+#: vLLM's RequestStatus.WAITING and PREEMPTED (the same)
+_WAITING: Any = ()
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +116,118 @@ class _StepOut:
 def _ff_supported(s: Any) -> bool:
     """Whether the scheduler's configuration lets decode steps be fast-forwarded at all: ours, sync,
     no connector, speculation, LoRA, pause, deferred frees or online cost fit in play."""
-    global _RUNNING
+    global _RUNNING, _WAITING
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.request import RequestStatus
 
     _RUNNING = RequestStatus.RUNNING  # (read by _decode_ready, which runs only after this)
+    _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    kvm = s.kv_cache_manager
     return (hasattr(s, "_mars_begin_step") and not isinstance(s, AsyncScheduler)
+            and not getattr(s, "prefix_replay_tokens", 0) and not getattr(kvm, "retained_hit_group_ids", ())
+            and len(kvm.coordinator.single_type_managers) == 1 and not s.num_spec_tokens
             and s.connector is None and getattr(s, "ec_connector", None) is None
             and not s.defer_block_free and s.vllm_config.speculative_config is None
             and s.lora_config is None and not getattr(s, "need_mamba_block_aligned_split", False)
             and getattr(getattr(s, "_cost", None), "fit", None) is None and s.num_lookahead_tokens == 0)
+
+
+class _Blocked:
+    """A waiting call whose prefix-cache lookup and allocation failed in the last full-path step, with
+    what vLLM's waiting loop needs of it: while its lookup gives the same blocks and even a one-token
+    chunk cannot be allocated, a decode step admits nobody and the fast-forward may run it."""
+
+    __slots__ = ("hashes", "hit", "hit_blocks", "request")
+
+    def __init__(self, request: Any, hit_blocks: Any, hit: int, block_size: int) -> None:
+        self.request = request
+        self.hit_blocks = hit_blocks  # vLLM's KVCacheBlocks of the lookup
+        self.hit = hit  # tokens it found cached
+        #: the call's block hashes up to the first one its lookup did not find: a block cached under
+        #: one of them could change the lookup
+        self.hashes = frozenset(request.block_hashes[:hit // block_size + 1])
+
+
+class _WaitPlan:
+    """vLLM's waiting loop at a blocked head beside ``n`` decodes (module docstring): the blocks its
+    allocation needs, the chunk the loop asks the policy to cap, and the checks that it still fails."""
+
+    __slots__ = ("can_help", "chunk", "evictable", "hashes", "head", "hit", "need", "reclaim_args", "retained",
+                 "sched")
+
+    def __init__(self, s: Any, blocked: _Blocked, n: int) -> None:
+        kvm = s.kv_cache_manager
+        head, hit = blocked.request, blocked.hit
+        hit_blocks = blocked.hit_blocks.blocks
+        self.sched, self.head, self.hit, self.hashes = s, head, hit, blocked.hashes
+        # the hit's blocks that sit in the free queue: allocating one for a decode evicts it
+        self.evictable = {id(b) for b in hit_blocks[0] if b.ref_cnt == 0 and not b.is_null}
+        # The blocks its allocation needs by vLLM's count, beside scheduled calls (the watermark):
+        # for a one-token chunk (more tokens need no fewer) and, when vLLM admits only what fits
+        # whole, for the whole sequence. Above the free blocks a step leaves, no chunk fits.
+        count = kvm.coordinator.get_num_blocks_to_allocate
+        rid, end_prefill = head.request_id, max(head.num_prompt_tokens, head.num_tokens - 1)
+        need = count(request_id=rid, num_tokens=min(hit + 1, kvm.max_model_len), new_computed_blocks=hit_blocks,
+                     num_encoder_tokens=0, total_computed_tokens=hit, num_local_computed_tokens=hit,
+                     num_tokens_main_model=hit + 1, prefill_end=end_prefill)
+        if s.scheduler_reserve_full_isl:
+            full = min(head.num_tokens, kvm.max_model_len)
+            need = max(need, count(request_id=rid, num_tokens=full, new_computed_blocks=hit_blocks,
+                                   num_encoder_tokens=0, total_computed_tokens=hit, num_local_computed_tokens=hit,
+                                   num_tokens_main_model=full, apply_admission_cap=True, prefill_end=end_prefill))
+        self.need = need + kvm.watermark_blocks
+        # what the reclaim seam is asked after the failure (one token: the fewest blocks)
+        self.reclaim_args = {"num_new_computed_tokens": hit, "new_computed_blocks": blocked.hit_blocks,
+                             "full_sequence_must_fit": bool(s.scheduler_reserve_full_isl)}
+        self.retained = s.retention.num_blocks
+        from vllm_mars.engine.reclaim import reclaim_can_help
+
+        self.can_help = reclaim_can_help
+        # the chunk vLLM's loop asks the policy to cap, computed as vLLM does
+        cfg = s.scheduler_config
+        budget = min(s.max_num_scheduled_tokens, cfg.max_num_batched_tokens) - n
+        chunk = head.num_tokens - hit
+        num_running, num_waiting = s.get_request_counts()
+        eligible = num_running + num_waiting
+        cap = cfg.long_prefill_token_threshold if eligible > 1 else 0
+        if cap > 0 and s.adaptive_long_prefill_threshold:
+            cap = max(cap, cfg.max_num_batched_tokens // eligible)
+        if 0 < cap < chunk:
+            chunk = cap
+        if not cfg.enable_chunked_prefill and chunk > budget and not s.is_mm_encoder_only:
+            chunk = 0  # vLLM stops before asking
+        self.chunk = min(chunk, budget)
+
+    def fails(self, pool: Any, new: list, fills: list, bs: int) -> bool:
+        """Whether the head's allocation fails after this step's decodes (``new`` take a block each,
+        ``fills`` fill one) and its lookup gives the same blocks then."""
+        free = pool.get_num_free_blocks() - len(new)
+        if self.need <= free:
+            return False
+        if new and self.evictable:
+            b = pool.free_block_queue.fake_free_list_head
+            evictable = self.evictable
+            if any(id(b := b.next_free_block) in evictable for _ in new):
+                return False  # a decode's new block would evict one of its hit's blocks
+        hashes = self.hashes
+        if fills and any(r.block_hashes[(r.num_computed_tokens + 1) // bs - 1] in hashes for r in fills):
+            return False  # a decode's full block would be cached under one of its hashes
+        # with retained KV the reclaim seam would release some if that could make it fit
+        s = self.sched
+        return not (s.retention and self.can_help(s, self.head, 1, self.reclaim_args, free))
+
+
+def _blocked_head(s: Any, looked: Any) -> _Blocked | None:
+    """The record of the last lookup of a full-path ``schedule()`` (``looked``: request, lookup
+    result) when that call is still waiting with nothing computed: vLLM's waiting loop stopped at it
+    (after a lookup, vLLM either schedules the call or stops)."""
+    if looked is None:
+        return None
+    request, (blocks, hit, _, diverged) = looked
+    if (diverged or request.status not in _WAITING or request.num_computed_tokens
+            or request.request_id not in s.requests):
+        return None
+    return _Blocked(request, blocks, hit, s.block_size)
 
 
 def _decode_ready(r: Any, step: int) -> bool:
@@ -175,6 +294,11 @@ class SimBackend:
         self._wake = asyncio.Event()
         self._stats: dict[str, Any] = {}
         self._error: BaseException | None = None
+        #: the last prefix-cache lookup of the step (request, vLLM's result) and, from it, the waiting
+        #: call that failed to start in the last full-path step (the fast-forward's _Blocked)
+        self._looked: tuple[Any, Any] | None = None
+        self._blocked: _Blocked | None = None
+        self._lookup: Any = None  # vLLM's prefix-cache lookup (the scheduler's, unwrapped)
         #: engine counters: steps run, virtual seconds busy, empty steps
         self.steps = 0
         self.busy_s = 0.0
@@ -182,6 +306,8 @@ class SimBackend:
         #: of ``steps``, those the decode fast-forward ran; of those, the ones it slept through the loop
         self.ff_steps = 0
         self.ff_crossed = 0
+        #: of ``ff_steps``, those run while calls waited (vLLM's waiting loop would have admitted none)
+        self.ff_waiting = 0
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
@@ -245,9 +371,20 @@ class SimBackend:
         block_size = self.profile.block_size
         advance = loop.advance_if_idle
         ff = self._fast_forward if self.fast_forward and _ff_supported(s) else None
+        if ff is not None:
+            lookup = self._lookup = s._get_local_prefix_cache_hit
+
+            def recording_lookup(request: Any) -> Any:  # vLLM's lookup; its last call is kept
+                got = lookup(request)
+                self._looked = (request, got)
+                return got
+
+            s._get_local_prefix_cache_hit = recording_lookup
         xfer = self._xfer  # the CPU offload tier's transfers (None: no tier; vllm_mars.sim.offload)
         try:
             while True:
+                if self._aborts or self._incoming:
+                    self._blocked = None  # the waiting queue changes: a full-path step looks again
                 if self._aborts:
                     for rid in self._aborts:
                         abort_request(s, rid)
@@ -269,9 +406,14 @@ class SimBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if ff is not None and await ff():
+                self._looked = None
+                got = await ff() if ff is not None else False
+                if got is True:
                     continue  # it ended on a step across a timer: back to the arrivals and aborts
-                so = s.schedule()
+                # the fast-forward hands back a step it began (its scheduler output) or none
+                so = s.schedule() if got is False else got
+                if ff is not None:
+                    self._blocked = _blocked_head(s, self._looked)
                 prefill, decode = batch_shape(s, so)
                 if prefill or decode:
                     dt = profile.step_seconds(prefill, decode)
@@ -318,15 +460,16 @@ class SimBackend:
             self._calls.clear()
             raise
 
-    async def _fast_forward(self) -> bool:
+    async def _fast_forward(self) -> Any:
         """Run the decode-only steps that are due now without vLLM's schedule/update (module
         docstring). Returns False before the first step that needs the full path (that step runs
         next), True after a step during which something else on the loop ran (a timer, a wake-up):
-        that step slept through the loop as the full path does, and the caller starts over."""
+        that step slept through the loop as the full path does, and the caller starts over; or the
+        output of a step it began whose waiting call changed (vLLM scheduled it: the full path goes on)."""
         s = self.scheduler
         running = s.running
         n = len(running)
-        if (not n or self._incoming or self._aborts or len(s.waiting) or len(s.kv_holding_waiting)
+        if (not n or self._incoming or self._aborts or len(s.kv_holding_waiting)
                 or n > s.max_num_scheduled_tokens or n > s.scheduler_config.max_num_batched_tokens):
             return False
         # How many steps every running request decodes without finishing (the finishing step and
@@ -345,10 +488,18 @@ class SimBackend:
         horizon -= 1
         if horizon <= 0:
             return False
-        loop = self._loop
-        profile = self.profile
         kvm = s.kv_cache_manager
         pool = kvm.block_pool
+        waiting = s.waiting
+        # Calls wait: vLLM's waiting loop runs after the decodes. It stops before the queue's head
+        # when the running set or the token budget is full; else it reaches the head, which must
+        # fail to start (``_WaitPlan``, checked in each step after the policy's step hooks).
+        waits = bool(len(waiting)) and (n + s.num_waiting_for_streaming_input < s._max_active
+                                        and n < s.max_num_scheduled_tokens
+                                        and n < s.scheduler_config.max_num_batched_tokens)
+        plan = None
+        loop = self._loop
+        profile = self.profile
         lookahead = s.num_lookahead_tokens
         begin, end = s._mars_begin_step, s._mars_end_step
         idle, advance = loop.idle_for, loop.advance_if_idle
@@ -363,6 +514,7 @@ class SimBackend:
         done = 0
         out = _StepOut()
         crossed = False
+        handed = None
         while done < horizon:
             k = done % bs
             new = starts[k]
@@ -378,6 +530,16 @@ class SimBackend:
             crossed = not idle(dt)
             now = loop.time()
             begin(now)
+            if waits:
+                # the head as vLLM's loop will see it (it sorts the queue there, as here)
+                head = waiting.peek_request()
+                if plan is None or plan.head is not head or plan.retained != s.retention.num_blocks:
+                    plan = self._wait_plan(head, n)
+                if plan is None or not plan.fails(pool, new, fills[k], bs):
+                    # it could start: this step goes on through vLLM's schedule(), on the full path
+                    handed = now
+                    crossed = False
+                    break
             # schedule(): one token each, allocate_slots where a block starts or fills
             s.current_step += 1
             kvm.new_step_starts()
@@ -390,6 +552,11 @@ class SimBackend:
                     if kvm.allocate_slots(r, 1, num_lookahead_tokens=lookahead) is None:
                         raise RuntimeError(f"sim fast-forward: allocation failed for {r.request_id}")
                 kvm.take_new_block_ids()
+            # the waiting loop: the gate (the policy's, when it gates) and the head's chunk cap, asked
+            # as vLLM asks them; its allocation then fails (``_WaitPlan.fails``) and the loop stops
+            if waits and n + s.num_waiting_for_streaming_input < s.max_num_active_reqs and plan.chunk:
+                s._reserve_prefill_lookahead(plan.head, plan.hit, plan.chunk)
+            s.prefill_capacity_bound = len(waiting) > len(s.deferred_waiting)  # (vLLM's, after its loop)
             s.finished_req_ids = set()
             s.reset_preempted_req_ids = set()
             out.num_scheduled_tokens = scheduled = {}
@@ -410,19 +577,39 @@ class SimBackend:
             done += 1
             if crossed:
                 break
-        if not done:
-            return False
-        if not s.use_v2_model_runner:
-            s.prev_step_scheduled_req_ids.clear()
-            s.prev_step_scheduled_req_ids.update(r.request_id for r in running)
-        calls = self._calls
-        for r in running:
-            call = calls.get(r.request_id)
-            if call is not None:
-                call.ids.extend([token] * done)
-        self.ff_steps += done
-        self.ff_crossed += crossed
-        return crossed
+        if done:
+            if not s.use_v2_model_runner:
+                s.prev_step_scheduled_req_ids.clear()
+                s.prev_step_scheduled_req_ids.update(r.request_id for r in running)
+            calls = self._calls
+            for r in running:
+                call = calls.get(r.request_id)
+                if call is not None:
+                    call.ids.extend([token] * done)
+            self.ff_steps += done
+            self.ff_crossed += crossed
+            if len(waiting):
+                self.ff_waiting += done
+        if handed is not None:
+            return s._mars_schedule_begun(handed)
+        return crossed if done else False
+
+    def _wait_plan(self, head: Any, n: int) -> _WaitPlan | None:
+        """What the waiting loop does with ``head`` beside ``n`` decodes: the last full-path step's
+        lookup of it (``_Blocked``) or a new one (a lookup changes nothing), None when it cannot say."""
+        s = self.scheduler
+        blocked = self._blocked
+        if blocked is None or blocked.request is not head:
+            store = s.retention
+            if store and s.scheduler_reserve_full_isl:
+                # the reclaim seam would release retained KV even without a cache hit: no lookup
+                tokens = min(head.num_tokens, s.max_model_len)
+                if -(-tokens // s.block_size) <= s.free_blocks() + store.num_blocks:
+                    return None
+            blocked = self._blocked = _blocked_head(s, (head, self._lookup(head)))
+        if blocked is None or head.num_stale_output_tokens:
+            return None
+        return _WaitPlan(s, blocked, n)
 
     def _deliver(self, o: Any, now: float) -> None:
         call = self._calls.get(o.request_id)
