@@ -31,9 +31,10 @@ class MarsAdmissionConfig(WindowConfig):
     #: KV usage at or below which the window may grow (and the KV pressure state clears);
     #: None: ``kv_target - 0.05``.
     kv_low: float | None = None
-    #: Tool calls in flight per tool worker at which the CPU plane counts as overloaded.
-    cpu_backlog_high: float = 2.0
-    #: In-flight per worker at or below which the CPU plane is healthy.
+    #: Active roots per tool worker: the CPU cap on the window is ``ceil(workers x this)``.
+    cpu_cap_per_worker: float = 1.5
+    #: Tool calls in flight (queued ones included) per worker at or below which the CPU plane is
+    #: healthy (the window may grow).
     cpu_backlog_low: float = 1.0
     #: Tool queue wait EMA (s) at which the CPU plane counts as overloaded.
     cpu_wait_high_s: float = 5.0
@@ -87,8 +88,10 @@ class MarsAdmissionConfig(WindowConfig):
             object.__setattr__(self, "kv_low", max(0.0, round(self.kv_target - 0.05, 6)))
         if not 0 <= self.kv_low < self.kv_target:
             raise bad("kv_low", f"in [0, kv_target={self.kv_target})")
-        if not 0 < self.cpu_backlog_low <= self.cpu_backlog_high:
-            raise bad("cpu_backlog_low", f"in (0, cpu_backlog_high={self.cpu_backlog_high}]")
+        if not self.cpu_cap_per_worker > 0:
+            raise bad("cpu_cap_per_worker", "> 0")
+        if not self.cpu_backlog_low > 0:
+            raise bad("cpu_backlog_low", "> 0")
         if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
             raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
         if self.unknown_prefill_tokens < 0:

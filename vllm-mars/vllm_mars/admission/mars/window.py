@@ -3,8 +3,11 @@
 The window ``W`` on active roots is updated at most once per ``interval_s``: x``dec_factor`` under
 pressure, +``inc`` when healthy. Pressure is
 
-* **CPU**: tool calls in flight per worker >= ``cpu_backlog_high`` or tool queue wait >=
-  ``cpu_wait_high_s`` (cleared at the low marks: hysteresis);
+* **CPU**: the tool queue wait EMA >= ``cpu_wait_high_s`` (cleared at ``cpu_wait_low_s`` with at
+  most ``cpu_backlog_low`` calls in flight per worker: hysteresis). The EMA moves only when a tool
+  starts, so one reading is one congestion signal: it decreases the window once, however many
+  intervals it is held; a new value decreases it again only once the last decrease has taken effect
+  (no more roots active than the window: one decrease per round trip);
 * **telemetry** older than ``stale_s``;
 * **KV**: under the cost rule, the measured share of engine time spent recomputing lost KV (preempted
   tokens and evicted blocks, priced by the cost model) at ``rebuild_share_high``, while the pool
@@ -13,7 +16,8 @@ pressure, +``inc`` when healthy. Pressure is
   ``kv_target`` (cleared at ``kv_low``).
 
 The limit is ``min(W, cpu_cap, kv_cap)``, each >= ``window_min``: ``cpu_cap`` follows the tool
-workers, ``kv_cap`` KV usage (footprint rule) or nothing (cost rule: rebuilds drive ``W``).
+workers (``ceil(workers x cpu_cap_per_worker)``; calls in flight per worker cannot pass it unless
+roots have children, so they are no pressure trigger), ``kv_cap`` KV usage (footprint rule) or nothing (cost rule: rebuilds drive ``W``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class AimdWindow(ControllerBase):
         self._kv_overloaded = False
         self._cpu_overloaded = False
         self._stale = False
+        self._cpu_wait_used: float | None = None  # the tool-wait reading the last CPU decrease acted on
 
     # hooks the controller provides
     def _rule(self) -> str:
@@ -88,8 +93,7 @@ class AimdWindow(ControllerBase):
             ratio = t.tools_in_flight / max(1, t.tool_workers or 1)
         if t is not None:
             wait = t.tool_queue_wait_s
-        high = (ratio is not None and ratio >= cfg.cpu_backlog_high) or (
-            wait is not None and wait >= cfg.cpu_wait_high_s)
+        high = wait is not None and wait >= cfg.cpu_wait_high_s
         healthy = (ratio is None or ratio <= cfg.cpu_backlog_low) and (wait is None or wait <= cfg.cpu_wait_low_s)
         if high:
             overloaded = True
@@ -104,8 +108,7 @@ class AimdWindow(ControllerBase):
         lo, hi = cfg.window_min, cfg.window_max
         cpu_cap = hi
         if t is not None and t.tool_workers:
-            mid = max(0.1, (cfg.cpu_backlog_low + cfg.cpu_backlog_high) / 2)
-            cpu_cap = min(hi, max(lo, math.ceil(t.tool_workers * mid)))
+            cpu_cap = min(hi, max(lo, math.ceil(t.tool_workers * cfg.cpu_cap_per_worker)))
         usage = self._usage()
         if self._stale:
             kv_cap = lo
@@ -166,13 +169,24 @@ class AimdWindow(ControllerBase):
         usage = self._usage()
         budget = self.budget_blocks()
         overloaded = self._kv_overloaded or cpu_over or self._stale
-        if overloaded:
+        wait = None if self._tel is None else self._tel.tool_queue_wait_s
+        # One decrease per round trip: a reading at the high mark that no decrease has acted on, once
+        # the last decrease has taken effect (no more roots active than the window).
+        cpu_fresh = (cpu_over and wait is not None and wait >= cfg.cpu_wait_high_s and wait != self._cpu_wait_used
+                     and len(self._active) <= self.window)
+        if not cpu_over:
+            self._cpu_wait_used = None
+        if self._kv_overloaded or self._stale or cpu_fresh:
+            if cpu_over:
+                self._cpu_wait_used = wait
             base = self.window
             if self._cost_mode() and self._kv_overloaded:
                 # Measured thrashing: decrease from what is in flight (a window above the active
                 # count would not stop a single admission).
                 base = min(base, max(len(self._active), 1))
             w = max(cfg.window_min, math.floor(base * cfg.dec_factor))
+        elif cpu_over:
+            w = self.window  # the CPU signal was acted on, or the last decrease is still taking effect: hold
         elif cpu_healthy and (self._cost_mode() or (
                 (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0))):
             w = min(cfg.window_max, self.window + cfg.inc)
