@@ -397,13 +397,6 @@ class HTTPBackend:
         finally:
             self._streams.pop(request_id, None)
 
-    def mark_run_start(self) -> None:
-        """With record_steps: the steps recorded from now on are the run's (called before the run's
-        first call; the stepper takes it in order with the calls, between steps)."""
-        if self.step_times is not None:
-            self._cmds.put(("mark",))
-            self._wake.set()
-
     async def abort(self, request_id: str) -> None:
         task = self._streams.pop(request_id, None)
         if task is not None and not task.done():
