@@ -19,21 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess, free_port
+from polling import wait_until
 from vllm_mars.admission.placement import pooled_telemetry
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
         "temperature": 0}
 LONG = {**CHAT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-
-
-def wait_until(pred, timeout=10.0, step=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 def sched_records(server: ServerProcess) -> list[dict]:

@@ -26,7 +26,7 @@ from conftest import free_port
 from faulty_backend import FaultyBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sidecar import wait_until
+from polling import wait_until
 
 SETTINGS = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

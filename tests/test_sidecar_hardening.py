@@ -15,7 +15,8 @@ import httpx
 import pytest
 from conftest import free_port
 from faulty_backend import FaultyBackend
-from test_sidecar import CHAT, Call, wait_until
+from polling import wait_until
+from test_sidecar import CHAT, Call
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
 
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from conftest import free_port
 from faulty_backend import FaultyBackend
-from test_sidecar import CHAT, wait_until
+from polling import wait_until
+from test_sidecar import CHAT
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
 from vllm_mars.workflow import safe_dirname, safe_id
 

@@ -13,21 +13,13 @@ import time
 import httpx
 from conftest import free_port
 from faulty_backend import FaultyBackend
+from polling import wait_until
 from vllm_mars.admission.replicas import ReplicaAdmission
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread
 from vllm_mars.admission.telemetry import parse_prometheus
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
         "temperature": 0}
-
-
-def wait_until(pred, timeout=10.0, step=0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 def chat(sc, root: str, timeout: float = 60) -> httpx.Response:

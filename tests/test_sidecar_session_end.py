@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import free_port
 from faulty_backend import FINISH_BODY, OK_BODY, FaultyBackend
+from polling import wait_until
 from test_continuity import _table
-from test_sidecar import wait_until
 from vllm_mars.admission.continuity import ToolCallScan
 from vllm_mars.admission.identity import identify
 from vllm_mars.admission.sidecar import SidecarConfig, SidecarThread

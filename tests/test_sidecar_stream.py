@@ -25,7 +25,8 @@ import httpx
 import pytest
 from conftest import free_port
 from faulty_backend import METRICS, LoopServer
-from test_sidecar import CHAT, wait_until
+from polling import wait_until
+from test_sidecar import CHAT
 from vllm_mars.admission.placement import Backend, Placement
 from vllm_mars.admission.sidecar import Sidecar, SidecarConfig, serving
 from vllm_mars.admission.sidecar.proxy import forward_bytes
