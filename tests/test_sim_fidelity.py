@@ -5,6 +5,7 @@ the same small workload through the real CPU engine and through the sim with tha
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,49 @@ def test_step_recorder_sees_chunks_and_decodes_of_the_real_scheduler():
     assert batches[3] == ([], [101])                          # b finished after 2 tokens, a decodes
     assert len(batches) == 4 and rec.take() == []
     assert_no_leaks(s)
+
+
+def test_mars_profile_times_each_grid_step_as_the_serving_loop_runs_it(tiny_model, monkeypatch):
+    """The grid's steps are timed as a run's recorded steps are (its whole cycle in the in-process
+    serving loop, not engine.step() alone): a per-step snapshot made 20 ms slower shows in every timed
+    step. And every point's steps are its own: the last step of a point is closed before the next point
+    starts (one prefill step per prefill point, as its label says)."""
+    import asyncio
+
+    from vllm_mars.driver.backends import InProcessBackend
+    from vllm_mars.engine.profiler import GRIDS, EngineProfiler
+
+    slow = 0.02
+    snapshot = InProcessBackend._snapshot
+
+    def slow_snapshot(self, now=None):
+        if now is not None:  # the snapshot after each step (not the idle loop's)
+            time.sleep(slow)
+        snapshot(self, now)
+
+    monkeypatch.setattr(InProcessBackend, "_snapshot", slow_snapshot)
+    grid = GRIDS["tiny"]
+
+    async def go():
+        prof = EngineProfiler(tiny_model, num_blocks=160, block_size=32, max_model_len=2048, max_num_seqs=8,
+                              max_num_batched_tokens=512, policy="fcfs")
+        await prof.start()
+        try:
+            samples = await prof.run(grid)
+            assert_no_leaks(prof.backend.scheduler)
+        finally:
+            await prof.close()
+        return samples
+
+    samples = asyncio.run(go())
+    assert samples and min(s.seconds for s in samples) >= slow
+    prefill = [s for s in samples if s.label.startswith("prefill c=")]
+    assert len(prefill) == len(grid.chunks) * len(grid.contexts)
+    for s in prefill:
+        c, p = (int(x.split("=")[1]) for x in s.label.split()[1:])
+        assert s.prefill == ((c, p),) and s.decode == (), s
+    decode = [s for s in samples if s.label.startswith("decode b=1 ")]
+    assert len(decode) == grid.decode_steps * len(grid.decode_contexts)
 
 
 def _workload(path: Path, n: int = 6) -> Path:
@@ -178,6 +222,9 @@ def test_step_trace_reproduces_the_run_it_was_recorded_from(tmp_path, monkeypatc
     a, b, c = (json.loads((d / "summary.json").read_text()) for d in (first, again, plain))
     st = b["engine"]["step_trace"]
     assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(recorded), st
+    # every step asks its time once, the decode fast-forward's included (a step it hands to the full
+    # path is priced there, not twice: a trace would then give each later step its predecessor's time)
+    assert len(recorded) == a["engine"]["steps"] == b["engine"]["steps"]
     assert a["preemptions"] > 0
     for key in ("preemptions", "recomputed_tokens", "completed", "e2e_s", "ttft_s", "makespan_s"):
         assert b[key] == a[key], key

@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile", help="time a real engine's steps over a grid and fit a step-time profile for --backend sim",
         description="Run the real vLLM engine (in this process: the CPU engine with the tiny model by default, "
-                    "a GPU where present), time engine.step() over a grid of (prefill chunk, context) and "
-                    "(decode batch, context) points, fit the profile's coefficients (mfu, attn_mfu, bw_eff, "
+                    "a GPU where present), time its steps in `mars replay`'s serving loop over a grid of "
+                    "(prefill chunk, context) and (decode batch, context) points, fit the profile's coefficients (mfu, attn_mfu, bw_eff, "
                     "per-step and per-request overhead) and write a profile file the sim accepts. Prints the "
                     "fit error per grid point.")
     p.add_argument("--model", default=None,
@@ -61,9 +61,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "vLLM 0.32 runs on a GPU: the CPU work overlaps the kernels; sync: "
                         "--no-async-scheduling, the CPU overheads between steps)")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed (default 0)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="time steps by wall clock (default; right on a quiet machine) or by this process's CPU "
-                        "time (all threads; less inflated on a machine shared with other jobs)")
     p.set_defaults(func=_profile)
 
 
@@ -158,10 +155,10 @@ def _profile(args: argparse.Namespace) -> int:
                              "host (this vLLM runs on CPU); --from-steps fits recorded steps anywhere")
         print(f"profiling {model} on {base.hardware.name}: grid {args.grid or ('gpu' if gpu else 'cpu')} "
               f"(repeats {grid.repeats})", file=sys.stderr)
-        samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed, clock=args.clock,
+        samples = profile_engine(model, grid, engine_kw=kw, seed=args.seed,
                                  progress=lambda m: print(f"  {m}", file=sys.stderr))
-        source = (f"fitted by `mars profile --clock {args.clock}` on {platform.node()} ({os.cpu_count()} CPUs) "
-                  f"at {t0:%Y-%m-%d %H:%M} UTC")
+        source = (f"fitted by `mars profile` (steps timed in the serving loop) on {platform.node()} "
+                  f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}) at {t0:%Y-%m-%d %H:%M} UTC")
     result = fit_profile(base, samples, source=source,
                          loss=args.loss or ("absolute" if args.from_steps else "relative"))
     prof = result.profile

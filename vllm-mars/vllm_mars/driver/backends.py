@@ -137,11 +137,14 @@ class InProcessBackend:
                         ok = engine.reset_prefix_cache()
                         self._loop.call_soon_threadsafe(cmd[1].set_result, ok)
                         continue
-                    if cmd[0] == "mark":  # the run starts: the steps so far were the calibration's
+                    if cmd[0] in ("mark", "flush"):  # the steps so far are complete
                         if pending is not None:
                             self.step_times.append((pending[0], pending[1], t_end - pending[2]))
                             pending = None
-                        self.run_first_step = len(self.step_times)
+                        if cmd[0] == "mark":  # the run starts: the steps so far were the calibration's
+                            self.run_first_step = len(self.step_times)
+                        else:
+                            self._loop.call_soon_threadsafe(cmd[1].set_result, len(self.step_times))
                         continue
                     rid, prompt_ids, max_tokens, extra, ignore_eos = cmd
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
@@ -224,6 +227,16 @@ class InProcessBackend:
         if self.step_times is not None:
             self._cmds.put(("mark",))
             self._wake.set()
+
+    async def recorded_steps(self) -> int:
+        """With record_steps, called while the engine is idle (its calls answered): closes the last
+        step's cycle where the loop went idle and returns how many steps ``step_times`` holds."""
+        if self.step_times is None:
+            raise RuntimeError("recorded_steps needs record_steps=True")
+        done = self._loop.create_future()
+        self._cmds.put(("flush", done))
+        self._wake.set()
+        return await asyncio.wait_for(done, 30)
 
     async def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is None:

@@ -1,8 +1,11 @@
 """Time real engine steps over a grid of batches, for ``mars profile``.
 
-The real ``LLMEngine`` (with MarsScheduler, in this process) is stepped by hand; each
-``engine.step()`` is timed with ``perf_counter`` and paired with what the scheduler scheduled in it
-(``StepRecorder``). Grid points:
+The grid's requests go through the in-process backend of ``mars replay --backend inprocess``
+(``driver.backends.InProcessBackend`` with ``record_steps``), so each step is timed as a run's steps
+are: its whole cycle in the serving loop (``engine.step()``, the scheduler snapshot, the outputs'
+hand-off to the asyncio thread, the next requests' ``add_request``), with the garbage collector on,
+paired with the batch the scheduler chose (``engine.steps.StepRecorder``). A fit to these steps and
+a fit to a run's recorded steps describe the same quantity. Grid points:
 
 - prefill (chunk c, context p): a p-token prefix is computed and cached first, then a request of the
   prefix plus c fresh tokens (one output token) is timed: its step is a c-token chunk over p tokens;
@@ -16,17 +19,15 @@ vLLM is imported when an engine starts, not with the module: ``mars --help`` imp
 
 from __future__ import annotations
 
-import gc
+import asyncio
 import logging
-import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mars.backend import Sample
-from vllm_mars.engine.local import engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -61,107 +62,64 @@ GRIDS = {
 }
 
 
-#: step timers: wall time (the truth on a quiet machine) or this process's CPU time (all threads), which
-#: a machine shared with other jobs inflates much less
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def make_llm_engine(model: str, **kwargs: Any):
-    """vLLM's ``LLMEngine`` in this process (engine core included) with MarsScheduler; returns
-    (engine, scheduler)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(model, disable_log_stats=True, **kwargs)))
-    core = getattr(engine.engine_core, "engine_core", None)
-    if core is None:
-        raise RuntimeError("the engine core runs in another process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                           "before vllm is imported")
-    return engine, core.scheduler
-
-
 class EngineProfiler:
-    """Times ``engine.step()`` of a real engine over a :class:`Grid`."""
+    """Times a real engine's steps over a :class:`Grid` through the in-process serving loop."""
 
-    def __init__(self, model: str, *, seed: int = 0, clock: str = "wall", **engine_kw: Any) -> None:
-        if clock not in CLOCKS:
-            raise ValueError(f"clock {clock!r} unknown; allowed: {', '.join(CLOCKS)}")
-        self.timer = CLOCKS[clock]
+    def __init__(self, model: str, *, seed: int = 0, **engine_kw: Any) -> None:
         self.model = model
         self.engine_kw = engine_kw
         self.rng = random.Random(seed)
-        self.engine = None
-        self.scheduler = None
-        self.recorder = None
+        self.backend: Any = None
         self.vocab = 0
         self._n = 0
+        self._calls: list[Coroutine] = []
 
-    def start(self) -> None:
-        from vllm_mars.engine.steps import StepRecorder  # vllm: imported only when an engine starts
+    async def start(self) -> None:
+        from vllm_mars.driver.backends import InProcessBackend  # imports vllm when it starts
 
-        self.engine, self.scheduler = make_llm_engine(self.model, **self.engine_kw)
-        self.recorder = StepRecorder(self.scheduler)
-        self.vocab = self.engine.model_config.get_vocab_size()
+        self.backend = InProcessBackend(self.model, time.perf_counter, record_steps=True, **self.engine_kw)
+        await self.backend.start()
+        self.vocab = self.backend.vocab_size
 
     def capacity_tokens(self) -> int:
-        s = self.scheduler
+        s = self.backend.scheduler
         return s.kv_cache_config.num_blocks * s.block_size
 
-    def close(self) -> None:
-        if self.engine is not None:
-            try:
-                self.engine.engine_core.shutdown()
-            except Exception:
-                logger.debug("engine shutdown failed", exc_info=True)
-            self.engine = self.scheduler = None
+    async def close(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
+            self.backend = None
 
     # -- requests -------------------------------------------------------------------------------------
     def _ids(self, n: int) -> list[int]:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
 
     def _add(self, prompt: list[int], max_tokens: int) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         self._n += 1
-        # as the in-process backend sends them (so detokenization is timed too), unless there is no tokenizer
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                            output_kind=RequestOutputKind.DELTA,
-                            detokenize=not self.engine_kw.get("skip_tokenizer_init", False))
-        self.engine.add_request(f"mars-profile-{self._n}", {"prompt_token_ids": prompt}, sp)
+        self._calls.append(self.backend.generate(f"mars-profile-{self._n}", prompt, max_tokens, {}))
 
-    def _drain(self, label: Callable[[list, list], str] | None) -> list[Sample]:
-        """Step until idle; time every step; label=None: do not record."""
-        out: list[Sample] = []
-        self.recorder.take()
-        gc.collect()
-        gc.disable()
-        try:
-            while self.engine.has_unfinished_requests():
-                t0 = self.timer()
-                self.engine.step()
-                dt = self.timer() - t0
-                batches = self.recorder.take()
-                if label is None or len(batches) != 1:
-                    continue
-                prefill, decode = batches[0]
-                if prefill or decode:
-                    out.append(Sample(tuple(prefill), tuple(decode), dt, label(prefill, decode)))
-        finally:
-            gc.enable()
-        return out
+    async def _drain(self, label: Callable[[list, list], str] | None) -> list[Sample]:
+        """Send the added requests together, wait for their answers; the steps they took, each timed
+        as the serving loop ran it (label=None: not kept)."""
+        first = await self.backend.recorded_steps()
+        calls, self._calls = self._calls, []
+        await asyncio.gather(*calls)
+        last = await self.backend.recorded_steps()
+        if label is None:
+            return []
+        return [Sample(tuple(tuple(p) for p in prefill), tuple(decode), dt, label(prefill, decode))
+                for prefill, decode, dt in self.backend.step_times[first:last]]
 
     # -- the grid -------------------------------------------------------------------------------------
-    def run(self, grid: Grid, progress: Callable[[str], None] | None = None) -> list[Sample]:
+    async def run(self, grid: Grid, progress: Callable[[str], None] | None = None) -> list[Sample]:
         samples: list[Sample] = []
         cap = self.capacity_tokens()
-        budget = self.scheduler.max_num_scheduled_tokens
+        budget = self.backend.scheduler.max_num_scheduled_tokens
         say = progress or (lambda _m: None)
         # warm-up (first calls of every kernel), not recorded
         self._add(self._ids(min(256, budget)), 4)
         self._add(self._ids(32), 4)
-        self._drain(None)
+        await self._drain(None)
         # repeats are the outer loop, so each point is timed at several moments (a machine shared with
         # other jobs slows some moments down; the fit down-weights the outliers)
         for rep in range(grid.repeats):
@@ -174,9 +132,9 @@ class EngineProfiler:
                     prefix = self._ids(p)
                     if p:
                         self._add(prefix, 1)
-                        self._drain(None)
+                        await self._drain(None)
                     self._add(prefix + self._ids(c), 1)
-                    samples += self._drain(lambda _p, _d, c=c, p=p: f"prefill c={c} ctx={p}")
+                    samples += await self._drain(lambda _p, _d, c=c, p=p: f"prefill c={c} ctx={p}")
             for L in grid.decode_contexts:
                 for b in grid.batches:
                     if b * (L + grid.decode_steps + 1) > cap * 0.9:
@@ -185,19 +143,22 @@ class EngineProfiler:
                         continue
                     for _i in range(b):
                         self._add(self._ids(L), grid.decode_steps + 1)
-                    samples += self._drain(lambda pf, _d, b=b, L=L:
-                                           f"{'prefill-mix' if pf else 'decode'} b={b} ctx={L}")
+                    samples += await self._drain(lambda pf, _d, b=b, L=L:
+                                                 f"{'prefill-mix' if pf else 'decode'} b={b} ctx={L}")
             say(f"round {rep + 1}/{grid.repeats}: {len(samples)} steps timed")
         return samples
 
 
 def profile_engine(model: str, grid: Grid, *, engine_kw: Mapping[str, Any],
-                   progress: Callable[[str], None] | None = None, seed: int = 0,
-                   clock: str = "wall") -> list[Sample]:
+                   progress: Callable[[str], None] | None = None, seed: int = 0) -> list[Sample]:
     """Start an engine, time the grid, stop it."""
-    prof = EngineProfiler(model, seed=seed, clock=clock, **engine_kw)
-    prof.start()
-    try:
-        return prof.run(grid, progress)
-    finally:
-        prof.close()
+
+    async def go() -> list[Sample]:
+        prof = EngineProfiler(model, seed=seed, **engine_kw)
+        try:
+            await prof.start()
+            return await prof.run(grid, progress)
+        finally:
+            await prof.close()
+
+    return asyncio.run(go())

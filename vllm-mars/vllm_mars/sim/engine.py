@@ -520,14 +520,7 @@ class SimBackend:
             new = starts[k]
             if new and len(new) > pool.get_num_free_blocks():
                 break  # an allocation could fail: vLLM preempts; the full path runs it
-            # (priced after that check: each step asks its time once, which a recorded trace needs)
-            decode = [r.num_computed_tokens for r in running]
-            dt = profile.step_seconds(_NO_PREFILL, decode)
-            if not dt > 0:
-                break
-            # Something else runs before the step ends (a timer, a ready callback): the step still
-            # runs here, and sleeps through the loop as the full path does; the caller starts over.
-            crossed = not idle(dt)
+            decode = [r.num_computed_tokens for r in running]  # (in running order before the step hooks)
             now = loop.time()
             begin(now)
             if waits:
@@ -536,10 +529,18 @@ class SimBackend:
                 if plan is None or plan.head is not head or plan.retained != s.retention.num_blocks:
                     plan = self._wait_plan(head, n)
                 if plan is None or not plan.fails(pool, new, fills[k], bs):
-                    # it could start: this step goes on through vLLM's schedule(), on the full path
+                    # it could start: this step goes on through vLLM's schedule(), on the full path,
+                    # which prices it
                     handed = now
-                    crossed = False
                     break
+            # Priced only once the step is known to run here: each step asks its time once (a
+            # recorded trace, sim/step_trace.py, hands out the next recorded step per ask).
+            dt = profile.step_seconds(_NO_PREFILL, decode)
+            if not dt > 0:
+                raise RuntimeError(f"profile {profile.name!r}: step_seconds returned {dt!r} for a non-empty batch")
+            # Something else runs before the step ends (a timer, a ready callback): the step still
+            # runs here, and sleeps through the loop as the full path does; the caller starts over.
+            crossed = not idle(dt)
             # schedule(): one token each, allocate_slots where a block starts or fills
             s.current_step += 1
             kvm.new_step_starts()
