@@ -121,6 +121,16 @@ def test_mars_profile_then_sim_tracks_the_real_engine(tmp_path, tiny_model):
     o = load_profile(str(own))
     shaped = o.with_efficiency(o.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--out", str(tmp_path / "sim")]) == 0
+    # the recorded steps (their times and where the engine took each call in) replay this very run:
+    # every batch, preemption and recomputed token, whatever the machine's load was
+    assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped),
+                 "--step-trace", str(tmp_path / "real" / "steps.jsonl"), "--out", str(tmp_path / "trace")]) == 0
+    real_s, trace_s = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "trace"))
+    st = trace_s["engine"]["step_trace"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(recorded), st
+    for key in ("preemptions", "recomputed_tokens", "completed"):
+        assert trace_s[key] == real_s[key], key
+    assert trace_s["e2e_s"]["mean"] == pytest.approx(real_s["e2e_s"]["mean"], rel=0.05)
     real, sim = _mean_e2e(tmp_path / "real"), _mean_e2e(tmp_path / "sim")
     # loose enough for a busy 2-core machine (1.42 with a load average of 15), tight enough to catch
     # a sim off by 2x ...

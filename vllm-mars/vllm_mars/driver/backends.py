@@ -65,9 +65,10 @@ class InProcessBackend:
         """Engine settings as :func:`vllm_mars.engine.local.engine_kwargs` takes them (None: its defaults)."""
         self.model = model
         self.clock = clock
-        #: with record_steps: (prefill, decode, seconds) of every engine step (its whole cycle in the
-        #: stepper loop), for `mars profile --from-steps`
-        self.step_times: list[tuple[list, list, float]] | None = [] if record_steps else None
+        #: with record_steps: (prefill, decode, seconds, request ids added before it) of every engine
+        #: step (seconds: its whole cycle in the stepper loop), for `mars profile --from-steps` and
+        #: `mars replay --step-trace`
+        self.step_times: list[tuple[list, list, float, list[str]]] | None = [] if record_steps else None
         #: index in step_times of the run's first step (the ones before it are the calibration's)
         self.run_first_step = 0
         self._recorder = None
@@ -120,9 +121,17 @@ class InProcessBackend:
         engine = self.engine
         # record_steps: each step's batch and its whole cycle in this loop (the step, the snapshot and
         # the output hand-off, and the next arrivals' add_request), ending where the next step starts
-        # or where the loop goes idle
-        pending: tuple[list, list, float] | None = None
+        # or where the loop goes idle; and the requests added to the engine before it (since the last
+        # recorded step): where the real engine took each arrival, which a trace replay follows
+        pending: tuple[list, list, float, list[str]] | None = None
+        added: list[str] = []
         t_end = 0.0
+
+        def close(t: float) -> None:
+            nonlocal pending
+            if pending is not None:
+                self.step_times.append((pending[0], pending[1], t - pending[2], pending[3]))
+                pending = None
         try:
             while not self._stop:
                 while True:
@@ -138,9 +147,7 @@ class InProcessBackend:
                         self._loop.call_soon_threadsafe(cmd[1].set_result, ok)
                         continue
                     if cmd[0] in ("mark", "flush"):  # the steps so far are complete
-                        if pending is not None:
-                            self.step_times.append((pending[0], pending[1], t_end - pending[2]))
-                            pending = None
+                        close(t_end)
                         if cmd[0] == "mark":  # the run starts: the steps so far were the calibration's
                             self.run_first_step = len(self.step_times)
                         else:
@@ -150,30 +157,28 @@ class InProcessBackend:
                     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                         extra_args=dict(extra), output_kind=RequestOutputKind.DELTA)
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
+                    if self._recorder is not None:
+                        added.append(rid)
                 if not engine.has_unfinished_requests():
-                    if pending is not None:
-                        self.step_times.append((pending[0], pending[1], t_end - pending[2]))
-                        pending = None
+                    close(t_end)
                     self._wake.wait(0.05)
                     self._wake.clear()
                     self._snapshot()  # idle but alive: the sample stays fresh
                     continue
                 t0 = time.perf_counter()
-                if pending is not None:
-                    self.step_times.append((pending[0], pending[1], t0 - pending[2]))
-                    pending = None
+                close(t0)
                 outs = engine.step()
                 if self._recorder is not None:
                     batches = self._recorder.take()
                     if len(batches) == 1 and (batches[0][0] or batches[0][1]):
-                        pending = (*batches[0], t0)
+                        pending = (*batches[0], t0, added)
+                        added = []
                 now = self.clock()
                 self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
                 t_end = time.perf_counter()
-            if pending is not None:
-                self.step_times.append((pending[0], pending[1], t_end - pending[2]))
+            close(t_end)
         except BaseException as e:
             logger.exception("engine stepper failed")
             self._error = e

@@ -55,11 +55,12 @@ def default_out_dir(policy: str) -> Path:
 
 
 def write_steps(path: Path, steps, first_run_step: int = 0) -> None:
-    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds"}``;
-    the steps before ``first_run_step`` (the calibration's) also carry ``"calibration": true``."""
+    """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds",
+    "added": [request id, ...]}`` (added: the requests the engine took in before it); the steps before
+    ``first_run_step`` (the calibration's) also carry ``"calibration": true``."""
     with open(path, "w") as f:
-        for i, (pf, dc, dt) in enumerate(steps):
-            rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7)}
+        for i, (pf, dc, dt, added) in enumerate(steps):
+            rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7), "added": added}
             if i < first_run_step:
                 rec["calibration"] = True
             f.write(json.dumps(rec) + "\n")

@@ -108,7 +108,7 @@ class EngineProfiler:
         if label is None:
             return []
         return [Sample(tuple(tuple(p) for p in prefill), tuple(decode), dt, label(prefill, decode))
-                for prefill, decode, dt in self.backend.step_times[first:last]]
+                for prefill, decode, dt, _added in self.backend.step_times[first:last]]
 
     # -- the grid -------------------------------------------------------------------------------------
     async def run(self, grid: Grid, progress: Callable[[str], None] | None = None) -> list[Sample]:

@@ -381,6 +381,7 @@ class SimBackend:
 
             s._get_local_prefix_cache_hit = recording_lookup
         xfer = self._xfer  # the CPU offload tier's transfers (None: no tier; vllm_mars.sim.offload)
+        trace = profile if hasattr(profile, "trace_stats") else None  # --step-trace
         try:
             while True:
                 if self._aborts or self._incoming:
@@ -392,7 +393,15 @@ class SimBackend:
                 if self._incoming:
                     now = loop.time()
                     hasher = self._hasher
-                    for rid, ids, max_tokens, extra, ignore_eos in self._incoming:
+                    incoming, held = self._incoming, []
+                    if trace is not None:  # a recorded run's arrivals (sim/step_trace.py)
+                        busy = s.has_requests()
+                        held = [c for c in incoming if busy and trace.hold(c[0])]
+                        incoming = sorted((c for c in incoming if not (busy and trace.hold(c[0]))),
+                                          key=lambda c: trace.order(c[0]))
+                    for rid, ids, max_tokens, extra, ignore_eos in incoming:
+                        if trace is not None:
+                            trace.took(rid)
                         call = self._calls[rid]
                         known = self._prefix.get(call.workflow) if call.workflow else None
                         if known is not None:
@@ -401,10 +410,17 @@ class SimBackend:
                                                     extra_args=extra, block_size=block_size, arrival_time=now,
                                                     ignore_eos=ignore_eos, block_hasher=hasher)
                         s.add_request(call.request)
-                    self._incoming.clear()
+                    self._incoming = held
                 if not s.has_requests():
                     self._wake.clear()
                     await self._wake.wait()
+                    continue
+                if trace is not None and trace.awaits():  # the real engine took in a call not here yet
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), trace.arrival_wait_s)
+                    except TimeoutError:
+                        pass
                     continue
                 self._looked = None
                 got = await ff() if ff is not None else False
