@@ -10,13 +10,15 @@ Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engi
 1. ``--repeats`` real runs (``mars replay --backend inprocess --record-steps``); their spread is the
    noise floor (a shared machine's changing load moves a real run's timing, and with it where KV
    runs out);
-2. the trace check, per real run: the sim charged that run's own recorded step times, step by step
-   (``--step-trace``). It must give the real run's preemptions and recomputed tokens exactly and
-   its batches step for step: any difference is the sim's mechanism (event order, arrivals and tool
-   returns against step boundaries, KV sizing), not its step-time model;
+2. the trace check, per real run: the sim charged that run's own recorded step times, step by step,
+   and taking each call in before the step the real engine took it in before (``--step-trace``). It
+   must give the real run's preemptions and recomputed tokens exactly and its batches step for step:
+   any difference is the sim's mechanism (event order, scheduling, KV sizing, an admission
+   controller's choices), not its step-time model or the real driver's latencies;
 3. the sim with a profile fitted to each real run's own steps (``mars profile --from-steps``);
-4. the sim with the ``cpu`` grid fit of ``mars profile`` (one deterministic run; a grid timed on a
-   loaded machine describes its load at that moment).
+4. the sim with the ``cpu`` grid fit of ``mars profile`` (its steps timed in the same serving loop as
+   the real runs'; one deterministic run; a grid timed on a loaded machine describes its load at
+   that moment).
 
 Every sim run has the real runs' engine shape (KV blocks, block size, limits). Writes
 results/sim_fidelity.json; errors are (sim - real) / real of medians over the repeats. Resumable: a
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_mars.cli import main as mars
     from vllm_mars.driver.runner import ReplayConfig, run_replay
+    from vllm_mars.sim.fit import load_samples, step_speed
+    from vllm_mars.sim.profile import load_profile
 
     out = Path(args.out or f"runs/sim_fidelity_{time.strftime('%Y%m%d_%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 own.append(metrics(s))
             # 4. the grid fit
             grid = metrics(run(replace(base, policy=pol, profile=str(grid_profile), out=str(out / w / f"simgrid-{pol}"))))
+            for d, m in runs:  # how slowly the engine ran in this run against the grid fit, batch for batch
+                m["step_speed_vs_grid"] = round(step_speed(load_profile(str(grid_profile)),
+                                                           load_samples(str(d / "steps.jsonl"), run_only=True)), 3)
             rm = median([m for _, m in runs])
             res[pol] = {
                 "real": {**rm, "runs": [m for _, m in runs], "spread": spread([m for _, m in runs])},
@@ -217,14 +224,20 @@ def main(argv: list[str] | None = None) -> int:
                        (res[p][k]["median"] if k == "own_run_fit" else res[p][k]["sim"])["mean_e2e_s"])
                 for k in ("real", "own_run_fit", "grid_fit")}
         res["_winner"] = {**best, "same": len(set(best.values())) == 1}
+    epochs = [json.loads((d / "events.jsonl").open().readline()).get("epoch") or 0 for w in workloads
+              for p in policies for d, _ in real[w][p]]
+    epochs = [e for e in epochs if e]
     result["_meta"] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0)), "machine": f"{platform.node()} "
         f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
         "loadavg_start": [round(x, 1) for x in load0], "loadavg_end": [round(x, 1) for x in os.getloadavg()],
         "command": "PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py " + " ".join(argv or sys.argv[1:]),
         "workloads": workloads, "policies": policies,
-        "real_runs": {w: {p: len(real[w][p]) for p in policies} for w in workloads}, "rps": args.rps,
-        "num_blocks": args.num_blocks, "profile": profile, "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
+        "real_runs": {w: {p: len(real[w][p]) for p in policies} for w in workloads},
+        "real_runs_utc": [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) for t in (min(epochs), max(epochs))]
+        if epochs else None, "rps": args.rps,
+        "num_blocks": args.num_blocks, "profile": profile, "profile_source": load_profile(profile).efficiency.source,
+        "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
     print(json.dumps(result, indent=2))
     if args.results:
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
