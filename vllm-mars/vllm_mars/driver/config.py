@@ -85,8 +85,9 @@ class ReplayConfig:
                                           "the engine limits (block size, context, batch)")
     step_trace: str | None = _opt(None, help="--backend sim: charge step i the time step i took in a recorded real run "
                                              "(its steps.jsonl from --record-steps, same workload and engine shape) "
-                                             "instead of the profile's: the sim then reproduces that run unless its "
-                                             "mechanism differs (run_end reports the first batch that differed)")
+                                             "instead of the profile's, and take each call in before the step the "
+                                             "real engine took it in before: the sim then reproduces that run unless "
+                                             "its mechanism differs (run_end reports the first batch that differed)")
     replicas: int | None = _opt(None, help="--backend sim: N simulated engines (each with --profile's KV pool and step "
                                            "times) behind the sidecar's placement, each with its own admission "
                                            "controller (a root is placed when it arrives, then admitted by its "
@@ -144,7 +145,9 @@ class ReplayConfig:
                                              "(default: 600 s on real engines; no limit in the sim, where a call "
                                              "queued for more than 10 virtual minutes is overload, not a hang)")
     record_steps: bool = _opt(False, help="in-process engine: time every engine step and write steps.jsonl in "
-                                          "the run dir (fit a sim profile to it with `mars profile --from-steps`)")
+                                          "the run dir, with the calls taken in before each step (fit a sim "
+                                          "profile to it with `mars profile --from-steps`, replay it with "
+                                          "--step-trace)")
     out: str | None = _opt(None, help="output dir (default: runs/<timestamp>_...)")
     progress: bool = _opt(True, help="live progress bar on stderr (when it is a terminal)")
     plots: bool = _opt(True, help="PNG plots in the run dir's report.md (~1 s of CPU a run; an experiment "
