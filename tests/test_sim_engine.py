@@ -330,6 +330,12 @@ def test_prefix_reusing_hasher_gives_vllms_block_hashes():
         slow.append_output_token_ids(42)
         assert fast.block_hashes == slow.block_hashes
     assert len(fast.block_hashes) == (len(turn1) + 40) // 16 > len(turn1) // 16
+    # a first call (no hint): the whole prompt hashed by the lean loop, as vLLM's hasher hashes it
+    for n in (15, 16, 17, 1000, 4099):
+        ids = [3 + (j * 7919) % 4000 for j in range(n)]
+        got = make_request(f"f{n}", prompt_token_ids=ids, max_tokens=5, block_size=16, block_hasher=hasher)
+        want = make_request(f"f{n}", prompt_token_ids=ids, max_tokens=5, block_size=16)
+        assert got.block_hashes == want.block_hashes and len(got.block_hashes) == n // 16
 
 
 def test_block_removals_counted_without_events_equal_vllms_events():

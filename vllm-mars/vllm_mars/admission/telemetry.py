@@ -77,16 +77,24 @@ def EngineSample(ts: float, num_blocks: int | None = None, **fields: Any) -> Tel
     return Telemetry(ts=ts, total_blocks=num_blocks, **fields)
 
 
-def scheduler_sample(s: Any, ts: float) -> tuple[Telemetry, dict[str, Any]]:
-    """(sample, mars_stats) of a MarsScheduler's state now: the in-process and the sim backends'
-    telemetry, read straight from the scheduler."""
-    st = s.mars_stats()
-    free, total = st["free_blocks"], st["num_blocks"]
+def scheduler_reading(s: Any, ts: float) -> Telemetry:
+    """A MarsScheduler's engine reading now, read straight from the scheduler: the counters
+    ``mars_stats()`` reports under the same names (:func:`~vllm_mars.engine.observe.scheduler_stats`),
+    without building the rest of that dict (the policy's state, the retention's counters, the cost
+    model), which the simulator's admission tick would otherwise build every 0.2 virtual seconds."""
+    free, total = s.free_blocks(), s.num_blocks
+    events = s._kv_events
     return EngineSample(
-        ts=ts, free_blocks=free, num_blocks=total, block_size=st["block_size"],
-        kv_usage=(1.0 - free / total) if total else None, retained_blocks=st["retained_blocks"],
-        preemptions=st["preemptions"], recomputed_tokens=st["recomputed_tokens"],
-        kv_blocks_removed=st.get("kv_blocks_removed"), running=len(s.running), waiting=len(s.waiting)), st
+        ts=ts, free_blocks=free, num_blocks=total, block_size=s.block_size,
+        kv_usage=(1.0 - free / total) if total else None, retained_blocks=s.retention.num_blocks,
+        preemptions=s.mars_num_preemptions, recomputed_tokens=s.mars_recomputed_tokens,
+        kv_blocks_removed=events.blocks_removed if events else None, running=len(s.running), waiting=len(s.waiting))
+
+
+def scheduler_sample(s: Any, ts: float) -> tuple[Telemetry, dict[str, Any]]:
+    """(reading, mars_stats) of a MarsScheduler's state now (:func:`scheduler_reading`): the
+    in-process backend's telemetry and the counters it reports at the end."""
+    return scheduler_reading(s, ts), s.mars_stats()
 
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')

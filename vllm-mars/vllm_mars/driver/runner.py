@@ -68,9 +68,10 @@ def write_steps(path: Path, steps, first_run_step: int = 0) -> None:
 
 def write_run_outputs(out: Path, plots: bool = True) -> dict[str, Any]:
     """``summary.json`` and ``report.md`` of run dir ``out`` from its ``events.jsonl``; returns the summary."""
-    summary = summarize(read_events(out))
+    events = read_events(out)
+    summary = summarize(events)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_run_report(out, summary, plots=plots)
+    write_run_report(out, summary, plots=plots, events=events)
     return summary
 
 

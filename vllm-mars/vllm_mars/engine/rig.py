@@ -27,7 +27,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
@@ -65,13 +65,20 @@ class PrefixReusingHasher:
     whole prompt of every new request again (tens of thousands of tokens per turn). Block hashes
     are chained over the prefix, so turn k-1's hashes ARE turn k's first hashes wherever the
     tokens agree (compared here) and nothing else enters the hash (no LoRA, multimodal input,
-    prompt embeddings or cache salt: checked). The list returned is exactly vLLM's; only the
-    repeated work is skipped. ``hint(request_id, tokens, hashes)`` before creating the request.
+    prompt embeddings or cache salt: checked). ``hint(request_id, tokens, hashes)`` before
+    creating the request.
+
+    The blocks after the known ones are hashed by vLLM's own ``hash_block_tokens`` (its hash
+    function, its chaining, its ``NONE_HASH`` for the first block) in a loop over one slice of the
+    new tokens, without vLLM's per-block extra-key lookup, which for such a request gives none.
+    A request with LoRA, multimodal input, prompt embeddings or a cache salt goes through vLLM's
+    hasher whole. The list returned is exactly vLLM's (``tests/test_sim_engine.py``).
     """
 
     def __init__(self, block_size: int, hash_name: str = DEFAULT_HASH) -> None:
         self.block_size = block_size
-        self._base = _hasher(block_size, hash_name)
+        self._base = _hasher(block_size, hash_name)  # (sets vLLM's NONE_HASH for the function)
+        self._fn = get_hash_fn_by_name(hash_name)
         self._hints: dict[str, tuple[Sequence[int], list]] = {}
         #: blocks whose hash was reused / computed by vLLM's hasher
         self.reused = 0
@@ -84,33 +91,50 @@ class PrefixReusingHasher:
         """(token ids, block hashes) of a finished request: the hint for the call that continues it."""
         return request.all_token_ids, request.block_hashes
 
+    @staticmethod
+    def _plain(request: Request) -> bool:
+        """Nothing but the tokens enters the request's block hashes (vLLM's extra keys are None)."""
+        return (request.lora_request is None and not request.mm_features and not request.cache_salt
+                and request.prompt_embeds is None)
+
+    def _extend(self, request: Request, n: int, parent: Any) -> list:
+        """vLLM's hashes of the request's full blocks after its first ``n`` (``parent``: the hash of
+        block ``n - 1``, None for none)."""
+        bs = self.block_size
+        start, end = n * bs, request.num_tokens // bs * bs
+        if end <= start:
+            return []
+        tokens = request.all_token_ids[start:end]
+        fn = self._fn
+        out = []
+        for i in range(0, end - start, bs):
+            parent = hash_block_tokens(fn, parent, tokens[i:i + bs], None)
+            out.append(parent)
+        return out
+
     def __call__(self, request: Request) -> list:
         known = request.block_hashes
         if known:
             # A token appended to a live request (every decode step): vLLM's hasher hashes full
             # blocks only, so until the next block fills it returns [] (its own early stop, taken
             # here without the call); then it continues after the known blocks.
-            if (len(known) + 1) * self.block_size > request.num_tokens:
+            n = len(known)
+            if (n + 1) * self.block_size > request.num_tokens:
                 return []
-            return self._base(request)
+            return self._extend(request, n, known[-1]) if self._plain(request) else self._base(request)
         hint = self._hints.pop(request.request_id, None)
-        if (hint is None or request.block_hashes or request.lora_request is not None or request.mm_features
-                or request.cache_salt or request.prompt_embeds is not None):
+        if not self._plain(request):
             return self._base(request)
-        tokens, hashes = hint
-        bs = self.block_size
-        n = min(len(hashes), len(tokens) // bs, request.num_tokens // bs)
-        m = n * bs
-        if n == 0 or request.all_token_ids[:m] != list(tokens[:m]):
-            return self._base(request)
-        known = hashes[:n]
-        request.block_hashes.extend(known)  # vLLM's hasher continues after the known blocks
-        try:
-            rest = self._base(request)
-        finally:
-            del request.block_hashes[:]
-        self.reused += n
-        return known + rest
+        if hint is not None:
+            tokens, hashes = hint
+            bs = self.block_size
+            n = min(len(hashes), len(tokens) // bs, request.num_tokens // bs)
+            m = n * bs
+            head = tokens[:m]
+            if n and request.all_token_ids[:m] == (head if isinstance(head, list) else list(head)):
+                self.reused += n
+                return hashes[:n] + self._extend(request, n, hashes[n - 1])
+        return self._extend(request, 0, None)
 
 
 def enable_engine_core_env_cache() -> None:

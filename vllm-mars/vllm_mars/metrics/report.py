@@ -176,13 +176,15 @@ def summary_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def write_run_report(run_dir: str | Path, summary: Mapping[str, Any], plots: bool = True) -> Path:
-    """``report.md`` of one run, with its PNG plots unless ``plots`` is False."""
+def write_run_report(run_dir: str | Path, summary: Mapping[str, Any], plots: bool = True,
+                     events: Sequence[dict] | None = None) -> Path:
+    """``report.md`` of one run, with its PNG plots unless ``plots`` is False (``events``: the run's
+    events when the caller has read them already)."""
     run_dir = Path(run_dir)
     label = str(summary.get("policy") or "run")
     files: list[str] = []
     try:
-        files = plot_runs({label: read_events(run_dir)}, run_dir) if plots else []
+        files = plot_runs({label: read_events(run_dir) if events is None else events}, run_dir) if plots else []
     except Exception:
         logger.warning("plotting failed", exc_info=True)
     ttft = summary.get("ttft_by_round") or {}

@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.admission.telemetry import EngineSample, scheduler_sample
+from vllm_mars.admission.telemetry import EngineSample, scheduler_reading
 from vllm_mars.backend import CallResult
 from vllm_mars.sim.loop import LoopClock, is_virtual
 
@@ -673,11 +673,11 @@ class SimBackend:
 
     def sample(self) -> EngineSample:
         """The scheduler's state at this virtual instant."""
-        sample, self._stats = scheduler_sample(self.scheduler, self.clock())
-        return sample
+        return scheduler_reading(self.scheduler, self.clock())
 
     def engine_stats(self) -> dict[str, Any]:
-        out = dict(self._stats)
+        s = self.scheduler  # (None once closed: its last counters were kept then)
+        out = dict(self._stats if s is None else s.mars_stats())
         out.update(profile=self.profile.name, steps=self.steps, busy_s=round(self.busy_s, 6),
                    idle_steps=self.idle_steps, leak_check=self.leak_error or "ok",
                    hash_blocks_reused=self._hasher.reused if self._hasher else 0)
