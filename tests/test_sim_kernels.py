@@ -235,11 +235,14 @@ def test_rows_outside_the_limit_name_their_reason_and_unexplained_ones_say_so():
                 "ttft_ratio": ttft, "tpot_ratio": tpot, "tpot_public_ms": public}
 
     recs = [rec(16, 0.60, 1.05, 5.8), rec(32, 0.29, 0.51, 15.9), rec(64, 1.50, 1.45, 9.7)]
-    outliers = gpu_validation.out_of_line(recs)
+    twin = [{**rec(c, 1.0, 1.0, ms), "gpu": "h200"} for c, ms in ((16, 5.6), (64, 9.5))]
+    outliers = gpu_validation.out_of_line(recs + twin)
     # C 32's published TPOT is above C 64's: out of line with its neighbours; C 16's is not
     assert outliers == {("h100", "gpt-oss-120b", 4, 1024, 1024, 32)}
-    assert gpu_validation.reasons(recs[0], outliers) == ["ttft:moe-kernel"]
-    assert gpu_validation.reasons(recs[1], outliers) == ["ttft:moe-kernel", "tpot:out-of-line"]
+    # 1.2x the same configuration's on H200 (the twin GPU): out of line too
+    assert ("h100", "gpt-oss-120b", 4, 1024, 1024, 16) in gpu_validation.out_of_line([rec(16, 1, 1, 6.8), *twin])
+    assert gpu_validation.reasons(recs[0], outliers) == ["ttft:prefill"]
+    assert gpu_validation.reasons(recs[1], outliers) == ["ttft:prefill", "tpot:out-of-line"]
     # ours too slow where no rule explains it: said, not hidden
     assert gpu_validation.reasons(recs[2], outliers) == ["ttft:?", "tpot:?"]
     assert gpu_validation.reasons(rec(8, 1.29, 0.78, 4.0), outliers) == []
