@@ -182,13 +182,42 @@ aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (ai
 sys.path.insert(0, str(ROOT / "benchmark" / "perf"))
 import gpu_validation
 
-#: published rows (silicon_sample.csv) whose TPOT the CI reproduces, each under its own benchmark's
-#: protocol: H100 x Qwen3-32B at TP 2, 4 and 8, vLLM 0.12, synchronous scheduling (the sync overheads
-#: were fitted on these configurations), and H200 x gpt-oss-120b at TP 8, vLLM 0.18 from SemiAnalysis
-#: InferenceX's sweep, async scheduling (out of sample: the async overheads were fitted on H100). The
-#: CI checks the whole chain: installed tables -> profile -> vLLM's scheduler in the sim -> the figure
-CHECKED = [("h100", "qwen3-32b", 2, 4096, 128, 8), ("h100", "qwen3-32b", 4, 4096, 512, 8),
-           ("h100", "qwen3-32b", 8, 1024, 1024, 8), ("h200", "gpt-oss-120b", 8, 1024, 1024, 4)]
+#: published rows (silicon_sample.csv) the CI reproduces, each under its own benchmark's protocol, and the
+#: quantities it asserts there (docs/sim-validation.md, "In CI"): H100 x Qwen3-32B, vLLM 0.12, synchronous
+#: scheduling (the sync overheads were fitted on these configurations) at TP 2, 4 and 8, TTFT where the
+#: replay meets its target (ISL 4096; at ISL 1024 it does not: the unpublished length distribution), and
+#: H200 x gpt-oss-120b at TP 8, vLLM 0.18 from SemiAnalysis InferenceX's sweep, async scheduling (out of
+#: sample: the async overheads were fitted on H100), TPOT only (its TTFT misses: the runs' MoE kernel). The
+#: CI checks the whole chain: installed tables -> profile -> vLLM's scheduler in the sim -> the figures
+CHECKED = [(("h100", "qwen3-32b", 2, 4096, 128, 8), ("ttft", "tpot")),
+           (("h100", "qwen3-32b", 4, 4096, 512, 8), ("ttft", "tpot")),
+           (("h100", "qwen3-32b", 8, 4096, 128, 16), ("ttft", "tpot")),
+           (("h100", "qwen3-32b", 8, 1024, 1024, 8), ("tpot",)),
+           (("h200", "gpt-oss-120b", 8, 1024, 1024, 4), ("tpot",))]
+#: the validation targets: a configuration within these of its published figure
+TOLERANCE = {"ttft": 0.15, "tpot": 0.10}
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-120b", "qwen3-32b"])
+def test_tables_price_every_op_once_as_the_librarys_static_run_does(model):
+    # gpt-oss has two attention ops of one name (sliding-window and full attention layers), which the
+    # library's static run folds into one entry: the tables must still hold each op once, in its class
+    from aiconfigurator_core.sdk.engine import EngineHandle
+    from aiconfigurator_core.sdk.perf_database import resolve_query_version
+    from vllm_mars.sim.profile import MODELS_DIR
+
+    t = kn.build_tables("h200", MODELS_DIR / model, tp=2, max_model_len=8192)
+    handle = EngineHandle.compile(str(MODELS_DIR / model), "h200_sxm", "vllm", tp_size=2, moe_tp_size=2, moe_ep_size=1,
+                                  backend_version=resolve_query_version("h200_sxm", "vllm", "current"))
+    ctx = {name: ms for name, ms, *_ in handle.run_static_per_op(batch_size=1, isl=1024, osl=2)[0]}
+    gen = {name: ms for name, ms, *_ in handle.run_static_per_op(batch_size=8, isl=1024, osl=2)[1]}
+    assert t.prefill_attn_s[t.chunks.index(1024)][0] * 1e3 == pytest.approx(ctx.pop("context_attention"))
+    assert t.linear_s[t.tokens.index(1024)] * 1e3 == pytest.approx(
+        sum(ms for name, ms in ctx.items() if "logits" not in name))
+    # one decode step at context 1024 (osl 2): every attention op, and the lm_head
+    assert t.decode_attn_s[t.batches.index(8)][t.contexts.index(1024)] * 1e3 == pytest.approx(
+        gen["generation_attention"], rel=1e-3)
+    assert t.logits_s[t.seqs.index(8)] * 1e3 == pytest.approx(gen["generation_logits_gemm"])
 
 
 def test_covered_rows_carry_their_benchmark_protocol_and_scheduling():
@@ -200,17 +229,36 @@ def test_covered_rows_carry_their_benchmark_protocol_and_scheduling():
     assert gpu_validation.PROTOCOLS["inferencex"].range_ratio == 0.8
 
 
+def test_rows_outside_the_limit_name_their_reason_and_unexplained_ones_say_so():
+    def rec(c, ttft, tpot, public):
+        return {"gpu": "h100", "model": "gpt-oss-120b", "tp": 4, "isl": 1024, "osl": 1024, "concurrency": c,
+                "ttft_ratio": ttft, "tpot_ratio": tpot, "tpot_public_ms": public}
+
+    recs = [rec(16, 0.60, 1.05, 5.8), rec(32, 0.29, 0.51, 15.9), rec(64, 1.50, 1.45, 9.7)]
+    twin = [{**rec(c, 1.0, 1.0, ms), "gpu": "h200"} for c, ms in ((16, 5.6), (64, 9.5))]
+    outliers = gpu_validation.out_of_line(recs + twin)
+    # C 32's published TPOT is above C 64's: out of line with its neighbours; C 16's is not
+    assert outliers == {("h100", "gpt-oss-120b", 4, 1024, 1024, 32)}
+    # 1.2x the same configuration's on H200 (the twin GPU): out of line too
+    assert ("h100", "gpt-oss-120b", 4, 1024, 1024, 16) in gpu_validation.out_of_line([rec(16, 1, 1, 6.8), *twin])
+    assert gpu_validation.reasons(recs[0], outliers) == ["ttft:prefill"]
+    assert gpu_validation.reasons(recs[1], outliers) == ["ttft:prefill", "tpot:out-of-line"]
+    # ours too slow where no rule explains it: said, not hidden
+    assert gpu_validation.reasons(recs[2], outliers) == ["ttft:?", "tpot:?"]
+    assert gpu_validation.reasons(rec(8, 1.29, 0.78, 4.0), outliers) == []
+
+
 def test_table_built_profile_reproduces_published_vllm_runs():
     rows = {(r.gpu, r.model, r.tp, r.isl, r.osl, r.concurrency): r for r in gpu_validation.covered_rows()}
-    for key in CHECKED:
+    for key, quantities in CHECKED:
         row = rows[key]
         prof = Profile.from_kernels(row.gpu, row.model, tp=row.tp, scheduling=row.scheduling)
         assert "table_vllm 0.24.0" in prof.kernels.source
         got = gpu_validation.emulate(prof, row.isl, row.osl, row.concurrency, row.protocol)
         assert got["requests"] == 10 * row.concurrency  # the benchmark's --num-prompts C x 10
-        # TPOT within the validation target (10 %); TTFT misses its target on these rows, for the
-        # reasons docs/sim.md gives ("Validation"), so it is not asserted here
-        assert got["tpot_ms"] / row.tpot_ms == pytest.approx(1.0, abs=0.10), (key, got, row)
+        public = {"ttft": row.ttft_ms, "tpot": row.tpot_ms}
+        for q in quantities:  # within the validation target (TTFT 15 %, TPOT 10 %)
+            assert got[f"{q}_ms"] / public[q] == pytest.approx(1.0, abs=TOLERANCE[q]), (key, q, got, row)
         assert got["preemptions"] == 0
 
 

@@ -208,6 +208,12 @@ def emulate(profile: Profile, isl: int, osl: int, concurrency: int, protocol: Pr
 _PROFILES: dict[tuple, Profile] = {}
 
 
+def _key(r: Row | dict) -> tuple:
+    """One published configuration's identity (a :class:`Row` or a results record)."""
+    get = (lambda k: r[k]) if isinstance(r, dict) else (lambda k: getattr(r, k))
+    return tuple(get(k) for k in ("gpu", "model", "tp", "isl", "osl", "concurrency", "vllm", "protocol"))
+
+
 def profile_for(row: Row, overheads: tuple[float, float] | None = None, scheduling: str | None = None) -> Profile:
     """The table-built profile of ``row``'s GPU x model x TP, scheduled as the row's vLLM schedules
     (or ``scheduling``); ``overheads`` replace its non-overlapped step and request overheads."""
@@ -264,6 +270,64 @@ def summary(records: list[dict]) -> list[dict]:
     return out
 
 
+#: the limit of the validation targets' worst pair, applied per row: a row outside it gets a reason
+LIMIT = 1.3
+#: why a row lies outside ``LIMIT``: (model, quantity, ours too fast / too slow) -> reason key. Each key
+#: is explained once, in docs/sim-validation.md ("Why rows miss"); a row no rule covers gets ``?``
+REASONS = {
+    ("gpt-oss-120b", "ttft", "fast"): "prefill",  # slower on the runs' servers: partly their MoE kernel
+    ("qwen3-32b", "ttft", "slow"): "lengths",  # fixed lengths where the unpublished protocol's vary
+    ("qwen3-32b", "ttft", "fast"): "lengths",
+}
+
+
+#: GPUs of one architecture and the same compute (H200: H100's chip with more and faster memory), and how
+#: far one's published TPOT may lie above the other's for the same configuration before the slower run
+#: is out of line: the gpt-oss runs on both lie within 1.00-1.06 of each other (39 of 43 configurations)
+TWINS = {"h100": "h200", "h200": "h100"}
+TWIN_LIMIT = 1.15
+
+
+def out_of_line(records: list[dict]) -> set[tuple]:
+    """Configurations whose published TPOT is out of line with its neighbours (key: gpu, model, tp, isl,
+    osl, concurrency): above the same GPU x model x TP x ISL/OSL's at a higher concurrency (more clients
+    cannot make each token faster), or more than :data:`TWIN_LIMIT` x the same configuration's on the
+    twin GPU (:data:`TWINS`)."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    tpot = {}
+    for r in records:
+        by[(r["gpu"], r["model"], r["tp"], r["isl"], r["osl"])].append(r)
+        tpot[(r["gpu"], r["model"], r["tp"], r["isl"], r["osl"], r["concurrency"])] = r["tpot_public_ms"]
+    out = set()
+    for key, rs in by.items():
+        rs = sorted(rs, key=lambda r: r["concurrency"])
+        for i, r in enumerate(rs):
+            if any(q["tpot_public_ms"] < r["tpot_public_ms"] for q in rs[i + 1:]):
+                out.add((*key, r["concurrency"]))
+    for (gpu, *rest), ms in tpot.items():
+        twin = tpot.get((TWINS.get(gpu), *rest))
+        if twin is not None and ms > TWIN_LIMIT * twin:
+            out.add((gpu, *rest))
+    return out
+
+
+def reasons(rec: dict, outliers: set[tuple]) -> list[str]:
+    """The reason key of each quantity of ``rec`` outside ``LIMIT`` (``quantity:key``); empty when
+    both are within it."""
+    out = []
+    for q in ("ttft", "tpot"):
+        x = rec[f"{q}_ratio"]
+        if 1 / LIMIT <= x <= LIMIT:
+            continue
+        key = (rec["gpu"], rec["model"], rec["tp"], rec["isl"], rec["osl"], rec["concurrency"])
+        if q == "tpot" and key in outliers:
+            why = "out-of-line"
+        else:
+            why = REASONS.get((rec["model"], q, "fast" if x < 1 else "slow"), "?")
+        out.append(f"{q}:{why}")
+    return out
+
+
 def fit_overheads(rows: list[Row], scheduling: str, prompts_per_client: int | None = None,
                   progress=None) -> tuple[float, float]:
     """Least squares of the published TPOT minus the sim's TPOT without the non-overlapped overheads,
@@ -282,6 +346,71 @@ def fit_overheads(rows: list[Row], scheduling: str, prompts_per_client: int | No
     return float(coef[0]), float(coef[1])
 
 
+#: the MoE kernel the gpt-oss rows ran (InferenceX's gptoss_fp4_h{100,200}.sh set VLLM_MXFP4_USE_MARLIN=1) has
+#: no rows of gpt-oss's shape in the tables; its rows of another shape, measured on the same GPU and vLLM
+MARLIN_SOURCE = "vllm_compressedtensorsw4a4mxfp4moe_marlin_marlinexperts_situ_as_silu"
+
+
+def moe_kernel_check(gpus: tuple[str, ...] = ("h100", "h200"), tps: tuple[int, ...] = (1, 2, 4, 8),
+                     tokens: tuple[int, ...] = (16, 64, 1024, 2048, 4096, 8192)) -> list[dict]:
+    """How much the MoE kernel of the gpt-oss runs would change a prefill step, from the tables.
+
+    The tables price gpt-oss's experts with OpenAI's Triton MXFP4 kernel (the only rows of its shape);
+    the runs used Marlin, whose vLLM rows exist for one other w4a16_mxfp4 shape (Kimi-K3's: hidden 3584,
+    inter 3072, top-16 of 896 experts). Stand-in: those rows at the same tokens per expert (T x topk /
+    experts) and the same expert TP, scaled by experts x hidden x inter (every expert's GEMM work and
+    weight bytes; both shapes' experts see the same rows). Per GPU x TP x T: the Marlin / Triton ratio
+    of the MoE op, the MoE's share of a T-token prefill step (one prompt, no prefix) in the tables, and
+    the step's factor with the stand-in MoE. Same expert-load distribution as the library prices
+    gpt-oss with (power law, alpha 1.2)."""
+    import logging
+
+    import numpy as np
+    import pandas as pd
+    from aiconfigurator_core.sdk.engine import EngineHandle
+    from aiconfigurator_core.sdk.perf_database import resolve_query_version
+    from vllm_mars.sim import kernels as kn
+    from vllm_mars.sim.profile import MODELS_DIR
+
+    logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
+    model = MODELS_DIR / "gpt-oss-120b"
+    cfg = json.loads((model / "config.json").read_text())
+    hid, inter, topk, experts = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_experts_per_tok"],
+                                 cfg["num_local_experts"])
+    out = []
+    for gpu in gpus:
+        system = kn.system_name(gpu)
+        ver = resolve_query_version(system, "vllm", "current")
+        data = pd.read_parquet(str(files("aiconfigurator_core") / "systems" / "data" / system / "moe" / "vllm" / ver
+                                   / "moe_perf.parquet"))
+        data = data[(data.moe_ep_size == 1) & (data.distribution == "power_law_1.2")]
+        for tp in tps:
+            d = data[data.moe_tp_size == tp]
+            own = d[(d.hidden_size == hid) & (d.inter_size == inter) & (d.topk == topk) & (d.num_experts == experts)]
+            mar = d[d.kernel_source == MARLIN_SOURCE]
+            if own.empty or mar.empty:
+                continue
+            own, mar = own.sort_values("num_tokens"), mar.sort_values("num_tokens")
+            m = mar.iloc[0]
+            per_expert = (topk / experts) / (m.topk / m.num_experts)
+            scale = (experts * hid * inter) / (m.num_experts * m.hidden_size * m.inter_size)
+            handle = EngineHandle.compile(str(model), system, "vllm", backend_version=ver, tp_size=tp,
+                                          moe_tp_size=tp, moe_ep_size=1)
+            names = kn.op_names(handle.evaluate_context_ops)
+            moe = [i for i, n in enumerate(names) if n == "context_moe"]
+            rest = [i for i, n in enumerate(names) if n != "context_moe" and "logits" not in n]
+            for t in tokens:
+                triton = float(np.interp(t, own.num_tokens, own.latency))
+                marlin = float(np.interp(t * per_expert, mar.num_tokens, mar.latency)) * scale
+                moe_ms = sum(op[1] for op in handle.evaluate_context_ops(moe, batch_size=1, s=t))
+                rest_ms = sum(op[1] for op in handle.evaluate_context_ops(rest, batch_size=1, s=t))
+                r = marlin / triton
+                out.append({"gpu": gpu, "tp": tp, "tokens": t, "marlin_over_triton": round(r, 3),
+                            "moe_share": round(moe_ms / (moe_ms + rest_ms), 3),
+                            "step_factor": round((rest_ms + moe_ms * r) / (rest_ms + moe_ms), 3)})
+    return out
+
+
 def markdown(path: str) -> str:
     """The RESULTS.md / docs/sim.md tables of a results file: per GPU x model, then per row."""
     d = json.loads(Path(path).read_text())
@@ -292,13 +421,14 @@ def markdown(path: str) -> str:
                    f"{s['ttft_worst_ratio']} | {s['tpot_median_ratio']} | {s['tpot_median_abs_err']} | "
                    f"{s['tpot_worst_ratio']} |")
     head = ("| GPU | model | TP | ISL/OSL | C | vLLM (scheduling) | TTFT public ms | ours | ratio | TPOT public ms | "
-            "ours | ratio |")
-    out += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"ours | ratio | outside {LIMIT}x: why |")
+    out += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    outliers = out_of_line(d["records"])
     for r in d["records"]:
         out.append(f"| {r['gpu']} | {r['model']} | {r['tp']} | {r['isl']}/{r['osl']} | {r['concurrency']} | "
                    f"{r['vllm']} ({r.get('scheduling', 'sync')}) | "
                    f"{r['ttft_public_ms']:.1f} | {r['ttft_ms']:.1f} | {r['ttft_ratio']:.2f} | {r['tpot_public_ms']:.2f} | "
-                   f"{r['tpot_ms']:.2f} | {r['tpot_ratio']:.2f} |")
+                   f"{r['tpot_ms']:.2f} | {r['tpot_ratio']:.2f} | {', '.join(reasons(r, outliers))} |")
     return "\n".join(out)
 
 
@@ -308,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", nargs="*", default=None, help="only these models (qwen3-32b gpt-oss-120b)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="skip rows above this concurrency")
     ap.add_argument("--max-osl", type=int, default=None, help="skip rows with longer outputs (CPU time)")
+    ap.add_argument("--min-osl", type=int, default=None, help="skip rows with shorter outputs")
     ap.add_argument("--stride", type=int, default=1,
                     help="every Nth covered row per GPU x model (CPU time on a shared machine; default all)")
     ap.add_argument("--prompts-per-client", type=int, default=None,
@@ -321,11 +452,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduling", choices=sorted(FIT_SETS), default=None,
                     help="price every row's steps this way (default: as the row's vLLM schedules them); with "
                          "--fit-overheads: which mode's overheads to fit (default sync)")
+    ap.add_argument("--missing", action="store_true",
+                    help="with --update: only the rows the results file does not hold yet")
+    ap.add_argument("--by-concurrency", action="store_true",
+                    help="run the rows in order of concurrency (every GPU x TP's cheapest rows first), not by GPU x TP")
     ap.add_argument("--out", default=None, help="write the records and summary here (JSON)")
+    ap.add_argument("--update", action="store_true",
+                    help="with --out: keep the file's records of the rows this run does not run (its commands are "
+                         "kept beside this one), replace the others")
     ap.add_argument("--markdown", metavar="JSON", default=None, help="print the tables of a results file and exit")
+    ap.add_argument("--moe-kernel-check", action="store_true",
+                    help="print how the runs' Marlin MXFP4 MoE kernel (a stand-in from its rows of another shape) "
+                         "would change gpt-oss's prefill steps (--gpu), and exit")
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
+        return 0
+    if args.moe_kernel_check:
+        for rec in moe_kernel_check(tuple(args.gpu or ("h100", "h200"))):
+            print(json.dumps(rec))
         return 0
     rows = covered_rows()
     if args.gpu:
@@ -336,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r.concurrency <= args.max_concurrency]
     if args.max_osl:
         rows = [r for r in rows if r.osl <= args.max_osl]
+    if args.min_osl:
+        rows = [r for r in rows if r.osl >= args.min_osl]
     if args.range_ratio is not None:
         if not 0 < args.range_ratio <= 1:
             ap.error(f"--range-ratio {args.range_ratio}: must be within (0, 1]")
@@ -360,13 +507,39 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"scheduling": sched, "step_overhead_s": o, "per_seq_overhead_s": s, "rows": len(fit)}))
         return 0
     records: list[dict] = []
+    command = {"command": " ".join(["python benchmark/perf/gpu_validation.py", *(argv or sys.argv[1:])]),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_planned": len(rows)}
+    if args.update and (not args.out or not Path(args.out).exists()):
+        ap.error("--update needs --out naming an existing results file")
+    if args.missing:
+        if not args.update:
+            ap.error("--missing needs --update")
+        done = {_key(r) for r in json.loads(Path(args.out).read_text())["records"]}
+        rows = [r for r in rows if _key(r) not in done]
+        command["rows_planned"] = len(rows)
+    if args.by_concurrency:
+        rows = sorted(rows, key=lambda r: (r.concurrency, _key(r)))
+    run = {_key(r) for r in rows}
 
     def write() -> None:
-        if args.out:
-            Path(args.out).write_text(json.dumps(
-                {"command": " ".join(["python benchmark/perf/gpu_validation.py", *(argv or sys.argv[1:])]),
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_planned": len(rows),
-                 "summary": summary(records), "records": records}, indent=1) + "\n")
+        if not args.out:
+            return
+        if not args.update:
+            recs = sorted(records, key=_key)
+            Path(args.out).write_text(json.dumps({**command, "summary": summary(recs), "records": recs}, indent=1)
+                                      + "\n")
+            return
+        import fcntl
+
+        # read, merge and write under a lock: two runs may update one file at once (different rows)
+        with open(f"{args.out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            old = json.loads(Path(args.out).read_text())
+            recs = sorted([r for r in old["records"] if _key(r) not in run] + records, key=_key)
+            runs = [r for r in old.get("runs") or [{k: old[k] for k in ("command", "date", "rows_planned")}]
+                    if r["command"] != command["command"]] + [{**command, "rows_run": len(records)}]
+            Path(args.out).write_text(json.dumps({**command, "runs": runs, "summary": summary(recs), "records": recs},
+                                                 indent=1) + "\n")
 
     for row in rows:  # one at a time, written as it goes (a long run on a shared machine)
         records += validate([row], args.prompts_per_client, progress=say, scheduling=args.scheduling)

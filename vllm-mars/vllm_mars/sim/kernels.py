@@ -278,6 +278,24 @@ def system_name(gpu: str) -> str:
                      f"(or aiconfigurator's {', '.join(sorted(SYSTEMS.values()))})")
 
 
+def op_names(evaluate) -> list[str]:
+    """The name of every op of an engine's context or generation op list, by the position
+    ``evaluate`` (``EngineHandle.evaluate_context_ops`` / ``evaluate_generation_ops``) takes.
+
+    Asked op by op, not read from ``run_static_per_op``: that list folds ops of one name into one
+    entry (gpt-oss's sliding-window and full attention are two ops named ``context_attention``), so
+    its positions are not the ones ``evaluate`` takes."""
+    names: list[str] = []
+    while True:
+        try:
+            out = evaluate([len(names)], batch_size=1, s=1024)
+        except ValueError as e:
+            if "out of range" not in str(e):
+                raise
+            return names
+        names.append(out[0][0] if out else "")
+
+
 def build_tables(system: str, model: str | Path, *, tp: int = 1, dtype: str = "auto",
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
                  max_model_len: int = 32768) -> KernelTables:
@@ -303,9 +321,8 @@ def build_tables(system: str, model: str | Path, *, tp: int = 1, dtype: str = "a
     if quant:
         kw.update(gemm_quant_mode=quant, moe_quant_mode=quant)
     handle = EngineHandle.compile(str(model), system, "vllm", backend_version=table_vllm, **kw)
-    ctx_ops, gen_ops = handle.run_static_per_op(batch_size=1, isl=1024, osl=2)
-    ctx_names = [op[0] for op in ctx_ops]
-    gen_names = [op[0] for op in gen_ops]
+    ctx_names = op_names(handle.evaluate_context_ops)
+    gen_names = op_names(handle.evaluate_generation_ops)
     linear = [i for i, n in enumerate(ctx_names) if "attention" not in n and "logits" not in n]
     ctx_attn = [i for i, n in enumerate(ctx_names) if "attention" in n]
     gen_attn = [i for i, n in enumerate(gen_names) if "attention" in n]
