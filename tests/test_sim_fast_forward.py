@@ -1,8 +1,8 @@
-"""The sim's decode fast-forward changes nothing: byte-identical ``summary.json`` and ``events.jsonl``
-with it on and off, across policies, on a pool small enough that calls queue, are preempted, and
-evict each other's prefixes (each run ends with the sim's leak check). It must also run most steps,
-steps during which a timer fires and steps beside calls that wait and cannot start among them, or
-the speed it buys is not there."""
+"""The sim's fast-forward changes nothing: byte-identical ``summary.json`` and ``events.jsonl`` with it
+on and off, across policies, on a pool small enough that calls queue, are preempted, and evict each
+other's prefixes (each run ends with the sim's leak check). It must also run most steps, steps
+during which a timer fires, steps beside calls that wait and cannot start, and steps that carry a
+running call's prefill chunk among them, or the speed it buys is not there."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from vllm_mars.driver.runner import ReplayConfig, run_replay
+from vllm_mars.engine import rig
 from vllm_mars.sim import engine as sim_engine
 
 PROFILE = "h200-qwen3-coder-30b-a3b"
@@ -101,3 +102,73 @@ def test_a_preempting_cell_is_identical_too(tmp_path, monkeypatch):
     assert json.loads((outs[0] / "summary.json").read_text())["preemptions"] > 0
     fast_run = max((b for b in runs if b.ff_steps), key=lambda b: b.steps)
     assert fast_run.ff_waiting > 0, "no decode step beside a waiting call was fast-forwarded"
+
+
+def _long_workload(path: Path, first_output: int) -> Path:
+    """8 workflows of 9-25k-token prompts and a 6-12k-token second turn (prefills of several 8192-token
+    chunks), a shared 2k-token prefix, 0.5-2 s tools."""
+    lines = []
+    for i in range(8):
+        turns = [{"output_tokens": first_output + 7 * i, "tool_s": 0.5 + 0.3 * (i % 4), "tool": "bash"},
+                 {"append_tokens": 6000 + 1500 * (i % 5), "output_tokens": 30 + 5 * (i % 3), "tool_s": 1.0,
+                  "tool": "read"},
+                 {"append_tokens": 300, "output_tokens": 50}]
+        lines.append(json.dumps({"schema": "mars_workload_v1", "workflow_id": f"w{i}",
+                                 "prefix": [{"tokens": 2048, "key": "sys"}], "prompt_tokens": 9000 + 2300 * i,
+                                 "turns": turns}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("policy", "num_blocks", "rps", "first_output"), [
+    ("mars", 4000, 1.0, 40), ("fcfs", 4000, 1.0, 40), ("continuum", 4000, 1.0, 40),
+    ("autellix", 2400, 2.0, 40), ("infercept", 2400, 2.0, 40),
+    ("fcfs", 2400, 4.0, 900),  # preempts
+    ("mars", 2400, 4.0, 900),
+])
+def test_steps_with_prefill_chunks_are_fast_forwarded_identically(tmp_path, monkeypatch, policy, num_blocks, rps,
+                                                                  first_output):
+    """Steps whose running set holds a call's later prefill chunks (the first chunk is an admission,
+    on the full path) run in the fast-forward for the most part, with identical results."""
+    wl = _long_workload(tmp_path / "wl.jsonl", first_output)
+    runs = []
+    start = sim_engine.SimBackend.start
+
+    async def recording_start(self):
+        runs.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(sim_engine.SimBackend, "start", recording_start)
+    chunk_steps = [0]  # full-path steps with a running call's prefill chunk and no admission
+    shape = rig.batch_shape
+
+    def counting_shape(s, so):
+        prefill, decode = shape(s, so)
+        if prefill and not so.scheduled_new_reqs and not so.scheduled_cached_reqs.resumed_req_ids:
+            chunk_steps[0] += 1
+        return prefill, decode
+
+    monkeypatch.setattr(rig, "batch_shape", counting_shape)
+    outs, counts = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(sim_engine.SimBackend, "fast_forward", fast)
+        chunk_steps[0] = 0
+        out, _ = run_replay(ReplayConfig(workload=str(wl), policy=policy, rps=rps, backend="sim", profile=PROFILE,
+                                         num_blocks=num_blocks, progress=False, out=str(tmp_path / f"r{fast}")))
+        outs.append(out)
+        counts.append(chunk_steps[0])
+    assert (outs[0] / "summary.json").read_bytes() == (outs[1] / "summary.json").read_bytes()
+    assert (outs[0] / "events.jsonl").read_bytes() == (outs[1] / "events.jsonl").read_bytes()
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert summary["completed"] == 8 and summary["errors"] == 0
+    assert summary["engine"]["leak_check"] == "ok"
+    if first_output > 100 and policy == "fcfs":
+        assert summary["preemptions"] > 0
+    fast_run = max((b for b in runs if b.ff_steps), key=lambda b: b.steps)
+    off_run = max((b for b in runs if not b.ff_steps), key=lambda b: b.steps)
+    assert fast_run.steps == off_run.steps
+    # the off run computed that many chunks of running calls on vLLM's schedule(); the fast-forward
+    # took most of them (the rest: a possible allocation failure or admission, on the full path)
+    assert counts[1] >= 25, counts
+    assert fast_run.ff_prefill >= 0.6 * counts[1], (fast_run.ff_prefill, counts)
+    assert fast_run.ff_prefill + counts[0] == counts[1], (fast_run.ff_prefill, counts)

@@ -43,13 +43,28 @@ the gate (``max_num_active_reqs``) and the head's chunk cap (``_reserve_prefill_
 check fails, the step goes on through vLLM's ``schedule()`` (``MarsScheduler._mars_schedule_begun``)
 and the full path takes it.
 
+Steps with prefill chunks (``SimBackend._prefill_steps``). A running call's later prefill chunks (its
+first is an admission, on the full path) run here too, beside the decodes. After the policy's step
+hooks have ordered the running set, the step is checked before anything is asked or allocated:
+vLLM's chunk for each call (the token budget, the long-prefill cap, the model length; the policy's
+cap can only shrink it) bounds the blocks the step may take, which must all be free (no allocation
+fails, nobody is preempted); a chunk that may end a prefill must sample a token that cannot stop the
+call; and where vLLM's waiting loop can run, its head cannot start (``_WaitPlan``, against every
+block the step may take and every hash its chunks may cache). The step then runs as ``schedule()``
+runs it: per running call in order, vLLM's chunk, the policy's cap (``_reserve_prefill_lookahead``,
+asked once, as vLLM asks it) and ``allocate_slots`` until the budget is spent; the waiting loop's
+questions; the computed tokens, the policy's end of step, the step's time (the batch as
+``engine.rig.batch_shape`` describes it) and a token per decode. A chunk that ends a prefill gives
+the call its first token as the full path does (vLLM's prefill stats, stamped at the step's end), and
+the engine then starts over.
+
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
 
-Why one module of about 650 lines: it is one class, one step loop, whose full path and decode
-fast-forward share its per-step state and must give identical results; split apart, the two paths
-that must agree would live in different files.
+Why one module of about 900 lines: it is one class, one step loop, whose full path and fast-forward
+share its per-step state and must give identical results; split apart, the paths that must agree
+would live in different files.
 """
 
 from __future__ import annotations
@@ -152,8 +167,8 @@ class _WaitPlan:
     """vLLM's waiting loop at a blocked head beside ``n`` decodes (module docstring): the blocks its
     allocation needs, the chunk the loop asks the policy to cap, and the checks that it still fails."""
 
-    __slots__ = ("can_help", "chunk", "evictable", "hashes", "head", "hit", "need", "reclaim_args", "retained",
-                 "sched")
+    __slots__ = ("_chunk", "_whole", "can_help", "chunk", "evictable", "hashes", "head", "hit", "need",
+                 "reclaim_args", "retained", "sched")
 
     def __init__(self, s: Any, blocked: _Blocked, n: int) -> None:
         kvm = s.kv_cache_manager
@@ -183,35 +198,43 @@ class _WaitPlan:
         from vllm_mars.engine.reclaim import reclaim_can_help
 
         self.can_help = reclaim_can_help
-        # the chunk vLLM's loop asks the policy to cap, computed as vLLM does
+        # the chunk vLLM's loop asks the policy to cap, computed as vLLM does (``chunk_for``)
         cfg = s.scheduler_config
-        budget = min(s.max_num_scheduled_tokens, cfg.max_num_batched_tokens) - n
         chunk = head.num_tokens - hit
-        num_running, num_waiting = s.get_request_counts()
-        eligible = num_running + num_waiting
-        cap = cfg.long_prefill_token_threshold if eligible > 1 else 0
-        if cap > 0 and s.adaptive_long_prefill_threshold:
-            cap = max(cap, cfg.max_num_batched_tokens // eligible)
+        cap = _long_prefill_cap(s)
         if 0 < cap < chunk:
             chunk = cap
-        if not cfg.enable_chunked_prefill and chunk > budget and not s.is_mm_encoder_only:
-            chunk = 0  # vLLM stops before asking
-        self.chunk = min(chunk, budget)
+        self._chunk = chunk
+        self._whole = not cfg.enable_chunked_prefill and not s.is_mm_encoder_only
+        self.chunk = self.chunk_for(_step_budget(s) - n)
 
-    def fails(self, pool: Any, new: list, fills: list, bs: int) -> bool:
-        """Whether the head's allocation fails after this step's decodes (``new`` take a block each,
-        ``fills`` fill one) and its lookup gives the same blocks then."""
-        free = pool.get_num_free_blocks() - len(new)
+    def chunk_for(self, budget: int) -> int:
+        """The head's chunk with ``budget`` tokens left after the running calls (0: vLLM stops before
+        asking the policy)."""
+        if self._whole and self._chunk > budget:
+            return 0
+        return min(self._chunk, budget)
+
+    def fails(self, pool: Any, new: int, fills: list, bs: int, popped: int | None = None,
+              cached: tuple = ()) -> bool:
+        """Whether the head's allocation fails after this step's allocations (``new`` blocks taken
+        at least, ``popped`` at most: default ``new``; ``fills``: decodes filling a block;
+        ``cached``: (request, first, end) block-hash index ranges that prefill chunks may cache) and
+        its lookup gives the same blocks then."""
+        free = pool.get_num_free_blocks() - new
         if self.need <= free:
             return False
-        if new and self.evictable:
+        popped = new if popped is None else popped
+        if popped and self.evictable:
             b = pool.free_block_queue.fake_free_list_head
             evictable = self.evictable
-            if any(id(b := b.next_free_block) in evictable for _ in new):
-                return False  # a decode's new block would evict one of its hit's blocks
+            if any(id(b := b.next_free_block) in evictable for _ in range(popped)):
+                return False  # a new block would evict one of its hit's blocks
         hashes = self.hashes
         if fills and any(r.block_hashes[(r.num_computed_tokens + 1) // bs - 1] in hashes for r in fills):
             return False  # a decode's full block would be cached under one of its hashes
+        if any(not hashes.isdisjoint(r.block_hashes[lo:hi]) for r, lo, hi in cached):
+            return False  # so would one of a prefill chunk's
         # with retained KV the reclaim seam would release some if that could make it fit
         s = self.sched
         return not (s.retention and self.can_help(s, self.head, 1, self.reclaim_args, free))
@@ -230,18 +253,46 @@ def _blocked_head(s: Any, looked: Any) -> _Blocked | None:
     return _Blocked(request, blocks, hit, s.block_size)
 
 
+def _step_budget(s: Any) -> int:
+    """The tokens one step schedules at most (vLLM's token and input budgets; no draft slots)."""
+    return min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens)
+
+
+def _long_prefill_cap(s: Any) -> int:
+    """vLLM's cap on one request's chunk this step (0: none), from the calls it counts."""
+    cfg = s.scheduler_config
+    num_running, num_waiting = s.get_request_counts()
+    eligible = num_running + num_waiting
+    cap = cfg.long_prefill_token_threshold if eligible > 1 else 0
+    if cap > 0 and s.adaptive_long_prefill_threshold:
+        cap = max(cap, cfg.max_num_batched_tokens // eligible)
+    return cap
+
+
+def _plain(r: Any, step: int) -> bool:
+    """Whether running request ``r`` is stepped plainly: nothing speculative, structured, multimodal,
+    pooled, stale or in flight about it, and the token the sim samples cannot stop it (only its
+    length can)."""
+    sp = r.sampling_params
+    return (r.status == _RUNNING and not r.spec_token_ids and not r.num_output_placeholders
+            and not r.num_in_flight_tokens and not r.num_stale_output_tokens and not r.has_encoder_inputs
+            and r.pooling_params is None and r.structured_output_request is None and sp is not None
+            and sp.eos_token_id != SIM_TOKEN and SIM_TOKEN not in (sp.stop_token_ids or ())
+            and sp.repetition_detection is None and getattr(r, "next_decode_eligible_step", 0) <= step + 1)
+
+
+def _prefill_ready(r: Any, step: int) -> bool:
+    """Whether running request ``r`` is in its prefill with at least two tokens to compute, stepped
+    plainly (``_plain``)."""
+    return r.num_computed_tokens < r.num_tokens - 1 and _plain(r, step)
+
+
 def _decode_ready(r: Any, step: int) -> bool:
     """Whether running request ``r`` decodes exactly one plain token in the next step: its prompt is
-    computed, nothing speculative, structured, multimodal, pooled or stale about it, and the token the
-    sim samples cannot stop it (only its length can)."""
-    sp = r.sampling_params
-    return (r.num_computed_tokens == r.num_tokens - 1 and r.status == _RUNNING and not r.spec_token_ids
-            and not r.num_output_placeholders and not r.num_in_flight_tokens
-            and not r.num_stale_output_tokens and not r.has_encoder_inputs and r.pooling_params is None
-            and r.structured_output_request is None and sp is not None
-            and sp.eos_token_id != SIM_TOKEN and SIM_TOKEN not in (sp.stop_token_ids or ())
-            and sp.repetition_detection is None and r.num_output_tokens >= sp.min_tokens
-            and getattr(r, "next_decode_eligible_step", 0) <= step + 1)
+    computed (an output token is the one left: a prompt's last token is a prefill chunk, priced and
+    delivered as one) and it is stepped plainly (``_plain``)."""
+    return (r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens > 0 and _plain(r, step)
+            and r.num_output_tokens >= r.sampling_params.min_tokens)
 
 
 class _Call:
@@ -308,6 +359,8 @@ class SimBackend:
         self.ff_crossed = 0
         #: of ``ff_steps``, those run while calls waited (vLLM's waiting loop would have admitted none)
         self.ff_waiting = 0
+        #: of ``ff_steps``, those with prefill chunks in the running set
+        self.ff_prefill = 0
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
@@ -494,13 +547,20 @@ class SimBackend:
         max_len = s.max_model_len
         step0 = s.current_step
         horizon = None
+        prefills = False
         for r in running:
             c = r.num_computed_tokens
             if not _decode_ready(r, step0):
+                if _prefill_ready(r, step0):
+                    prefills = True
+                    continue
                 return False
             left = min(r.max_tokens - r.num_output_tokens, max_len - c - 2)
             if horizon is None or left < horizon:
                 horizon = left
+        if prefills:
+            # steps with prefill chunks: a chunk that ends the prefill runs the full path
+            return await self._prefill_steps(horizon - 1 if horizon is not None else 1 << 62)
         horizon -= 1
         if horizon <= 0:
             return False
@@ -544,7 +604,7 @@ class SimBackend:
                 head = waiting.peek_request()
                 if plan is None or plan.head is not head or plan.retained != s.retention.num_blocks:
                     plan = self._wait_plan(head, n)
-                if plan is None or not plan.fails(pool, new, fills[k], bs):
+                if plan is None or not plan.fails(pool, len(new), fills[k], bs):
                     # it could start: this step goes on through vLLM's schedule(), on the full path,
                     # which prices it
                     handed = now
@@ -610,6 +670,202 @@ class SimBackend:
         if handed is not None:
             return s._mars_schedule_begun(handed)
         return crossed if done else False
+
+    async def _prefill_steps(self, horizon: int) -> Any:
+        """The fast-forward's steps whose running set holds prefill chunks beside decodes (returns
+        as ``_fast_forward``). After the policy's step hooks order the running set, each step is
+        checked before anything is asked or allocated: no chunk may end a prefill (its upper bound,
+        vLLM's chunk before the policy's cap, stays short of it), every allocation fits (vLLM's
+        block counts at those upper bounds, beside the decodes' new blocks, within the free
+        blocks) and vLLM's waiting loop, where it can run, starts nobody (``_WaitPlan``, against
+        every block the step may take and every hash its chunks may cache). Then the step runs as
+        ``schedule()`` runs it: in running order vLLM's chunk, the policy's cap
+        (``_reserve_prefill_lookahead``) and ``allocate_slots`` per call until the budget is spent,
+        the waiting loop's questions, the policy's end of step; then the step's time and one token
+        per decode. A failed check hands the step (hooks begun) to vLLM's ``schedule()``."""
+        s = self.scheduler
+        running = s.running
+        n = len(running)
+        kvm = s.kv_cache_manager
+        pool = kvm.block_pool
+        req_blocks = kvm.coordinator.single_type_managers[0].req_to_blocks
+        waiting = s.waiting
+        loop = self._loop
+        profile = self.profile
+        bs = s.block_size
+        max_len = s.max_model_len
+        sampled = s.num_sampled_tokens_per_step
+        lookahead = s.num_lookahead_tokens
+        begin, end = s._mars_begin_step, s._mars_end_step
+        cap_chunk = s._reserve_prefill_lookahead
+        # whether the chunk may come out below vLLM's (the policy's cap, vLLM's lookahead guard)
+        capped = s.mars_policy.caps_chunks or bool(getattr(s, "num_prefill_lookahead", 0))
+        budget0 = _step_budget(s)
+        thr = _long_prefill_cap(s)
+        waits = bool(len(waiting)) and n + s.num_waiting_for_streaming_input < s._max_active
+        token = SIM_TOKEN
+        outs0 = [(r, r.num_output_tokens) for r in running]  # (the hooks may reorder running)
+        plan = None
+        done = 0
+        out = _StepOut()
+        crossed = ended = False
+        handed = None
+        scheduled: dict[str, int] = {}
+        while done < horizon:
+            now = loop.time()
+            begin(now)
+            # The checks, on the order the hooks gave: upper bounds of each chunk and its blocks.
+            budget = budget0
+            need = 0  # new blocks at most
+            dnew = 0  # of which the decodes' (exact when the waiting loop runs: then all are scheduled)
+            fills = []
+            cached = []
+            ok = True
+            for r in running:
+                if budget <= 0:
+                    break
+                c = r.num_computed_tokens
+                if c == r.num_tokens - 1:  # a decode
+                    if not c % bs:
+                        dnew += 1
+                    elif not (c + 1) % bs:
+                        fills.append(r)
+                    budget -= 1
+                    continue
+                k = r.num_tokens - c
+                if 0 < thr < k:
+                    k = thr
+                k = min(k, budget, max_len - c - sampled)
+                if k >= r.num_tokens - c and not (r.num_output_tokens + 1 < r.max_tokens
+                                                  and r.num_tokens + 1 < max_len):
+                    ok = False  # the chunk could end the prefill with a token that stops it
+                    break
+                need += -(-(c + k) // bs) - len(req_blocks[r.request_id])
+                cached.append((r, c // bs, (c + k) // bs))
+                if not capped:
+                    budget -= k  # exact; a capped chunk may leave budget to the calls after it
+            need += dnew
+            if ok and need > pool.get_num_free_blocks():
+                ok = False  # an allocation could fail: vLLM preempts
+            left_max = budget if not capped else budget0  # (only whether the waiting loop can run)
+            if ok and waits and left_max > 0:
+                head = waiting.peek_request()
+                if plan is None or plan.head is not head or plan.retained != s.retention.num_blocks:
+                    plan = self._wait_plan(head, n)
+                ok = plan is not None and plan.fails(pool, dnew, fills, bs, need, cached)
+            if not ok:
+                handed = now
+                break
+            # schedule(): the running calls in order, as vLLM schedules them
+            s.current_step += 1
+            kvm.new_step_starts()
+            budget = budget0
+            scheduled = {}
+            prefill = []
+            decode = []
+            chunked = []  # the calls that computed a prefill chunk
+            for r in running:
+                if budget <= 0:
+                    break
+                c = r.num_computed_tokens
+                if c == r.num_tokens - 1:
+                    if (not c % bs or not (c + 1) % bs) and kvm.allocate_slots(
+                            r, 1, num_lookahead_tokens=lookahead) is None:
+                        raise RuntimeError(f"sim fast-forward: allocation failed for {r.request_id}")
+                    scheduled[r.request_id] = 1
+                    decode.append(c)
+                    budget -= 1
+                    continue
+                k = r.num_tokens - c
+                if 0 < thr < k:
+                    k = thr
+                k = cap_chunk(r, c, min(k, budget, max_len - c - sampled))
+                if not k:
+                    continue
+                if kvm.allocate_slots(r, k, num_lookahead_tokens=lookahead) is None:
+                    raise RuntimeError(f"sim fast-forward: allocation failed for {r.request_id}")
+                scheduled[r.request_id] = k
+                chunked.append(r)
+                if k == 1 and c >= r.num_prompt_tokens:
+                    decode.append(c)  # (as engine.rig.batch_shape counts it)
+                else:
+                    prefill.append((k, c))
+                budget -= k
+            kvm.take_new_block_ids()
+            # the waiting loop: the gate and the head's chunk cap, asked as vLLM asks them; the
+            # head's allocation then fails (checked above) and the loop stops
+            if waits and budget > 0 and n + s.num_waiting_for_streaming_input < s.max_num_active_reqs:
+                chunk = plan.chunk_for(budget)
+                if chunk:
+                    cap_chunk(plan.head, plan.hit, chunk)
+            s.prefill_capacity_bound = len(waiting) > len(s.deferred_waiting)  # (vLLM's, after its loop)
+            s.finished_req_ids = set()
+            s.reset_preempted_req_ids = set()
+            requests = s.requests
+            for rid, k in scheduled.items():
+                requests[rid].num_computed_tokens += k
+            ended = False  # a chunk ended its prefill (it samples) or left one prompt token
+            sampling = []  # of which those that sample their first token
+            for r in chunked:
+                c = r.num_computed_tokens
+                if c >= r.num_tokens - 1:
+                    ended = True
+                    if c == r.num_tokens:
+                        r.is_prefill_chunk = False
+                        s._inflight_prefills.discard(r)
+                        if r.num_output_tokens == 0:
+                            sampling.append(r)
+            out.num_scheduled_tokens = scheduled
+            out.total_num_scheduled_tokens = budget0 - budget
+            end(out, now)
+            # the step runs: its time, the clock, counters; update_from_output(): a token per decode
+            dt = profile.step_seconds(prefill, decode)
+            if not dt > 0:
+                raise RuntimeError(f"profile {profile.name!r}: step_seconds returned {dt!r} for a non-empty batch")
+            crossed = not loop.idle_for(dt)
+            self.steps += 1
+            self.busy_s += dt
+            if crossed:
+                await asyncio.sleep(dt)
+            elif not loop.advance_if_idle(dt):
+                raise RuntimeError("sim fast-forward: the loop stopped being idle during a step")
+            for rid in scheduled:
+                r = requests[rid]
+                if r.num_computed_tokens == r.num_tokens:
+                    r.append_output_token_ids(token)
+            done += 1
+            if sampling:
+                # the first output: vLLM's prefill stats, the delivery's stamp (as ``_deliver``)
+                stamp = self.clock()
+                for r in sampling:
+                    stats = r.take_prefill_stats()
+                    if stats is not None:
+                        stats.finalize(kvm.estimate_cached_tokens(r))
+                    call = self._calls.get(r.request_id)
+                    if call is not None:
+                        if call.first is None:
+                            call.first = stamp
+                        if stats is not None:
+                            call.cached = stats.num_cached_tokens
+            if crossed or ended:
+                break  # (after a prefill ended the caller starts over: the call decodes now, or not)
+        if done:
+            if not s.use_v2_model_runner:
+                s.prev_step_scheduled_req_ids.clear()
+                s.prev_step_scheduled_req_ids.update(scheduled)
+            calls = self._calls
+            for r, before in outs0:
+                call = calls.get(r.request_id)
+                if call is not None and r.num_output_tokens > before:
+                    call.ids.extend([token] * (r.num_output_tokens - before))
+            self.ff_steps += done
+            self.ff_prefill += done
+            self.ff_crossed += crossed
+            if len(waiting):
+                self.ff_waiting += done
+        if handed is not None:
+            return s._mars_schedule_begun(handed)
+        return (crossed or ended) if done else False
 
     def _wait_plan(self, head: Any, n: int) -> _WaitPlan | None:
         """What the waiting loop does with ``head`` beside ``n`` decodes: the last full-path step's
