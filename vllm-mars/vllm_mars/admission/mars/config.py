@@ -40,6 +40,9 @@ class MarsAdmissionConfig(WindowConfig):
     cpu_wait_high_s: float = 5.0
     #: Tool queue wait EMA (s) at or below which the CPU plane is healthy.
     cpu_wait_low_s: float = 2.0
+    #: TEMPORARY (issue 31's experiment): the order while the CPU plane is overloaded: "large"
+    #: (largest footprint first) or "arrival".
+    cpu_order: str = "large"
     #: Prefill estimate above which a root is "long" (the footprint rule's draining); <= 0 disables it.
     long_prefill_tokens: int = 50_000
     #: Prompt tokens assumed for a root that arrives without any estimate.
@@ -94,6 +97,8 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("cpu_backlog_low", "> 0")
         if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
             raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
+        if self.cpu_order not in ("large", "arrival"):
+            raise bad("cpu_order", "'large' or 'arrival'")
         if self.unknown_prefill_tokens < 0:
             raise bad("unknown_prefill_tokens", ">= 0")
         if self.default_block_size < 1:

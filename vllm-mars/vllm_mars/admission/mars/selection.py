@@ -70,7 +70,9 @@ class Selection(AimdWindow):
         light = (not (self._kv_overloaded or cpu_over or self._stale) and cpu_healthy
                  and (usage is None or usage <= cfg.kv_low) and budget > 0
                  and len(queue) <= slots and sum(foot.values()) <= budget)
-        if cpu_over:
+        if cpu_over and cfg.cpu_order == "arrival":
+            order, mode = queue, "cpu_overloaded_fcfs"
+        elif cpu_over:
             order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
             mode = "cpu_overloaded_large_first"
         elif cost_rule:
