@@ -91,66 +91,27 @@ def test_kv_cap_linear_between_watermarks():
     assert c.limit() == 14
 
 
-def test_cpu_overload_decreases_window():
+def test_the_cpu_plane_only_caps_the_window():
+    # A long tool queue wait and a backlog of 2 calls per worker are no pressure: no decrease, no
+    # hold, no pressure event (the wait rule was retired: experiments/paper/README.md, "The CPU-tool
+    # cell"); the window grows as on a healthy tick and the cap ceil(workers x 1.5) bounds the limit.
     c = mars(window_min=4, window_max=30, window_init=20)
-    c.observe(tel(0, usage=0.1, inflight=4, workers=16, wait=6.0))
-    c.tick(0.0)
-    assert c.window == 14
-    assert any(e.data["kind"] == "cpu" for e in events(c, "admission_pressure"))
-
-
-def test_cpu_backlog_alone_is_no_pressure():
-    # 2 calls per worker (the old backlog trigger) with no tool queue wait: the cap holds, no decrease
-    c = mars(window_min=4, window_max=30, window_init=20)
-    c.observe(tel(0, usage=0.1, inflight=32, workers=16, wait=0.0))
-    c.tick(0.0)
-    assert c.window == 20 and not c._cpu_overloaded
-
-
-def test_stale_tool_wait_reading_decreases_the_window_once():
-    # The wait EMA moves only when a tool starts: one reading held over many intervals is one
-    # congestion signal (the old rule cut the window on it every interval, down to window_min).
-    c = mars(window_min=4, window_max=30, window_init=20)
-    for i in range(10):
-        c.observe(tel(i * 0.2, usage=0.1, inflight=12, workers=16, wait=6.0))
+    for i in range(5):
+        c.observe(tel(i * 0.2, usage=0.1, inflight=32, workers=16, wait=60.0 + i))
         c.tick(i * 0.2)
-    assert c.window == 14 and c._cpu_overloaded
-    assert [e.data["new"] for e in events(c, "admission_window")] == [14]
-    c.observe(tel(2.0, usage=0.1, inflight=12, workers=16, wait=6.5))  # a tool started: fresh reading
-    c.tick(2.0)
-    assert c.window == 9
-    c.observe(tel(2.2, usage=0.1, inflight=12, workers=16, wait=4.0))  # between the marks: hold
-    c.tick(2.2)
-    assert c.window == 9 and c._cpu_overloaded
-    c.observe(tel(2.4, usage=0.1, inflight=4, workers=16, wait=1.0))  # healthy: grow again
-    c.tick(2.4)
-    assert c.window == 10 and not c._cpu_overloaded
+    assert c.window == 24 and c.limit() == 24  # 20 + 4 increases, then the cap ceil(16 x 1.5)
+    assert not events(c, "admission_pressure")
+    c.observe(tel(1.0, usage=0.1, inflight=32, workers=8, wait=70.0))
+    c.tick(1.0)
+    assert c.window == c.limit() == 12  # fewer workers: the cap falls with them
+    ev = events(c, "admission_window")
+    assert ev[-1].data["cpu_cap"] == 12 and ev[-1].data["cpu_backlog_ratio"] == 4.0
 
 
-def test_cpu_decreases_again_only_once_the_last_decrease_took_effect():
-    c = mars(window_min=4, window_max=30, window_init=10)
-    c.observe(tel(0, usage=0.1, inflight=0, workers=16, wait=0.0))
-    for i in range(10):
-        offer(c, f"r{i}", 0)
-    assert len(c.tick(0.0)) == 10
-    c.observe(tel(0.2, usage=0.1, inflight=10, workers=16, wait=6.0))
-    c.tick(0.2)
-    assert c.window == 7  # floor(11 * 0.7): 10 roots still active
-    c.observe(tel(0.4, usage=0.1, inflight=10, workers=16, wait=6.5))  # fresh, but the cut has not acted
-    c.tick(0.4)
-    assert c.window == 7
-    for i in range(3):
-        c.finish(f"r{i}", 0.5)
-    c.observe(tel(0.6, usage=0.1, inflight=7, workers=16, wait=7.0))  # 7 active <= 7: decrease again
-    c.tick(0.6)
-    assert c.window == 4 and c.num_active == 7
-
-
-def test_cpu_between_marks_holds_window():
-    c = mars(window_min=4, window_max=30, window_init=10)
-    c.observe(tel(0, usage=0.1, inflight=12, workers=8))  # 1.5 per worker: not healthy, not overloaded
-    c.tick(0.0)
-    assert c.window == 10
+def test_retired_cpu_options_are_refused():
+    for field in ("cpu_wait_high_s", "cpu_wait_low_s", "cpu_backlog_low"):
+        with pytest.raises(ValueError, match=field):
+            make_controller("mars", {field: 5.0})
 
 
 def test_cpu_cap():
@@ -218,13 +179,14 @@ def test_contention_smallest_first_skips_nonfitting():
     assert ev[0].data["footprint_blocks"] == 10 and ev[1].data["kv_budget_remaining"] == 60
 
 
-def test_cpu_overloaded_prefers_large():
+def test_a_congested_tool_plane_keeps_the_selection_order():
+    # No largest-first order while tools queue (retired with the wait rule): smallest fit first.
     c = mars(window_min=1, window_max=1, window_init=1)
-    c.observe(tel(0, free=1000, inflight=4, workers=4, wait=6.0))
+    c.observe(tel(0, free=1000, inflight=40, workers=4, wait=60.0))
     offer(c, "small", 0, tokens=16)
     offer(c, "large", 1, tokens=1600)
-    assert c.tick(1.0) == ["large"]
-    assert events(c, "admission_admit")[0].data["mode"] == "cpu_overloaded_large_first"
+    assert c.tick(1.0) == ["small"]
+    assert events(c, "admission_admit")[0].data["mode"] == "smallest_fit"
 
 
 def test_zero_budget_admits_oldest_alone_only_when_idle():

@@ -99,10 +99,11 @@ def test_a_tool_bound_sim_cell_queues_tools_and_feeds_the_cpu_signal(tmp_path):
     assert two["e2e_s"]["mean"] > free["e2e_s"]["mean"] * 1.3
     samples = [e for e in read_events(out["two"]) if e["event"] == "kv_sample"]
     assert any((e.get("tools_in_flight") or 0) > 2 for e in samples), "the telemetry sees tools beyond the cores"
-    # mars's admission reads the queue as CPU pressure (experiments/paper/cpu_tool.toml measures what it does)
-    cpu = {k: [e for e in read_events(out[k]) if e["event"] == "admission_pressure" and e["kind"] == "cpu"]
-           for k in ("free", "two")}
-    assert cpu["two"] and cpu["two"][0]["overloaded"] and not cpu["free"]
+    # mars's admission caps the active roots at ceil(1.5 x cores) (>= window_min 4) where the tool plane
+    # has cores, and nowhere else; the queue wait is no pressure (experiments/paper/cpu_tool.toml)
+    active = {k: max(e["active"] for e in read_events(out[k]) if e["event"] == "kv_sample") for k in ("free", "two")}
+    assert active["free"] > 4 >= active["two"]
+    assert not [e for k in ("free", "two") for e in read_events(out[k]) if e["event"] == "admission_pressure"]
     # an experiment's record carries the tool plane and the KV pool (what a tool-bound cell is read by)
     rec = compare_record("wl", {4.0: {"free": free, "two": two}})["cells"][0]["policies"]
     assert rec["free"]["mean_tool_wait_s"] == 0 and rec["two"]["mean_tool_wait_s"] == two["tools"]["mean_wait_s"] > 0

@@ -4,8 +4,8 @@ capacity allows (SPEC section 4). Pure Python: no vllm import; time and telemetr
 One concern per module:
 
 * :mod:`.config`: the knobs (:class:`MarsAdmissionConfig`) and their ranges;
-* :mod:`.window`: the AIMD window and the pressure (CPU, stale telemetry, measured rebuilds or KV
-  usage) that drives it;
+* :mod:`.window`: the AIMD window, the pressure (stale telemetry, measured rebuilds or KV usage)
+  that drives it, and the caps on it (CPU tool workers, KV usage);
 * :mod:`.projection`: whole-life sizing, the active roots' contexts projected over their turns;
 * :mod:`.cost`: the cost rule, a root's expected rebuild cost against its queueing cost;
 * :mod:`.selection`: which queued roots go in at a tick, in which order;

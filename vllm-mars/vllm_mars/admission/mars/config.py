@@ -31,15 +31,9 @@ class MarsAdmissionConfig(WindowConfig):
     #: KV usage at or below which the window may grow (and the KV pressure state clears);
     #: None: ``kv_target - 0.05``.
     kv_low: float | None = None
-    #: Active roots per tool worker: the CPU cap on the window is ``ceil(workers x this)``.
+    #: Active roots per tool worker: the CPU cap on the window is ``ceil(workers x this)`` (the CPU
+    #: plane's only rule).
     cpu_cap_per_worker: float = 1.5
-    #: Tool calls in flight (queued ones included) per worker at or below which the CPU plane is
-    #: healthy (the window may grow).
-    cpu_backlog_low: float = 1.0
-    #: Tool queue wait EMA (s) at which the CPU plane counts as overloaded.
-    cpu_wait_high_s: float = 5.0
-    #: Tool queue wait EMA (s) at or below which the CPU plane is healthy.
-    cpu_wait_low_s: float = 2.0
     #: Prefill estimate above which a root is "long" (the footprint rule's draining); <= 0 disables it.
     long_prefill_tokens: int = 50_000
     #: Prompt tokens assumed for a root that arrives without any estimate.
@@ -90,10 +84,6 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("kv_low", f"in [0, kv_target={self.kv_target})")
         if not self.cpu_cap_per_worker > 0:
             raise bad("cpu_cap_per_worker", "> 0")
-        if not self.cpu_backlog_low > 0:
-            raise bad("cpu_backlog_low", "> 0")
-        if not 0 <= self.cpu_wait_low_s <= self.cpu_wait_high_s:
-            raise bad("cpu_wait_low_s", f"in [0, cpu_wait_high_s={self.cpu_wait_high_s}]")
         if self.unknown_prefill_tokens < 0:
             raise bad("unknown_prefill_tokens", ">= 0")
         if self.default_block_size < 1:

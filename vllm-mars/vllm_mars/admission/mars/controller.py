@@ -263,7 +263,7 @@ class MarsAdmissionController(Selection):
 
     def _inputs(self, now: float) -> dict:
         t = self._tel
-        ratio, _, _ = self._cpu_state()
+        ratio = self._cpu_backlog_ratio()
         return {
             "telemetry_age_s": None if t is None else round(now - t.ts, 6),
             "free_blocks": None if t is None else t.free_blocks,
@@ -335,6 +335,6 @@ class MarsAdmissionController(Selection):
         """State for /metrics and debugging."""
         return {**super().snapshot(),
                 "kv_budget_blocks": self.budget_blocks(), "turn_growth_tokens": self._turn_growth,
-                "kv_overloaded": self._kv_overloaded, "cpu_overloaded": self._cpu_overloaded,
+                "kv_overloaded": self._kv_overloaded,
                 "stale": self._stale, "rule": self._rule(), "rebuild_share": self._rebuild_share,
                 "cost_model": None if self.cost is None else self.cost.as_dict()}

@@ -1,7 +1,6 @@
 """Which queued roots the MARS admission controller admits at a tick, in which order.
 
 * **Missing telemetry**: a fixed window of ``no_telemetry_window`` roots in arrival order, never blind.
-* **CPU overloaded**: largest footprint first (fewer, heavier workflows), only what fits.
 * **Cost rule** (``admit = "cost"``, with a cost model): arrival order; a root goes in when its
   footprint fits the budget and (``size = "life"``) its whole life fits the projection, or when the
   rebuilds its overflow would cost are below the cost of holding it (:mod:`.cost`). A root that
@@ -65,15 +64,11 @@ class Selection(AimdWindow):
         short = [r for r in queue if not self._is_long(self._est_tokens(r))]
         if not short and not cost_rule:
             return self._drain(queue, slots, budget, foot)
-        _, cpu_over, cpu_healthy = self._cpu_state()
         usage = self._usage()
-        light = (not (self._kv_overloaded or cpu_over or self._stale) and cpu_healthy
+        light = (not (self._kv_overloaded or self._stale)
                  and (usage is None or usage <= cfg.kv_low) and budget > 0
                  and len(queue) <= slots and sum(foot.values()) <= budget)
-        if cpu_over:
-            order = sorted(queue, key=lambda r: (not self.returning(r), -foot[r.workflow], self._seq[r.workflow]))
-            mode = "cpu_overloaded_large_first"
-        elif cost_rule:
+        if cost_rule:
             order, mode = queue, "cost_fit"
         elif light:
             order, mode = queue, "light_fcfs"
@@ -113,7 +108,7 @@ class Selection(AimdWindow):
                 why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
             if b <= remaining and over == 0:
                 out.append((r, mode, b, why))
-            elif cost_rule and not cpu_over:
+            elif cost_rule:
                 assert queue_s is not None
                 lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
                 if view is not None:

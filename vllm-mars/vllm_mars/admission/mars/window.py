@@ -3,11 +3,6 @@
 The window ``W`` on active roots is updated at most once per ``interval_s``: x``dec_factor`` under
 pressure, +``inc`` when healthy. Pressure is
 
-* **CPU**: the tool queue wait EMA >= ``cpu_wait_high_s`` (cleared at ``cpu_wait_low_s`` with at
-  most ``cpu_backlog_low`` calls in flight per worker: hysteresis). The EMA moves only when a tool
-  starts, so one reading is one congestion signal: it decreases the window once, however many
-  intervals it is held; a new value decreases it again only once the last decrease has taken effect
-  (no more roots active than the window: one decrease per round trip);
 * **telemetry** older than ``stale_s``;
 * **KV**: under the cost rule, the measured share of engine time spent recomputing lost KV (preempted
   tokens and evicted blocks, priced by the cost model) at ``rebuild_share_high``, while the pool
@@ -16,8 +11,10 @@ pressure, +``inc`` when healthy. Pressure is
   ``kv_target`` (cleared at ``kv_low``).
 
 The limit is ``min(W, cpu_cap, kv_cap)``, each >= ``window_min``: ``cpu_cap`` follows the tool
-workers (``ceil(workers x cpu_cap_per_worker)``; calls in flight per worker cannot pass it unless
-roots have children, so they are no pressure trigger), ``kv_cap`` KV usage (footprint rule) or nothing (cost rule: rebuilds drive ``W``).
+workers (``ceil(workers x cpu_cap_per_worker)``), the CPU plane's only rule (a window decrease on the
+tool queue wait and a largest-first order while it was high were measured to add nothing over the
+cap, and retired: ``experiments/paper/README.md``, "The CPU-tool cell"); ``kv_cap`` follows KV usage
+(footprint rule) or nothing (cost rule: rebuilds drive ``W``).
 """
 
 from __future__ import annotations
@@ -42,9 +39,7 @@ class AimdWindow(ControllerBase):
         self._prev_rebuild: tuple[float, int] | None = None  # (ts, cumulative rebuilt tokens)
         self._last_window_update: float | None = None
         self._kv_overloaded = False
-        self._cpu_overloaded = False
         self._stale = False
-        self._cpu_wait_used: float | None = None  # the tool-wait reading the last CPU decrease acted on
 
     # hooks the controller provides
     def _rule(self) -> str:
@@ -85,23 +80,12 @@ class AimdWindow(ControllerBase):
         self._rebuild_share = share if old is None else 0.7 * old + 0.3 * share
         self._prev_rebuild = (t.ts, tokens)
 
-    def _cpu_state(self) -> tuple[float | None, bool, bool]:
-        """(in-flight per worker, overloaded, healthy) with hysteresis on the overloaded flag."""
-        cfg, t = self.config, self._tel
-        ratio = wait = None
-        if t is not None and t.tools_in_flight is not None:
-            ratio = t.tools_in_flight / max(1, t.tool_workers or 1)
-        if t is not None:
-            wait = t.tool_queue_wait_s
-        high = wait is not None and wait >= cfg.cpu_wait_high_s
-        healthy = (ratio is None or ratio <= cfg.cpu_backlog_low) and (wait is None or wait <= cfg.cpu_wait_low_s)
-        if high:
-            overloaded = True
-        elif healthy:
-            overloaded = False
-        else:
-            overloaded = self._cpu_overloaded
-        return ratio, overloaded, healthy
+    def _cpu_backlog_ratio(self) -> float | None:
+        """Tool calls in flight (queued ones included) per tool worker, for the decision events."""
+        t = self._tel
+        if t is None or t.tools_in_flight is None:
+            return None
+        return t.tools_in_flight / max(1, t.tool_workers or 1)
 
     def _caps(self) -> tuple[int, int]:
         cfg, t = self.config, self._tel
@@ -124,7 +108,7 @@ class AimdWindow(ControllerBase):
         return cpu_cap, kv_cap
 
     def _set_pressure(self, now: float, kind: str, state: bool, inputs: dict) -> None:
-        attr = {"kv": "_kv_overloaded", "cpu": "_cpu_overloaded", "telemetry": "_stale"}[kind]
+        attr = {"kv": "_kv_overloaded", "telemetry": "_stale"}[kind]
         if getattr(self, attr) != state:
             setattr(self, attr, state)
             self._events.append(AdmissionEvent(now, "admission_pressure",
@@ -149,13 +133,11 @@ class AimdWindow(ControllerBase):
                 kv = True
             elif usage <= cfg.kv_low:
                 kv = False
-        _, cpu, _ = self._cpu_state()
-        if (stale, kv, cpu) == (self._stale, self._kv_overloaded, self._cpu_overloaded):
+        if (stale, kv) == (self._stale, self._kv_overloaded):
             return  # the hot path: nothing changed, build no event
         inputs = {**self._inputs(now), "rebuild_share": self._rebuild_share}
         self._set_pressure(now, "telemetry", stale, inputs)
         self._set_pressure(now, "kv", kv, inputs)
-        self._set_pressure(now, "cpu", cpu, inputs)
 
     def _update_window(self, now: float) -> None:
         cfg = self.config
@@ -165,30 +147,17 @@ class AimdWindow(ControllerBase):
         if not self._telemetry_usable() and self._tel is None:
             return  # nothing to react to; the fixed no-telemetry window applies
         prev = self.window
-        _ratio, cpu_over, cpu_healthy = self._cpu_state()
         usage = self._usage()
         budget = self.budget_blocks()
-        overloaded = self._kv_overloaded or cpu_over or self._stale
-        wait = None if self._tel is None else self._tel.tool_queue_wait_s
-        # One decrease per round trip: a reading at the high mark that no decrease has acted on, once
-        # the last decrease has taken effect (no more roots active than the window).
-        cpu_fresh = (cpu_over and wait is not None and wait >= cfg.cpu_wait_high_s and wait != self._cpu_wait_used
-                     and len(self._active) <= self.window)
-        if not cpu_over:
-            self._cpu_wait_used = None
-        if self._kv_overloaded or self._stale or cpu_fresh:
-            if cpu_over:
-                self._cpu_wait_used = wait
+        overloaded = self._kv_overloaded or self._stale
+        if overloaded:
             base = self.window
             if self._cost_mode() and self._kv_overloaded:
                 # Measured thrashing: decrease from what is in flight (a window above the active
                 # count would not stop a single admission).
                 base = min(base, max(len(self._active), 1))
             w = max(cfg.window_min, math.floor(base * cfg.dec_factor))
-        elif cpu_over:
-            w = self.window  # the CPU signal was acted on, or the last decrease is still taking effect: hold
-        elif cpu_healthy and (self._cost_mode() or (
-                (usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0))):
+        elif self._cost_mode() or ((usage is None or usage <= cfg.kv_low) and (budget is None or budget > 0)):
             w = min(cfg.window_max, self.window + cfg.inc)
         else:
             w = self.window
@@ -198,8 +167,8 @@ class AimdWindow(ControllerBase):
         if w != prev:
             self._events.append(AdmissionEvent(now, "admission_window", {
                 "controller": self.name, "prev": prev, "new": w, "cpu_cap": cpu_cap, "kv_cap": kv_cap,
-                "overloaded": overloaded, "kv_overloaded": self._kv_overloaded, "cpu_overloaded": cpu_over,
-                "stale": self._stale, "cpu_healthy": cpu_healthy, "kv_budget_blocks": budget,
+                "overloaded": overloaded, "kv_overloaded": self._kv_overloaded,
+                "stale": self._stale, "kv_budget_blocks": budget,
                 **self._inputs(now)}))
 
     def limit(self) -> int:
