@@ -25,6 +25,9 @@ Each row's vLLM decides how steps are priced (:data:`SCHEDULING`): vLLM 0.12 sch
     python benchmark/perf/gpu_validation.py --out benchmark/perf/results/gpu_validation.json
     python benchmark/perf/gpu_validation.py --fit-overheads                     # sim/kernels.py STEP_OVERHEAD_S
     python benchmark/perf/gpu_validation.py --fit-overheads --scheduling async  # ASYNC_STEP_OVERHEAD_S
+    python benchmark/perf/gpu_validation.py --model gpt-oss-120b --out R.json --update --missing  # add rows to R.json
+    python benchmark/perf/gpu_validation.py --markdown R.json     # every row, with the reason of each miss
+    python benchmark/perf/gpu_validation.py --moe-kernel-check    # the runs' Marlin MoE kernel vs the tables'
 
 Needs the ``kernels`` extra (aiconfigurator-core); no network, no GPU.
 """
