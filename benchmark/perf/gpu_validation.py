@@ -25,6 +25,9 @@ Each row's vLLM decides how steps are priced (:data:`SCHEDULING`): vLLM 0.12 sch
     python benchmark/perf/gpu_validation.py --out benchmark/perf/results/gpu_validation.json
     python benchmark/perf/gpu_validation.py --fit-overheads                     # sim/kernels.py STEP_OVERHEAD_S
     python benchmark/perf/gpu_validation.py --fit-overheads --scheduling async  # ASYNC_STEP_OVERHEAD_S
+    python benchmark/perf/gpu_validation.py --model gpt-oss-120b --out R.json --update --missing  # add rows to R.json
+    python benchmark/perf/gpu_validation.py --markdown R.json     # every row, with the reason of each miss
+    python benchmark/perf/gpu_validation.py --moe-kernel-check    # the runs' Marlin MoE kernel vs the tables'
 
 Needs the ``kernels`` extra (aiconfigurator-core); no network, no GPU.
 """
@@ -414,7 +417,12 @@ def moe_kernel_check(gpus: tuple[str, ...] = ("h100", "h200"), tps: tuple[int, .
 def markdown(path: str) -> str:
     """The RESULTS.md / docs/sim.md tables of a results file: per GPU x model, then per row."""
     d = json.loads(Path(path).read_text())
-    out = [("| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
+    runs = d.get("runs") or [d]
+    out = [f"# Table-built profiles against published vLLM runs: every row of `{path}`", "",
+           f"`python benchmark/perf/gpu_validation.py --markdown {path}`; the runs: "
+           + "; ".join(f"`{r['command']}` ({r['date']})" for r in runs) + ". Ratio = ours / public; the reasons "
+           "a row lies outside the limit: docs/sim-validation.md, \"Why rows miss\".", "",
+           ("| GPU | model | rows | TTFT median ratio | TTFT median abs err | TTFT worst | TPOT median ratio | "
            "TPOT median abs err | TPOT worst |"), "|---|---|---|---|---|---|---|---|---|"]
     for s in d["summary"]:
         out.append(f"| {s['gpu']} | {s['model']} | {s['rows']} | {s['ttft_median_ratio']} | {s['ttft_median_abs_err']} | "

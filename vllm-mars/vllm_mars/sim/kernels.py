@@ -61,7 +61,10 @@ OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --gpu h100 
 #: 0.18, and in the pinned 0.32) the CPU work above runs while the GPU runs the previous step: it becomes
 #: the profile's overlapped CPU time, and only the part below stays on the critical path. Fitted once
 #: by ``gpu_validation.py --fit-overheads --scheduling async`` on the TPOT of the H100 x gpt-oss-120b
-#: rows (vLLM 0.18, async by default); the H200 rows are out of sample
+#: rows (vLLM 0.18, async by default); the H200 rows are out of sample. Fitted on the gpt-oss tables as
+#: built before :func:`op_names` (full attention then missing from decode); on the fixed tables the same
+#: fit gives 0.027 ms per step and 32.4 us per request (benchmark/perf/RESULTS.md, gpu_validation), about
+#: 0.3 ms more per 64-request step: not applied, as it moves every async table-built profile
 ASYNC_STEP_OVERHEAD_S = 0.0
 ASYNC_PER_SEQ_OVERHEAD_S = 2.79e-5
 ASYNC_OVERHEAD_SOURCE = ("benchmark/perf/gpu_validation.py --fit-overheads --scheduling async --gpu h100 "
