@@ -1,7 +1,7 @@
 """The no-thrash limit in the experiment report: the gap-closed computation on a hand-made pair of
 results, matching by cell and workload, the ``limit`` key / ``--limit`` / ``mars experiment gap``,
-and the shipped no-thrash limits (paper_grid_nothrash_kernels, paper_grid_nothrash: every run free of
-preemptions and evictions)."""
+and the shipped no-thrash limit (paper_grid_nothrash_kernels: every run free of preemptions and
+evictions)."""
 
 from __future__ import annotations
 
@@ -98,22 +98,22 @@ def test_a_bad_limit_in_the_file_is_a_one_line_error(tmp_path, capsys, value, te
     from vllm_mars.cli import main
     from vllm_mars.experiment.spec import ExperimentError, load_experiment
 
-    src = (REPO / "experiments" / "studies" / "paper_grid_nothrash.toml").read_text()
+    src = (REPO / "experiments" / "studies" / "paper_grid_nothrash_kernels.toml").read_text()
     path = tmp_path / "exp.toml"
     path.write_text(f"limit = {value}\n" + src)
     with pytest.raises(ExperimentError) as e:
         load_experiment(path)
     assert str(e.value).startswith(f"{path}: limit: ") and text in str(e.value) and "\n" not in str(e.value)
-    assert main(["experiment", "run", str(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml"), "--limit",
-                 str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["experiment", "run", str(REPO / "experiments" / "studies" / "paper_grid_nothrash_kernels.toml"),
+                 "--limit", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
     assert "--limit: " in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(("paper_file", "limit_file", "seeds"), [
-    # the paper grid on its measured-kernel profile, and its limit on the same profile
-    ("paper_grid", "paper_grid_nothrash_kernels", (0,)),
-    # the seed study still on the roofline prior, and the roofline limit
-    ("paper_grid_seeds", "paper_grid_nothrash", (0, 1, 2)),
+    # the paper grid (seed 0) and its seed study (seeds 1-2) on the measured-kernel profile, and their
+    # limit (seeds 0-2) on the same profile
+    ("paper_grid", "paper_grid_nothrash_kernels", (0, 1, 2)),
+    ("paper_grid_seeds", "paper_grid_nothrash_kernels", (0, 1, 2)),
 ])
 def test_shipped_nothrash_limit_matches_the_paper_grid_and_never_thrashed(paper_file, limit_file, seeds):
     from vllm_mars.experiment.spec import load_experiment
@@ -146,14 +146,14 @@ def test_the_experiment_report_carries_the_limit_section(tmp_path):
     from vllm_mars.experiment.results import write_results
     from vllm_mars.experiment.spec import load_experiment
 
-    exp = load_experiment(REPO / "experiments" / "studies" / "paper_grid_nothrash.toml")
-    lim_path = REPO / "experiments" / "results" / "paper_grid_nothrash" / "results.json"
+    exp = load_experiment(REPO / "experiments" / "studies" / "paper_grid_nothrash_kernels.toml")
+    lim_path = REPO / "experiments" / "results" / "paper_grid_nothrash_kernels" / "results.json"
     lim = load_limit(lim_path)
     record = write_results(replace(exp, limit=lim_path), tmp_path, lim["cells"], None)
     assert [r["key"] for r in record["limit"]["cells"]] == [c["key"] for c in lim["cells"]]
-    assert record["limit"]["file"] == "../results/paper_grid_nothrash/results.json"  # relative to the file
+    assert record["limit"]["file"] == "../results/paper_grid_nothrash_kernels/results.json"  # relative to the file
     table = (tmp_path / "table.md").read_text()
-    assert "## Gap to the no-thrash limit" in table and "`../results/paper_grid_nothrash/results.json`" in table
+    assert "## Gap to the no-thrash limit" in table and "`../results/paper_grid_nothrash_kernels/results.json`" in table
     assert "No `mars` run in this experiment" in table and not (tmp_path / "speedup_heatmap.png").exists()
     assert json.loads((tmp_path / "results.json").read_text())["limit"]["cells"][0]["limit_policy"] == "fcfs"
 
@@ -360,3 +360,24 @@ def test_summary_judges_each_load_level_over_its_seeds_across_files(tmp_path, ca
     row = next(line for line in out.splitlines() if line.startswith("| mars | 6 |"))
     assert row.endswith(f"| 1 of 2 | W/rps0.02 (3 seeds): {gm:.4f}x [{lo:.4f} - {hi:.4f}] | 1 of 2 |"), row
     assert "| mars | W/rps0.04 | 3 |" in out and "| within noise |" in out
+
+
+def test_summary_notes_cells_pooled_from_several_profiles(tmp_path, capsys):
+    from vllm_mars.cli import main
+    from vllm_mars.experiment.summary import profile_notes
+
+    a = _record("a", [("W", 0.02, {"mars": _gp(100.0, 0.5), "fcfs": _gp(200.0, 0.2)}, "fcfs")])
+    b = _record("b", [("W", 0.04, {"mars": _gp(100.0, 0.5), "fcfs": _gp(120.0, 0.2)}, "fcfs")])
+    assert profile_notes([a, b]) == []
+    b["config"]["replay"]["profile"] = "h200-qwen3-coder-30b-a3b-kernels"
+    (note,) = profile_notes([a, b])
+    assert "2 profiles" in note and "sim:h200-qwen3-coder-30b-a3b (a)" in note
+    assert "sim:h200-qwen3-coder-30b-a3b-kernels (b)" in note
+    assert profile_notes([a, b], only=["a:*"]) == []  # b's cells are not selected
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    assert main(["experiment", "summary", str(fa), str(fb)]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+    assert main(["experiment", "summary", str(fa), str(fb), "--merge"]) == 0
+    assert f"note: {note}" in capsys.readouterr().out

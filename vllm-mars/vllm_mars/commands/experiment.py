@@ -17,6 +17,7 @@ from vllm_mars.experiment.summary import (
     format_seed_groups,
     merge_records,
     policy_summary,
+    profile_notes,
 )
 
 #: the repository's experiments folder
@@ -44,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run nothing: rewrite table.md, results.json and plots from the finished runs")
     r.add_argument("--limit", default=None, metavar="RESULTS.json",
                    help="the no-thrash limit (another experiment's results.json, e.g. experiments/results/"
-                        "paper_grid_nothrash/results.json): table.md states per cell its mean E2E and the share "
-                        "of the gap mars closes; overrides the file's `limit`")
+                        "paper_grid_nothrash_kernels/results.json): table.md states per cell its mean E2E and "
+                        "the share of the gap mars closes; overrides the file's `limit`")
     r.add_argument("--list", action="store_true", help="print the cells (and which are finished) and exit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_run)
@@ -54,7 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "E2E and the share of the gap mars closes, (baseline - mars) / (baseline - "
                                     "limit). Reads only the two files (no run dirs).")
     g.add_argument("results", help="an experiment's results.json (e.g. experiments/results/paper_grid/results.json)")
-    g.add_argument("limit", help="the limit's results.json (e.g. experiments/results/paper_grid_nothrash/results.json)")
+    g.add_argument("limit", help="the limit's results.json "
+                                 "(e.g. experiments/results/paper_grid_nothrash_kernels/results.json)")
     g.set_defaults(func=_gap)
     s = esub.add_parser("summary", help="mars and its variants over many cells: ratios to the fastest baseline "
                                         "and to a reference policy",
@@ -105,9 +107,11 @@ def _gap(args: argparse.Namespace) -> int:
 def _summary(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance {args.tolerance}: expected a share in [0, 1)")
-    records, notes = [load_limit(f) for f in args.results], []
+    records = [load_limit(f) for f in args.results]
+    notes = profile_notes(records, _csv(args.only))
     if args.merge:
-        records, notes = merge_records(records, _csv(args.only))
+        records, merged = merge_records(records, _csv(args.only))
+        notes += merged
     rows = policy_summary(records, ref=args.ref, baselines=_csv(args.baselines), only=_csv(args.only),
                           tolerance=args.tolerance)
     if not rows:

@@ -1,7 +1,7 @@
 """The no-thrash limit of an experiment: how much of the gap between the fastest baseline and the
 same workload on an unbounded KV pool mars closes.
 
-The limit is another experiment's ``results.json`` (e.g. ``experiments/studies/paper_grid_nothrash.toml``:
+The limit is another experiment's ``results.json`` (e.g. ``experiments/studies/paper_grid_nothrash_kernels.toml``:
 the thrash cells with fcfs on a pool scaled so that nothing is ever evicted). Per cell present in
 both (same ``WORKLOAD/rpsR/seedS`` key and the same workload definition), the limit's mean E2E is
 the fastest of its policies that completed every workflow, and

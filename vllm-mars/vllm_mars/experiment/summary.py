@@ -167,6 +167,24 @@ def policy_summary(records: Sequence[Mapping[str, Any]], ref: str = "mars",
     return rows
 
 
+def profile_notes(records: Sequence[Mapping[str, Any]], only: Sequence[str] | None = None) -> list[str]:
+    """One note when the selected cells of ``records`` (the files as given, before any merge) come from
+    more than one backend profile: the over-the-cells columns of :func:`policy_summary` then pool
+    different step-time models (the seed groups keep them apart: the profile is part of a group's setup)."""
+    files: dict[str, list[str]] = {}
+    for rec in records:
+        name = rec.get("experiment", "?")
+        if any(_selected(name, c, only) for c in rec.get("cells") or ()):
+            replay = (rec.get("config") or {}).get("replay") or {}
+            prof = f"{replay.get('backend')}:{replay.get('profile')}"
+            files.setdefault(prof, []).append(name)
+    if len(files) < 2:
+        return []
+    each = "; ".join(f"{p} ({', '.join(n)})" for p, n in files.items())
+    return [(f"the selected cells come from {len(files)} profiles, {each}: the columns over the cells pool "
+            "them; the seed groups do not (a group is one profile)")]
+
+
 def _selected(name: str, cell: Mapping[str, Any], only: Sequence[str] | None) -> bool:
     """Whether a glob of ``only`` matches the cell's KEY or EXPERIMENT:KEY (a merged cell's: or one of
     its files' EXPERIMENT:KEY)."""
