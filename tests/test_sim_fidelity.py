@@ -254,3 +254,39 @@ def test_step_trace_errors(tmp_path):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
     with pytest.raises(ValueError, match="cannot drive --replicas"):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps), replicas=2).validate()
+
+
+def test_step_trace_replays_a_mars_run_with_its_calibrated_cost_model(tmp_path, tiny_model):
+    """A real mars run prices admission and rebuilds with the driver's solo-call calibration on the
+    engine (recorded in its events.jsonl); the step-trace replay hands that model to the sim's
+    controller and policy, so it admits roots at the same steps and the run replays batch for batch."""
+    from vllm_mars.cli import main as mars
+    from vllm_mars.sim.step_trace import StepTrace, recorded_cost_model
+
+    wl = _workload(tmp_path / "wl.jsonl", n=5)
+    common = ["--workload", str(wl), "--policy", "mars", "--rps", "20", "--no-progress"]
+    assert mars(["replay", *common, "--backend", "inprocess", "--num-blocks", "40", "--max-model-len", "1248",
+                 "--record-steps", "--out", str(tmp_path / "real")]) == 0
+    steps = tmp_path / "real" / "steps.jsonl"
+    cost = recorded_cost_model(str(steps))
+    assert cost is not None and cost.source == "cost model calibrated by solo calls on the idle engine"
+    own = tmp_path / "own.toml"
+    assert mars(["profile", "--from-steps", str(steps), "--out", str(own)]) == 0
+    o = load_profile(str(own))
+    shaped = o.with_efficiency(o.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
+    # the trace's cost model is the recorded run's, not the profile's fit
+    assert StepTrace(load_profile(str(shaped)), str(steps)).cost_model() == cost != load_profile(str(shaped)).cost_model()
+    assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--step-trace", str(steps),
+                 "--out", str(tmp_path / "trace")]) == 0
+    real_s, trace_s = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "trace"))
+    st = trace_s["engine"]["step_trace"]
+    # the sim's policy and controller priced with the real run's calibration (a sim calibrates on the
+    # profile and, without the recording, prices with the profile's fit)
+    assert st["cost_model"] == "recorded" and trace_s["engine"]["cost_model"] == real_s["engine"]["cost_model"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"], st
+    for key in ("preemptions", "recomputed_tokens", "completed"):
+        assert trace_s[key] == real_s[key], key
+    assert trace_s["e2e_s"]["mean"] == pytest.approx(real_s["e2e_s"]["mean"], rel=0.05)
+    assert trace_s["engine"]["leak_check"] == "ok"
+    e = real_s["engine"]  # the real engine at close: every KV block free, nothing retained
+    assert e["free_blocks"] == e["num_blocks"] and e["retained_blocks"] == 0 and not e["retained_workflows"]

@@ -18,6 +18,13 @@ earlier waits (:meth:`StepTrace.hold`), and a step waits up to ``ARRIVAL_WAIT_S`
 a call it should take in that has not arrived yet (:meth:`StepTrace.awaits`). Recordings without
 ``added`` replay with the sim's own arrival timing.
 
+The policies price work as the recorded run's did: a real run's admission controller and scheduler
+price with the driver's solo-call calibration on that engine, which its ``events.jsonl`` (beside
+``steps.jsonl``) records in ``run_start``'s ``cost_model``; :meth:`StepTrace.cost_model` hands that to
+the sim's controller and policies in place of the profile's fit, so mars admits roots at the moments
+the real run did. A recording without it (no ``events.jsonl``, or a run without calibration) prices
+with the profile's model.
+
 Without it, a sim/real comparison mixes two errors: the step-time model's (a fitted profile charges
 every step a smooth function of its batch, while a real engine on a shared machine has slow episodes)
 and the mechanism's; the trace takes the first out.
@@ -26,8 +33,10 @@ and the mechanism's; the trace takes the first out.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+from vllm_mars.costmodel import CostModel
 from vllm_mars.sim.fit import load_samples
 
 #: the longest a replayed step waits (virtual seconds) for a call the real engine took in before it
@@ -60,6 +69,11 @@ class StepTrace:
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._waited = -1
+        self.recorded_cost = recorded_cost_model(path)
+
+    def cost_model(self) -> CostModel:
+        """The cost model the recorded run's policies priced with, else the profile's."""
+        return self.recorded_cost if self.recorded_cost is not None else self._profile.cost_model()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._profile, name)
@@ -107,4 +121,26 @@ class StepTrace:
         """Recorded steps, sim steps charged, batches that differed and the first of them (None: every
         recorded step's batch was the sim's)."""
         return {"file": self.path, "recorded_steps": len(self._samples), "sim_steps": self._next,
-                "mismatched_steps": self._mismatches, "first_mismatch": self._first_mismatch}
+                "mismatched_steps": self._mismatches, "first_mismatch": self._first_mismatch,
+                "cost_model": "recorded" if self.recorded_cost is not None else "profile"}
+
+
+def recorded_cost_model(steps_path: str) -> CostModel | None:
+    """The cost model of the run that recorded ``steps_path``: ``run_start``'s ``cost_model`` in the
+    ``events.jsonl`` beside it (None: no such file, or the run priced without one)."""
+    events = Path(steps_path).with_name("events.jsonl")
+    if not events.is_file():
+        return None
+    with events.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{events}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(d, dict) or d.get("event") != "run_start":
+                continue
+            cost = d.get("cost_model")
+            return None if cost is None else CostModel.from_dict(cost, where=f"{events}:{n}: run_start.cost_model")
+    return None
