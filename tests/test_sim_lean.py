@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-from vllm_mars.admission.telemetry import scheduler_reading
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.metrics.events import read_events
 from vllm_mars.sim import engine as sim_engine
