@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-from vllm_mars.admission.telemetry import scheduler_reading
 from vllm_mars.driver.runner import ReplayConfig, run_replay
 from vllm_mars.metrics.events import read_events
 from vllm_mars.sim import engine as sim_engine
@@ -67,3 +66,20 @@ def test_the_engine_reading_is_what_mars_stats_reports(tmp_path, monkeypatch):
     counters = ("total_blocks", "block_size", "preemptions", "recomputed_tokens", "kv_blocks_removed")
     assert {k: end[FIELDS[k]] for k in counters} == {k: readings[-1][k] for k in counters}
     assert "policy_state" in end and "retention" in end
+
+
+def test_telemetry_as_dict_is_the_known_fields_in_order():
+    """``Telemetry.as_dict`` (every kv_sample event) reads the fields without dataclasses' deep copy:
+    the same dict, key order included, for any mix of known and unknown fields."""
+    import dataclasses
+    import random
+
+    from vllm_mars.admission.base import Telemetry
+
+    rng = random.Random(0)
+    names = [f.name for f in dataclasses.fields(Telemetry)]
+    for _ in range(200):
+        kw = {n: rng.choice([None, 0, 3, 0.25]) for n in names[1:]}
+        t = Telemetry(ts=rng.random(), **kw)
+        want = {k: v for k, v in dataclasses.asdict(t).items() if v is not None}
+        assert list(t.as_dict().items()) == list(want.items())

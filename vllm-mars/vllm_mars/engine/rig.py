@@ -238,11 +238,13 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
                  extra_args: Mapping[str, Any] | None = None, arrival_time: float | None = None,
                  seed: int | None = None, hash_name: str = DEFAULT_HASH, ignore_eos: bool = True,
                  block_hasher: Callable[[Request], list] | None = None,
-                 stop_token_ids: Sequence[int] | None = None) -> Request:
+                 stop_token_ids: Sequence[int] | None = None, copy_prompt: bool = True) -> Request:
     """A vLLM Request (``ignore_eos`` by default) with workflow metadata in ``extra_args``.
 
     Without ``prompt_token_ids`` the prompt is ``prompt_len`` ids derived from ``seed`` (default:
     the request id), so two requests share a prefix only when given the same ids.
+    ``copy_prompt=False``: ``prompt_token_ids`` is a list the request may keep as its prompt (vLLM
+    keeps the list it is given), one the caller no longer changes.
     """
     if prompt_token_ids is None:
         base = seed if seed is not None else sum(map(ord, request_id)) * 7919
@@ -255,7 +257,9 @@ def make_request(request_id: str, prompt_len: int = 100, max_tokens: int = 16, *
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=xargs or None,
                         stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
     kwargs = {"arrival_time": arrival_time} if arrival_time is not None else {}
-    return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sp,
+    if copy_prompt or not isinstance(prompt_token_ids, list):
+        prompt_token_ids = list(prompt_token_ids)
+    return Request(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sp,
                    pooling_params=None, priority=priority,
                    block_hasher=block_hasher or _hasher(block_size, hash_name), **kwargs)
 

@@ -461,7 +461,7 @@ class SimBackend:
                             hasher.hint(rid, *known)
                         call.request = make_request(rid, prompt_token_ids=ids, max_tokens=max_tokens,
                                                     extra_args=extra, block_size=block_size, arrival_time=now,
-                                                    ignore_eos=ignore_eos, block_hasher=hasher)
+                                                    ignore_eos=ignore_eos, block_hasher=hasher, copy_prompt=False)
                         s.add_request(call.request)
                     self._incoming = held
                 if not s.has_requests():

@@ -1,0 +1,116 @@
+"""Where a simulated run's CPU goes outside the engine step: process CPU time spent inside chosen
+functions of the driver, the admission tick, request making and output writing, and in garbage
+collection, during ``sim_speed.py``'s run (same flags, passed through).
+
+    PYTHONPATH=<tree>/vllm-mars python benchmark/perf/sim_costs.py --workflows 200 [--costs-out f.json]
+
+Each function is wrapped (outermost call counted once); a wrapper costs about a microsecond a call, so
+the small, frequent ones (the block hasher: one call per decoded token) read high. The shares are of
+``run_replay``'s CPU time. Functions a tree does not have are skipped, so two trees can be compared.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+
+#: (module, qualified name, label); nested entries are counted inside their callers too
+WRAPPED = (
+    ("vllm_mars.driver.replay", "Replay._tick", "admission tick (the controller's tick, events)"),
+    ("vllm_mars.driver.replay", "Replay._telemetry", "the tick's telemetry (engine reading, tool plane)"),
+    ("vllm_mars.driver.replay", "Replay._sample", "kv_sample (every virtual second)"),
+    ("vllm_mars.sim.engine", "SimBackend.sample", "  engine readings (inside the two above)"),
+    ("vllm_mars.engine.rig", "make_request", "making requests (vLLM Request, block hashes)"),
+    ("vllm_mars.engine.rig", "PrefixReusingHasher.__call__", "  block hasher (inside the above; once a decoded token)"),
+    ("vllm_mars.sim.engine", "SimBackend._deliver", "delivering outputs to the driver"),
+    ("vllm_mars.metrics.events", "EventLog.emit", "  event lines (inside the others)"),
+    ("vllm_mars.driver.runner", "write_run_outputs", "summary, report, plots"),
+)
+
+
+def _wrap(acc: dict, module: str, qual: str, label: str) -> None:
+    try:
+        owner = importlib.import_module(module)
+        *path, name = qual.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        f = getattr(owner, name)
+    except (ImportError, AttributeError):
+        return
+    acc[label] = [0, 0.0]
+    depth = [0]
+
+    @functools.wraps(f)
+    def timed(*a, **k):
+        if depth[0]:
+            return f(*a, **k)
+        depth[0] = 1
+        t = time.process_time()
+        try:
+            return f(*a, **k)
+        finally:
+            depth[0] = 0
+            rec = acc[label]
+            rec[0] += 1
+            rec[1] += time.process_time() - t
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    out = None
+    if "--costs-out" in argv:
+        i = argv.index("--costs-out")
+        out = argv[i + 1]
+        del argv[i:i + 2]
+    acc: dict[str, list] = {}
+    for entry in WRAPPED:
+        _wrap(acc, *entry)
+    gcs = {"collections": 0, "full": 0, "cpu_s": 0.0}
+    t0 = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            t0[0] = time.process_time()
+        else:
+            gcs["collections"] += 1
+            gcs["full"] += info["generation"] == 2
+            gcs["cpu_s"] += time.process_time() - t0[0]
+
+    from vllm_mars.driver import runner
+
+    run_replay = runner.run_replay
+    total = [0.0]
+
+    def timed_run(*a, **k):
+        gc.callbacks.append(on_gc)
+        t = time.process_time()
+        try:
+            return run_replay(*a, **k)
+        finally:
+            gc.callbacks.remove(on_gc)
+            total[0] += time.process_time() - t
+
+    runner.run_replay = timed_run
+    sys.argv = [str(Path(__file__).with_name("sim_speed.py")), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    rows = {label: {"calls": n, "cpu_s": round(s, 2), "share": round(s / total[0], 4)} for label, (n, s) in acc.items()}
+    rows["garbage collection"] = {"calls": gcs["collections"], "full": gcs["full"], "cpu_s": round(gcs["cpu_s"], 2),
+                                  "share": round(gcs["cpu_s"] / total[0], 4)}
+    print(f"run_replay CPU s: {total[0]:.2f}")
+    for label, r in rows.items():
+        print(f"{r['cpu_s']:8.2f} s {100 * r['share']:5.1f} %  {r['calls']:>8} calls  {label}")
+    if out:
+        Path(out).write_text(json.dumps({"run_replay_cpu_s": round(total[0], 2), "args": argv, "costs": rows},
+                                        indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
