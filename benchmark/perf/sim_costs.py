@@ -27,7 +27,7 @@ WRAPPED = (
     ("vllm_mars.driver.replay", "Replay._sample", "kv_sample (every virtual second)"),
     ("vllm_mars.sim.engine", "SimBackend.sample", "  engine readings (inside the two above)"),
     ("vllm_mars.engine.rig", "make_request", "making requests (vLLM Request, block hashes)"),
-    ("vllm_mars.engine.rig", "PrefixReusingHasher.__call__", "  block hasher (inside the above; once a decoded token)"),
+    ("vllm_mars.engine.rig", "PrefixReusingHasher.__call__", "  block hasher (all calls: those of making requests, one per decoded token)"),
     ("vllm_mars.sim.engine", "SimBackend._deliver", "delivering outputs to the driver"),
     ("vllm_mars.metrics.events", "EventLog.emit", "  event lines (inside the others)"),
     ("vllm_mars.driver.runner", "write_run_outputs", "summary, report, plots"),
