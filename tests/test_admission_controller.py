@@ -643,6 +643,35 @@ def _expensive_hold(**kw):
     return c, c.tick(4.0)
 
 
+def test_the_slot_wait_is_not_read_from_the_short_roots_that_finish_first():
+    # Three roots admitted at t=0: s (2 turns) finishes first, at t=10; l0 and l1 make 10 turns. A
+    # root's active time is 5 s per turn (s's 10 s over its 2 turns) x 22/3 turns (the mean of the
+    # three admitted) = 36.7 s, so the next slot is 18.3 s away with 2 active, not the 5 s that s's
+    # own 10 s would give. q (11 blocks short of a spent budget, 4 turns) rebuilds 352 tokens a turn
+    # at 2.5 ms per token and stalls 3 calls: 10.6 s, less than holding it.
+    from vllm_mars.costmodel import CostModel
+
+    c = mars(window_min=2, window_max=8)
+    c.set_cost_model(CostModel(prefill_s_per_token=2.5e-3, source="test"))
+    c.observe(tel(0, free=48, total=48, bs=32))
+    c.offer(PendingRoot("s", 0.0, 320, {"turns": 2}))
+    for w in ("l0", "l1"):
+        c.offer(PendingRoot(w, 0.0, 320, {"turns": 10}))
+    assert c.tick(0.0) == ["s", "l0", "l1"]
+    c.update_estimate("s", 352, 5.0)
+    for k, t in ((1, 5.0), (2, 10.0)):
+        for w in ("l0", "l1"):
+            c.update_estimate(w, 320 + 32 * k, t)
+    c.finish("s", 10.0, turns=2)
+    c.observe(Telemetry(ts=10.0, free_blocks=2, total_blocks=48, block_size=32, running=2,
+                        recomputed_tokens=0, kv_blocks_removed=0))
+    c.offer(PendingRoot("q", 10.0, 320, {"turns": 4}))
+    assert c.tick(10.0) == ["q"]
+    ev = _admit_event(c, "q")
+    assert ev["mode"] == "cost_overflow" and ev["expected_queue_s"] == pytest.approx(10 / 2 * 22 / 3 / 2)
+    assert ev["expected_rebuild_s"] == pytest.approx(4 * 352 * 2.5e-3 * 3)
+
+
 def test_a_root_that_the_next_slot_makes_fit_is_held_and_waits_for_it():
     # Rebuilds cost 0.64 s per turn per stalled call: more than the wait for the next slot, which
     # frees the budget q needs. q is held, however long it has waited already.

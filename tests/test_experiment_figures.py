@@ -121,6 +121,27 @@ def test_yardstick_reports_the_best_cap_beside_mars(grid):
     assert "## Admission yardstick" in table and "## P90 E2E (s), per policy" in table
 
 
+def test_yardstick_over_seeds_reads_one_cap_for_every_seed():
+    from vllm_mars.experiment.yardstick import format_yardstick, yardstick_seed_rows
+
+    def row(seed, mars, sweep):
+        best = min(sweep, key=sweep.get)
+        return {"key": f"w/rps1/seed{seed}", "workload": "w", "rps": 1.0, "seed": seed, "kind": "mars-cap",
+                "best_cap": int(best), "best_label": f"mars-cap{best}", "best_mean_e2e_s": sweep[best],
+                "edge": False, "caps": [int(k) for k in sweep], "sweep": sweep, "mars_mean_e2e_s": mars,
+                "mars_over_best_cap": sweep[best] / mars, "baseline": "fcfs", "baseline_mean_e2e_s": 900.0,
+                "share_beyond_cap": None}
+
+    # cap 20 is best on average (410 vs 415) although seed 1's own best is 16; cap 24 ran on seed 0 only
+    rows = [row(0, 400.0, {"16": 430.0, "20": 400.0, "24": 500.0}), row(1, 420.0, {"16": 400.0, "20": 420.0})]
+    (r,) = yardstick_seed_rows(rows)
+    assert r["caps"] == ["16", "20"] and r["best_cap"] == 20 and r["best_mean_e2e_s"] == 410.0
+    assert r["per_seed"] == [1.0, 1.0] and r["mars_over_best_cap"] == pytest.approx(1.0)
+    assert r["mars_over_own_best_min"] == pytest.approx(400 / 420)
+    assert "### Over seeds" in format_yardstick(rows)
+    assert yardstick_seed_rows(rows[:1]) == []  # one seed: no interval
+
+
 def test_cap_controller_admits_in_arrival_order_up_to_the_cap():
     from vllm_mars.admission.base import PendingRoot, make_controller
 

@@ -7,6 +7,11 @@ runs that completed every workflow (hindsight-best), its mean E2E, and mars's sp
 cell; below 1, the cap wins). ``edge`` marks a best cap at the end of the swept range (the true best
 may lie outside it). ``share beyond the cap``: of mars's gain over the fastest baseline, the part a
 best cap does not already give, (best cap - mars) / (fastest baseline - mars) of the mean E2E.
+
+Over seeds (the cells of one workload and load level, two or more seeds): the cap with the lowest
+mean E2E averaged over the seeds that ran it (one cap for all seeds, chosen in hindsight), mars's
+speedup over it per seed (geometric mean and its 95 % interval), and mars's speedup over each seed's
+own hindsight-best cap (geometric mean and the lowest).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm_mars.experiment.summary import seed_interval
 from vllm_mars.metrics.compare import is_yardstick
 from vllm_mars.metrics.report import _fmt
 
@@ -58,6 +64,30 @@ def yardstick_rows(exp: Any, cells: Sequence[Mapping[str, Any]]) -> list[dict[st
     return rows
 
 
+def yardstick_seed_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per workload, load level and kind with two or more seeds (see the module)."""
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if r["mars_mean_e2e_s"]:
+            groups.setdefault((r["workload"], r["rps"], r["kind"]), []).append(r)
+    out = []
+    for (workload, rps, kind), rs in groups.items():
+        common = set.intersection(*(set(r["sweep"]) for r in rs))
+        if len(rs) < 2 or not common:
+            continue
+        means = {cap: sum(r["sweep"][cap] for r in rs) / len(rs) for cap in common}
+        best = min(means, key=lambda cap: means[cap])
+        over = [r["sweep"][best] / r["mars_mean_e2e_s"] for r in rs]
+        own = [r["mars_over_best_cap"] for r in rs]
+        g, lo, hi = seed_interval(over)
+        out.append({"workload": workload, "rps": rps, "kind": kind, "seeds": [r["seed"] for r in rs],
+                    "caps": sorted(common, key=int), "best_cap": int(best), "best_mean_e2e_s": means[best],
+                    "mars_mean_e2e_s": sum(r["mars_mean_e2e_s"] for r in rs) / len(rs),
+                    "mars_over_best_cap": g, "low": lo, "high": hi, "per_seed": over,
+                    "mars_over_own_best": seed_interval(own)[0], "mars_over_own_best_min": min(own)})
+    return out
+
+
 def format_yardstick(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The table.md section (markdown lines)."""
     lines = ["## Admission yardstick: the best static cap per cell", "",
@@ -81,4 +111,20 @@ def format_yardstick(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     for r in rows:
         sweep = ", ".join(f"{k}: {_fmt(v)}" for k, v in r["sweep"].items())
         lines.append(f"- {r['key']} {r['kind']}: {sweep}")
+    seeds = yardstick_seed_rows(rows)
+    if seeds:
+        lines += ["", "### Over seeds", "",
+                  ("Per workload, load level and kind: the cap whose mean E2E averaged over the seeds is the lowest "
+                   "(caps run on every seed), mars's speedup over it (geometric mean over the seeds, 95 % interval, "
+                   "per seed), and over each seed's own best cap (geometric mean, lowest)."), "",
+                  ("| workload | rps | seeds | behind the cap | caps | best cap | its mean E2E (s) | mars mean E2E (s) "
+                   "| mars speedup over it (95 % interval) | per seed | over each seed's best cap (lowest) |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in seeds:
+            lines.append("| " + " | ".join([
+                r["workload"], f"{r['rps']:g}", ", ".join(str(x) for x in r["seeds"]), r["kind"].removesuffix("-cap"),
+                ", ".join(r["caps"]), str(r["best_cap"]), _fmt(r["best_mean_e2e_s"]), _fmt(r["mars_mean_e2e_s"]),
+                f"{r['mars_over_best_cap']:.3f}x ({r['low']:.3f}-{r['high']:.3f})",
+                ", ".join(f"{x:.3f}" for x in r["per_seed"]),
+                f"{r['mars_over_own_best']:.3f}x ({r['mars_over_own_best_min']:.3f})"]) + " |")
     return lines + [""]

@@ -12,8 +12,9 @@ this class keeps the state both read:
 * **Whole-life items** (``size = "life"``): each active root's remaining turns and context, less the
   prefix its first call found in the prefix cache (KV shared with other workflows, already counted
   with theirs; ``observe_cached``).
-* **Slot wait**: a root's mean active time (an EMA over finished roots; before any finished, the
-  longest active so far) over the roots active.
+* **Slot wait**: a root's expected active time over the roots active: the finished roots' active
+  time per turn (an EMA) times the mean turns of the roots admitted (before any finished, the
+  longest active so far). Per turn, because the roots that finish first are those with few turns.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class _Active:
     seen: int = 1
     #: Tokens of its first prompt found in the prefix cache (None: not reported).
     shared: int | None = None
+    #: The turns it was predicted to make when admitted (its reported ``turns``, else the learned mean).
+    pred_turns: float = 0.0
 
 
 @register_controller
@@ -60,7 +63,11 @@ class MarsAdmissionController(Selection):
         super().__init__(config)
         cfg = self.config
         self.cost: CostModel | None = None
-        self._service_s = 0.0  # EMA of a root's active time (admission to finish)
+        # A root's active time (see _service_time_s):
+        self._turn_s = 0.0  # EMA over finished roots of their active time per turn
+        self._finished = 0  # roots finished so far
+        self._admitted_turns = 0.0  # the turns of every root admitted (predicted until it ends), summed
+        self._admitted_n = 0  # ... and how many
         self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
         self._waiting_ema: float | None = None  # EMA of calls waiting in the engine, per reading
         self._cost_warned = False
@@ -97,9 +104,12 @@ class MarsAdmissionController(Selection):
         size and ``turns`` its number of LLM calls (else the ``turns`` key of the root's
         ``PendingRoot.meta``): together they refine the per-turn growth estimate."""
         a = self.config.growth_alpha
-        took = max(now - act.admitted_at, 0.0)
-        self._service_s = took if self._service_s <= 0 else (1 - a) * self._service_s + a * took
         n = turns if turns is not None else act.turns
+        made = n if n is not None and n > 0 else act.seen
+        per_turn = max(now - act.admitted_at, 0.0) / made
+        self._turn_s = per_turn if self._finished == 0 else (1 - a) * self._turn_s + a * per_turn
+        self._finished += 1
+        self._admitted_turns += made - act.pred_turns  # the turns it made, not those predicted
         if n is not None and n > 0:
             self._turns = (1 - a) * self._turns + a * n
         self._life_version += 1
@@ -253,13 +263,21 @@ class MarsAdmissionController(Selection):
         cap = self.life_capacity_tokens()
         return cap is None or self._life_view().pool_keeps(cap, self.config.window_min)
 
+    def _service_time_s(self, now: float) -> float:
+        """A root's expected active time (admission to finish): the finished roots' active time per
+        turn (an EMA) times the mean turns of the roots admitted (the finished ones' own, the
+        active ones' predicted); before any root finished, the longest active so far. (The finished
+        roots' active time itself would be biased short while the run is young: the roots that
+        finish first are those with few turns.)"""
+        if not self._finished or not self._admitted_n:
+            return max((now - a.admitted_at for a in self._active.values()), default=0.0)
+        return self._turn_s * self._admitted_turns / self._admitted_n
+
     def _queue_cost_s(self, now: float) -> float:
-        """Expected wait for the next slot: a root's mean active time over the roots active (before
-        any root finished, the longest one active so far)."""
+        """Expected wait for the next slot: a root's expected active time over the roots active."""
         if not self._active:
             return math.inf
-        service = self._service_s or max(now - a.admitted_at for a in self._active.values())
-        return service / len(self._active)
+        return self._service_time_s(now) / len(self._active)
 
     def _inputs(self, now: float) -> dict:
         t = self._tel
@@ -307,9 +325,12 @@ class MarsAdmissionController(Selection):
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
             turns = root.meta.get("turns") if root.meta else None
+            pred = self._root_turns(root)
             self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                           turns if isinstance(turns, int) else None),
+                                           turns if isinstance(turns, int) else None, pred_turns=pred),
                         blocks, self.config.promise_s)
+            self._admitted_turns += pred
+            self._admitted_n += 1
             self._life_version += 1
             self._life_dirty.add(root.workflow)
             out.append(root.workflow)
@@ -328,8 +349,11 @@ class MarsAdmissionController(Selection):
         turns = root.meta.get("turns") if root.meta else None
         self._life_version += 1
         self._life_dirty.add(root.workflow)
+        pred = self._root_turns(root)
+        self._admitted_turns += pred
+        self._admitted_n += 1
         return (_Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                        turns if isinstance(turns, int) else None), blocks, self.config.promise_s)
+                        turns if isinstance(turns, int) else None, pred_turns=pred), blocks, self.config.promise_s)
 
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from itertools import pairwise
 from typing import Any
 
 #: (remaining turns, current context tokens) of one root
@@ -103,8 +104,8 @@ class LifeView:
     #: compare every result with the functions above (a test switch; raises AssertionError)
     check = False
 
-    __slots__ = ("items", "growth", "memo", "_sorted", "_base", "_peaks", "_proj", "_ctx", "_keeps",
-                 "_later", "_prev")
+    __slots__ = ("_base", "_ctx", "_keeps", "_later", "_peaks", "_prev", "_proj", "_sorted", "growth",
+                 "items", "memo")
 
     def __init__(self, items: list[Item], growth: float, is_sorted: bool = True,
                  prev: LifeView | None = None) -> None:
@@ -139,7 +140,7 @@ class LifeView:
             for n, (rem, ctx) in enumerate(items[q:p], q + 1):
                 base += ctx
                 x = base + g * rem * n
-                if x > peak:  # max(peak, x), without the call
+                if x > peak:  # noqa: PLR1730 (max(peak, x) without the call: the hot loop)
                     peak = x
                 append_b(base)
                 append_p(peak)
@@ -187,7 +188,7 @@ class LifeView:
         for n, (rem, ctx) in enumerate(items[p:], p + 2):
             base += ctx
             x = base + g * rem * n
-            if x > peak:  # max(peak, x), without the call
+            if x > peak:  # noqa: PLR1730 (max(peak, x) without the call: the hot loop)
                 peak = x
         if LifeView.check:
             assert peak == life_peak(sorted([*items, cand], reverse=True), g), "LifeView.peak_with"
@@ -223,8 +224,8 @@ class LifeView:
                     j += 1
                 a = base + g * k * n - cap
                 b = (before[k - 1] if k - 1 < nb else 0.0) - cap
-                # max(0.0, a) - max(0.0, b), without the calls
-                out[k - 1] = (a if a > 0.0 else 0.0) - (b if b > 0.0 else 0.0)
+                # max(0.0, a) - max(0.0, b), without the calls (the hot loop)
+                out[k - 1] = (a if a > 0.0 else 0.0) - (b if b > 0.0 else 0.0)  # noqa: FURB136
         if LifeView.check:
             assert out == marginal_overflow(items, sorted([*items, cand], reverse=True), cap, g), \
                 "LifeView.marginal_overflow"
@@ -264,5 +265,5 @@ class LifeView:
             later = later_items(self.items, turns, self.growth)
             # (roots a rounding leaves at the same remaining turns may no longer be in order)
             out = self._later[turns] = LifeView(later, self.growth,
-                                                all(a >= b for a, b in zip(later, later[1:])))
+                                                all(a >= b for a, b in pairwise(later)))
         return out
