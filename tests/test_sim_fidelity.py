@@ -39,7 +39,7 @@ def test_mars_profile_times_each_grid_step_as_the_serving_loop_runs_it(tiny_mode
     import asyncio
 
     from vllm_mars.driver.backends import InProcessBackend
-    from vllm_mars.engine.profiler import GRIDS, EngineProfiler
+    from vllm_mars.driver.profiler import GRIDS, EngineProfiler
 
     slow = 0.02
     snapshot = InProcessBackend._snapshot

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vllm_mars.engine.local import SCHEDULER_CLS, on_cpu
-from vllm_mars.engine.profiler import GRIDS, profile_engine
+from vllm_mars.driver.profiler import GRIDS, profile_engine
 from vllm_mars.tiny_model import build_tiny_model
 
 #: engine limits of a CPU profile: `mars replay`'s defaults, so the sim and the real engine agree
