@@ -287,7 +287,10 @@ def test_cluster_runs_are_byte_identical_to_the_recorded_ones(tmp_path, n):
     """The per-replica admission moved into :mod:`vllm_mars.admission.replicas` (shared with the
     sidecar and the Ray gate) without changing a sim run: ``--replicas 2/4`` (``mars`` rule) give the
     events and summary recorded from the code before the move (main at ec28432, generated with this
-    test's settings and gzipped; the workload's path is recorded as ``@COMPACT@``)."""
+    test's settings and gzipped; the workload's path is recorded as ``@COMPACT@``). The events were
+    recorded again after the admission's slot-wait fix (docs/admission.md), which changed only the
+    ``expected_queue_s`` field of some ``admission_admit`` events (12 lines at 2 replicas): no
+    decision, no summary field."""
     import gzip
 
     out = _run(tmp_path, f"r{n}", replicas=n, placement="mars")
