@@ -32,11 +32,11 @@ and the mechanism's; the trace takes the first out.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from vllm_mars.costmodel import CostModel
+from vllm_mars.metrics.events import read_jsonl
 from vllm_mars.sim.fit import load_samples
 
 #: the longest a replayed step waits (virtual seconds) for a call the real engine took in before it
@@ -60,12 +60,9 @@ class StepTrace:
         self._mismatches = 0
         #: the calls the real engine took in before each recorded step, and where (step, position)
         self._added: list[list[str]] = []
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    d = json.loads(line)  # (load_samples validated the file)
-                    if d.get("calibration") is not True:
-                        self._added.append([str(r) for r in d.get("added") or ()])
+        for d in read_jsonl(path):  # (load_samples validated the file)
+            if d.get("calibration") is not True:
+                self._added.append([str(r) for r in d.get("added") or ()])
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._waited = -1
@@ -131,16 +128,8 @@ def recorded_cost_model(steps_path: str) -> CostModel | None:
     events = Path(steps_path).with_name("events.jsonl")
     if not events.is_file():
         return None
-    with events.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{events}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(d, dict) or d.get("event") != "run_start":
-                continue
+    for d in read_jsonl(events):
+        if isinstance(d, dict) and d.get("event") == "run_start":
             cost = d.get("cost_model")
-            return None if cost is None else CostModel.from_dict(cost, where=f"{events}:{n}: run_start.cost_model")
+            return None if cost is None else CostModel.from_dict(cost, where=f"{events}: run_start.cost_model")
     return None

@@ -324,15 +324,7 @@ class MarsAdmissionController(Selection):
             tokens = self._est_tokens(root)
             if remaining is not None:
                 remaining = max(0, remaining - blocks)
-            turns = root.meta.get("turns") if root.meta else None
-            pred = self._root_turns(root)
-            self._admit(root, now, _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                                           turns if isinstance(turns, int) else None, pred_turns=pred),
-                        blocks, self.config.promise_s)
-            self._admitted_turns += pred
-            self._admitted_n += 1
-            self._life_version += 1
-            self._life_dirty.add(root.workflow)
+            self._admit(root, now, self._track(root, now, blocks, tokens), blocks, self.config.promise_s)
             out.append(root.workflow)
             self._events.append(AdmissionEvent(now, "admission_admit", {
                 **ctx, "workflow": root.workflow, "mode": mode, "prefill_tokens_est": tokens,
@@ -342,18 +334,22 @@ class MarsAdmissionController(Selection):
         logger.debug("admitted %s (limit %s, budget %s)", out, limit, budget)
         return out
 
-    def _adoption(self, root: PendingRoot, now: float) -> tuple[_Active, int, float]:
-        """An adopted root (:meth:`ControllerBase.adopt`) is tracked like one this tick admitted."""
-        tokens = self._est_tokens(root)
-        blocks = self.footprint_blocks(root)
+    def _track(self, root: PendingRoot, now: float, blocks: int, tokens: int) -> _Active:
+        """The record of a root going active (admitted or adopted), counted in the slot wait's mean
+        turns and marked for the life projection."""
         turns = root.meta.get("turns") if root.meta else None
-        self._life_version += 1
-        self._life_dirty.add(root.workflow)
         pred = self._root_turns(root)
         self._admitted_turns += pred
         self._admitted_n += 1
-        return (_Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
-                        turns if isinstance(turns, int) else None, pred_turns=pred), blocks, self.config.promise_s)
+        self._life_version += 1
+        self._life_dirty.add(root.workflow)
+        return _Active(root.workflow, now, blocks, self._is_long(tokens), tokens,
+                       turns if isinstance(turns, int) else None, pred_turns=pred)
+
+    def _adoption(self, root: PendingRoot, now: float) -> tuple[_Active, int, float]:
+        """An adopted root (:meth:`ControllerBase.adopt`) is tracked like one this tick admitted."""
+        blocks = self.footprint_blocks(root)
+        return self._track(root, now, blocks, self._est_tokens(root)), blocks, self.config.promise_s
 
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""
