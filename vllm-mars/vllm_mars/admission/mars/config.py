@@ -68,15 +68,6 @@ class MarsAdmissionConfig(WindowConfig):
     #: guard margin is for the blocks allocated now, and a projected peak is reached (if at all)
     #: only at the end of the roots' lives, when a retained context can still make room.
     life_target: float = 1.0
-    #: The wait a root held for its overflow is priced at: "slot" (the next slot's, unless the pool
-    #: keeps no ``window_min`` contexts: then the wait until it fits), "fit" (the wait until it
-    #: fits, :func:`~.cost.fit_wait_s`, wherever it is held) or "fit_calm" ("fit" while the measured
-    #: rebuild share is below ``rebuild_share_low``). Issue 31's yardstick experiment.
-    hold_wait: str = "slot"
-    #: How a root's overflow rebuilds are priced: "formula" (its overflow rebuilt at each of its
-    #: turns) or "measured" (that, times the measured rebuild rate over the rate the formula gives
-    #: the active roots' current excess, at most 1). Issue 31's yardstick experiment.
-    rebuild_price: str = "formula"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,7 +104,3 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("size", "'life' or 'turn'")
         if not 0.1 <= self.life_target <= 2.0:
             raise bad("life_target", "in [0.1, 2.0]")
-        if self.hold_wait not in ("slot", "fit", "fit_calm"):
-            raise bad("hold_wait", "'slot', 'fit' or 'fit_calm'")
-        if self.rebuild_price not in ("formula", "measured"):
-            raise bad("rebuild_price", "'formula' or 'measured'")

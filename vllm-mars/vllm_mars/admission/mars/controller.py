@@ -351,22 +351,6 @@ class MarsAdmissionController(Selection):
         blocks = self.footprint_blocks(root)
         return self._track(root, now, blocks, self._est_tokens(root)), blocks, self.config.promise_s
 
-    def _stall_factor(self) -> float:
-        """``1 + running``; under ``rebuild_price = "measured"`` times the measured rebuild rate
-        over the formula's for the active roots' current excess over the pool (each excess token
-        rebuilt once per turn: the finished roots' active time per turn), at most 1."""
-        base = super()._stall_factor()
-        if self.config.rebuild_price != "measured":
-            return base
-        cap = self.life_capacity_tokens()
-        rate = self._rebuild_tps
-        if cap is None or rate is None or not self._finished or self._turn_s <= 0:
-            return base
-        excess = sum(self._own_tokens(a) for a in self._active.values()) - cap
-        if excess <= 0:
-            return base
-        return base * min(1.0, rate * self._turn_s / excess)
-
     def snapshot(self) -> dict:
         """State for /metrics and debugging."""
         return {**super().snapshot(),

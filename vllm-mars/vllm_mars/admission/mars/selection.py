@@ -131,7 +131,7 @@ class Selection(AimdWindow):
                     rebuild_s = self._rebuild_cost_s(r, lack + over)
                     keeps = True
                 wait_s = queue_s
-                if rebuild_s >= wait_s and (not keeps or self._hold_until_fit()):
+                if rebuild_s >= wait_s and not keeps:
                     # No active set keeps the contexts: holding it only pays if a slot makes it fit.
                     wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
                                            view, cand, cap, queue_s, view.growth)

@@ -36,7 +36,6 @@ class AimdWindow(ControllerBase):
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self._rebuild_share: float | None = None  # measured share of engine time spent rebuilding
-        self._rebuild_tps: float | None = None  # measured rebuilt tokens per second (EMA)
         self._prev_rebuild: tuple[float, int] | None = None  # (ts, cumulative rebuilt tokens)
         self._last_window_update: float | None = None
         self._kv_overloaded = False
@@ -77,18 +76,9 @@ class AimdWindow(ControllerBase):
         if dt < self.config.interval_s:
             return
         share = min(1.0, max(0, tokens - prev[1]) * self.cost.prefill_s_per_token / dt)
-        rate = max(0, tokens - prev[1]) / dt
         old = self._rebuild_share
         self._rebuild_share = share if old is None else 0.7 * old + 0.3 * share
-        tps = self._rebuild_tps
-        self._rebuild_tps = rate if tps is None else 0.7 * tps + 0.3 * rate
         self._prev_rebuild = (t.ts, tokens)
-
-    def _hold_until_fit(self) -> bool:
-        """A held root's wait is the wait until it fits even where the pool keeps ``window_min``
-        contexts (``hold_wait``)."""
-        hw = self.config.hold_wait
-        return hw == "fit" or (hw == "fit_calm" and (self._rebuild_share or 0.0) < self.config.rebuild_share_low)
 
     def _cpu_backlog_ratio(self) -> float | None:
         """Tool calls in flight (queued ones included) per tool worker, for the decision events."""
