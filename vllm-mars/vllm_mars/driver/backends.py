@@ -74,6 +74,8 @@ class InProcessBackend:
         #: with record_steps: the driver's control-loop ticks, (steps recorded when the reading it read
         #: was taken, the tick's run-clock time, the reading's age)
         self.control_ticks: list[tuple[int, float, float]] = []
+        #: with record_steps: the run-clock time each step of ``step_times`` started
+        self.step_starts: list[float] = []
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -174,11 +176,13 @@ class InProcessBackend:
                     continue
                 t0 = time.perf_counter()
                 close(t0)
+                t0_run = self.clock() if self._recorder is not None else 0.0
                 outs = engine.step()
                 if self._recorder is not None:
                     batches = self._recorder.take()
                     if len(batches) == 1 and (batches[0][0] or batches[0][1]):
                         pending = (*batches[0], t0, added)
+                        self.step_starts.append(t0_run)
                         added = []
                         seen += 1
                 now = self.clock()

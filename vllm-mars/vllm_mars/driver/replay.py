@@ -156,8 +156,8 @@ class Replay:
     async def _control(self) -> None:
         """Feed the controller a reading and tick it every ``interval_s``. A run recording its steps
         notes where each tick ran (``InProcessBackend.note_control_tick``); a step-trace replay
-        ticks where the recorded run's loop ticked instead (``StepTrace.next_tick``: after the same
-        step, as long after its start, on a reading as old), then on the timer past the last."""
+        ticks where the recorded run's loop ticked instead (``StepTrace.next_tick``: at its time,
+        between the same steps, on a reading as old), then on the timer past the last."""
         trace = getattr(self.backend, "recorded_ticks", None)
         trace = trace() if trace is not None else None
         if trace is not None:

@@ -54,10 +54,11 @@ def default_out_dir(policy: str) -> Path:
     return out
 
 
-def write_steps(path: Path, steps, first_run_step: int = 0, ticks=()) -> None:
+def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=()) -> None:
     """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds",
     "added": [request id, ...]}`` (added: the requests the engine took in before it); the steps before
-    ``first_run_step`` (the calibration's) also carry ``"calibration": true``.
+    ``first_run_step`` (the calibration's) also carry ``"calibration": true``. ``starts``
+    (``InProcessBackend.step_starts``): each run step's ``"t"``, the run-clock time it started.
 
     ``ticks`` (``InProcessBackend.control_ticks``): the driver's control-loop ticks. Each run step's line
     lists under ``"ticks"`` those that ran after the step before it ended and before it ended itself
@@ -74,8 +75,11 @@ def write_steps(path: Path, steps, first_run_step: int = 0, ticks=()) -> None:
             rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7), "added": added}
             if i < first_run_step:
                 rec["calibration"] = True
-            elif i in per_line:
-                rec["ticks"] = per_line[i]
+            else:
+                if i < len(starts):
+                    rec["t"] = round(starts[i], 7)
+                if i in per_line:
+                    rec["ticks"] = per_line[i]
             f.write(json.dumps(rec) + "\n")
 
 
@@ -155,7 +159,7 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
                 replay.events.close()
             if getattr(backend, "step_times", None):
                 write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0),
-                            getattr(backend, "control_ticks", ()))
+                            getattr(backend, "control_ticks", ()), getattr(backend, "step_starts", ()))
     return out, cost
 
 

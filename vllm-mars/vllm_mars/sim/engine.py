@@ -473,12 +473,7 @@ class SimBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if trace is not None and trace.awaits():  # the real engine took in a call not here yet
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), trace.arrival_wait_s)
-                    except TimeoutError:
-                        pass
+                if trace is not None and await trace.before_step(self._wake):  # what the real engine waited for
                     continue
                 self._looked = None
                 got = await ff() if ff is not None else False

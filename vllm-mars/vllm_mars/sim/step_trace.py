@@ -24,13 +24,15 @@ The driver's control loop ticks where the recorded run's ticked. A real run's lo
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
 the sim's 1.200 s): a cost rule or window that compares waits with prices then decides at another
 step. ``--record-steps`` writes down every tick under the first step that ended after it
-(``steps.jsonl``'s ``ticks``: seconds from the start of the step whose state the tick read, and the
-age of that reading; ``driver.runner.write_steps``). The replay's control loop waits on
-:meth:`StepTrace.next_tick` instead of its timer: a loop timer at the same offset from the start of
-the same step, kept after that step's end and before the next one's (``ticks_moved`` counts the ticks
-the sim's steps pushed into that window), reading the engine as the real engine's stepper hands it
-to the driver, a snapshot of the state the last step left (:meth:`StepTrace.reading`), stamped as old
-as the recorded reading was. Past the last recorded tick the loop runs on its timer again.
+(``steps.jsonl``'s ``ticks``: its run-clock time and the age of the engine reading it read;
+``driver.runner.write_steps``). The replay's control loop waits on :meth:`StepTrace.next_tick`
+instead of its timer: a loop timer at the recorded time, moved into the tick's window where the sim's
+steps put that time outside (after the step whose state it read has ended, before the next one ends:
+``ticks_moved``), reading the engine as the real engine's stepper hands it to the driver, a snapshot
+of the state the last step left (:meth:`StepTrace.reading`), stamped as old as the recorded reading
+was. Past the last recorded tick the loop runs on its timer again. Roots arrive when the recorded
+run's did (``workflow_arrive`` in its ``events.jsonl``, :func:`recorded_arrivals`): a real arrival
+timer overshoots its target too, and which of an arrival and a tick comes first decides an admission.
 
 The policies price work as the recorded run's did: a real run's admission controller and scheduler
 price with the driver's solo-call calibration on that engine, which its ``events.jsonl`` (beside
@@ -59,6 +61,9 @@ from vllm_mars.sim.fit import load_samples
 
 #: the longest a replayed step waits (virtual seconds) for a call the real engine took in before it
 ARRIVAL_WAIT_S = 0.25
+#: a replayed step waits for its recorded start only when that is later than this (seconds; the
+#: recorded step times are rounded to 0.1 us, so a busy run's step starts agree to about this)
+START_SLACK_S = 1e-5
 #: virtual seconds a replayed control tick keeps inside its step window: after the step it read has
 #: ended, before the next one ends (a timer due at the very instant a step ends would race the engine)
 TICK_MARGIN_S = 1e-7
@@ -125,9 +130,13 @@ class StepTrace:
         self._mismatches = 0
         #: the calls the real engine took in before each recorded step, and where (step, position)
         self._added: list[list[str]] = []
+        #: the run-clock time each recorded step started (None: not recorded)
+        self._t: list[float | None] = []
         for d in read_jsonl(path):  # (load_samples validated the file)
             if d.get("calibration") is not True:
                 self._added.append([str(r) for r in d.get("added") or ()])
+                t = d.get("t")
+                self._t.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._waited = -1
@@ -139,12 +148,12 @@ class StepTrace:
         self._k = 0
         self._tick: _Tick | None = None
         self._ticks_run = self._ticks_moved = 0
+        self._ticks_moved_max = 0.0
         #: loop time at which each sim step ends (the engine's loop, set by attach)
         self._ends: list[float] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clock: Any = None
         self._sched: Any = None
-        self._base0: float | None = None  # loop time of the run start
         #: the engine's reading as the step before the one in flight left it, and the calls taken in
         #: since (they are not in a real engine's reading until its next step)
         self._begun: Any = None
@@ -204,6 +213,31 @@ class StepTrace:
         self._taken.add(request_id)
         self._taken_since += 1
 
+    async def before_step(self, wake: asyncio.Event) -> bool:
+        """Wait, before the next step, for what the recorded run's engine waited for (True: it waited,
+        and the engine takes in what arrived and asks again): a call it took in before this step that
+        is not here yet (:meth:`awaits`: until a call arrives, at most ``ARRIVAL_WAIT_S``), or the
+        step's recorded start (``t``) while that is later than now. An idle real engine starts its
+        step a little after a call arrives, later on a loaded machine, and a policy that reads the
+        clock (MLFQ levels, retention expiry) decides by it: after an idle spell the replay starts
+        each step when the real one started (busy, its steps follow each other as the recorded
+        ones did)."""
+        if self.awaits():
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), self.arrival_wait_s)
+            except TimeoutError:
+                pass
+            return True
+        i = self._next
+        t = self._t[i] if i < len(self._t) else None
+        if t is not None:
+            wait = t - self._clock()
+            if wait > START_SLACK_S:
+                await asyncio.sleep(wait)
+                return True
+        return False
+
     def awaits(self) -> bool:
         """Whether the next step should wait for a call the real engine took in before it that has
         not arrived here (once per step: after ``ARRIVAL_WAIT_S`` it runs without it)."""
@@ -261,8 +295,6 @@ class StepTrace:
         line, at, age = self._ticks[self._k]
         self._k += 1
         loop = self._loop
-        if self._base0 is None:
-            self._base0 = loop.time() - self._clock()
         self._tick = _Tick(line, at, age, loop.create_future())
         self._arm()
         return self._tick.waiter
@@ -270,9 +302,10 @@ class StepTrace:
     def _arm(self) -> None:
         t = self._tick
         line = t.line
-        t.want = self._base0 + t.at
+        base = self._loop.time() - self._clock()  # the run start on the loop's clock
+        t.want = base + t.at
         if line == 0:
-            lo = self._base0
+            lo = base
         elif line - 1 < len(self._ends):  # the step it read has started (and its end is known)
             lo = self._ends[line - 1] + TICK_MARGIN_S
         else:
@@ -290,8 +323,10 @@ class StepTrace:
         if self._tick is t:
             self._tick = None
         self._ticks_run += 1
-        if abs(self._loop.time() - t.want) > 1e-9:
+        shift = abs(self._loop.time() - t.want)
+        if shift > 1e-9:
             self._ticks_moved += 1
+            self._ticks_moved_max = max(self._ticks_moved_max, shift)
         if not t.waiter.done():
             t.waiter.set_result(t.age)
 
@@ -302,7 +337,7 @@ class StepTrace:
                 "mismatched_steps": self._mismatches, "first_mismatch": self._first_mismatch,
                 "cost_model": "recorded" if self.recorded_cost is not None else "profile",
                 "recorded_ticks": len(self._ticks), "ticks_run": self._ticks_run,
-                "ticks_moved": self._ticks_moved}
+                "ticks_moved": self._ticks_moved, "ticks_moved_max_s": round(self._ticks_moved_max, 6)}
 
 
 def recorded_cost_model(steps_path: str) -> CostModel | None:
