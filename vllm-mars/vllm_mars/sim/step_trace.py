@@ -18,7 +18,11 @@ earlier waits (:meth:`StepTrace.hold`), and a step waits up to ``ARRIVAL_WAIT_S`
 a call it should take in that has not arrived yet (:meth:`StepTrace.awaits`). The decode
 fast-forward runs several steps without coming back to that wait, but it stops at any loop timer, so
 a step before one that takes in a call not here yet ends on a timer (:meth:`StepTrace._started`).
-Recordings without ``added`` replay with the sim's own arrival timing.
+Recordings without ``added`` replay with the sim's own arrival timing. After an idle spell a
+real engine starts its step a little after the call arrives (later on a loaded machine), and a policy
+that reads the clock (mars's MLFQ levels) decides by it: no replayed step starts before its recorded
+start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other as the recorded
+ones did.
 
 The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
