@@ -254,14 +254,50 @@ def test_step_trace_errors(tmp_path):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
     with pytest.raises(ValueError, match="cannot drive --replicas"):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps), replicas=2).validate()
+    steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01}) + "\n"
+                     + json.dumps({"prefill": [], "decode": [40], "seconds": 0.01, "ticks": [[0.01, -1]]}) + "\n")
+    with pytest.raises(ValueError, match=r"steps\.jsonl:2: field 'ticks' must be a list of \[at, age\] pairs"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
 
 
-def test_step_trace_replays_a_mars_run_with_its_calibrated_cost_model(tmp_path, tiny_model):
-    """A real mars run prices admission and rebuilds with the driver's solo-call calibration on the
-    engine (recorded in its events.jsonl); the step-trace replay hands that model to the sim's
-    controller and policy. Batch-for-batch exactness is not asserted: the controller's cost rule runs
-    on a timer, whose ticks drift against the steps on a loaded machine (one run in six departed here
-    with other jobs on the box), so an exact mars replay is a benchmark reading (sim_fidelity.py)."""
+def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_path):
+    """write_steps files each control tick, as its run-clock time and its reading's age, under the first
+    run step that ended after it: the reading it read showed the steps before (none: the run's
+    start). A tick after the last step is not filed; calibration steps carry none."""
+    from vllm_mars.driver.runner import write_steps
+    from vllm_mars.sim.profile import load_profile
+    from vllm_mars.sim.step_trace import StepTrace
+
+    steps = [([[32, 0]], [], 0.01, ["cal"]), ([[64, 0]], [], 0.02, ["a:t0"]), ([], [64], 0.004, []),
+             ([], [65], 0.004, [])]
+    ticks = [(1, 0.001, 0.0),     # the calibration's last reading, at the run start: before run step 0
+             (2, 0.513, 0.003),   # read run step 0: before run step 1
+             (2, 0.52, 0.01),
+             (4, 0.7, 0.09)]      # after the last step
+    path = tmp_path / "steps.jsonl"
+    write_steps(path, steps, first_run_step=1, ticks=ticks)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["calibration"] is True and "ticks" not in lines[0]
+    assert lines[1]["ticks"] == [[0.001, 0.0]]
+    assert lines[2]["ticks"] == [[0.513, 0.003], [0.52, 0.01]]
+    assert "ticks" not in lines[3] and len(lines) == 4
+    st = StepTrace(load_profile("h200-llama-3.1-8b"), str(path)).trace_stats()
+    assert st["recorded_ticks"] == 3 and st["recorded_steps"] == 3
+
+
+def _admissions(run_dir: Path) -> list[tuple[str, str]]:
+    """(workflow, mode) of every admission_admit event, in order."""
+    rows = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [(r["workflow"], r["mode"]) for r in rows if r.get("event") == "admission_admit"]
+
+
+def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
+    """A real mars run replays batch for batch: its controller's cost rule and window run on a timer, and
+    the run records where each control tick ran against the steps (after which step, how long after its
+    start, on how old a reading: steps.jsonl's ``ticks``); the replay ticks there instead of on its own
+    timer, so a loaded machine's drifting timer does not move an admission across a step. The replay
+    also prices as the real run did: admission and rebuilds with the driver's solo-call calibration on
+    the engine (run_start.cost_model in events.jsonl), not the profile's fit."""
     from vllm_mars.cli import main as mars
     from vllm_mars.sim.step_trace import StepTrace, recorded_cost_model
 
@@ -285,8 +321,101 @@ def test_step_trace_replays_a_mars_run_with_its_calibrated_cost_model(tmp_path, 
     # the sim's policy and controller priced with the real run's calibration (a sim calibrates on the
     # profile and, without the recording, prices with the profile's fit)
     assert st["cost_model"] == "recorded" and trace_s["engine"]["cost_model"] == real_s["engine"]["cost_model"]
-    assert st["recorded_steps"] > 0 and trace_s["completed"] == real_s["completed"]
-    assert trace_s["e2e_s"]["mean"] == pytest.approx(real_s["e2e_s"]["mean"], rel=0.15)
+    # every control tick of the real run ran, at its place in the step sequence, and every batch agreed
+    assert st["recorded_ticks"] > 5 and st["ticks_run"] == st["recorded_ticks"], st
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"], st
+    assert _admissions(tmp_path / "trace") == _admissions(tmp_path / "real")
+    for key in ("preemptions", "recomputed_tokens", "completed"):
+        assert trace_s[key] == real_s[key], key
+    assert trace_s["e2e_s"]["mean"] == pytest.approx(real_s["e2e_s"]["mean"], rel=0.05)
     assert trace_s["engine"]["leak_check"] == "ok"
     e = real_s["engine"]  # the real engine at close: every KV block free, nothing retained
     assert e["free_blocks"] == e["num_blocks"] and e["retained_blocks"] == 0 and not e["retained_workflows"]
+
+
+def _record_sim_run(monkeypatch, cfg):
+    """Run ``cfg`` in the sim and return its steps as a real run's steps.jsonl lists them: each priced
+    step's batch and time, and the calls the engine took in before it (``added``)."""
+    from vllm_mars.driver.runner import run_replay
+    from vllm_mars.sim.engine import SimBackend
+
+    steps, added = [], []
+
+    class Recording:  # the profile, writing down each step it prices and the calls taken in before it
+        def __init__(self, p):
+            self.p = p
+
+        def __getattr__(self, name):
+            return getattr(self.p, name)
+
+        def step_seconds(self, prefill, decode):
+            dt = self.p.step_seconds(prefill, decode)
+            steps.append({"prefill": [list(x) for x in prefill], "decode": list(decode), "seconds": dt,
+                          "added": added[:]})
+            added.clear()
+            return dt
+
+    init, start = SimBackend.__init__, SimBackend.start
+
+    async def recording_start(self):
+        await start(self)
+        add = self.scheduler.add_request
+
+        def add_request(request):
+            added.append(request.request_id)
+            return add(request)
+
+        self.scheduler.add_request = add_request
+
+    monkeypatch.setattr(SimBackend, "__init__", lambda self, p, *a, **k: init(self, Recording(p), *a, **k))
+    monkeypatch.setattr(SimBackend, "start", recording_start)
+    out, _ = run_replay(cfg)
+    monkeypatch.undo()
+    return out, steps
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_step_trace_waits_for_a_late_call_inside_a_fast_forward_run(tmp_path, monkeypatch, fast_forward):
+    """A recorded step takes in a call that reaches the replay later, while another call decodes
+    alone (the decode fast-forward runs those steps several at a time): the replay waits for it before
+    that same step, as the full path does (StepTrace.awaits), and not a step or two later. Recorded
+    from a sim run with a 50 ms tool; replayed with the tool 12 ms longer."""
+    from dataclasses import replace as dc_replace
+
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+    from vllm_mars.sim.engine import SimBackend
+
+    def workload(tool_s: float) -> Path:
+        rows = [{"schema": "mars_workload_v1", "workflow_id": "long", "prompt_tokens": 200,
+                 "turns": [{"output_tokens": 300}]},
+                {"schema": "mars_workload_v1", "workflow_id": "tool", "prompt_tokens": 100,
+                 "turns": [{"output_tokens": 4, "tool_s": tool_s, "tool": "t"},
+                           {"append_tokens": 20, "output_tokens": 4}]}]
+        path = tmp_path / f"wl-{tool_s}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    prof = load_profile("h200-llama-3.1-8b")
+    shaped = prof.with_efficiency(prof.efficiency, num_blocks=64, max_model_len=1024).write(tmp_path / "p.toml")
+    cfg = ReplayConfig(workload=str(workload(0.05)), rps=50, backend="sim", profile=str(shaped), calibrate=False,
+                       progress=False, plots=False, out=str(tmp_path / "rec"))
+    _, steps = _record_sim_run(monkeypatch, cfg)
+    late = next(i for i, s in enumerate(steps) if "tool:t1" in s["added"])
+    assert steps[late - 1]["decode"] and not steps[late - 1]["prefill"]  # it lands in a decode run
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    monkeypatch.setattr(SimBackend, "fast_forward", fast_forward)
+    engines, start = [], SimBackend.start
+
+    async def keep(self):
+        engines.append(self)
+        await start(self)
+
+    monkeypatch.setattr(SimBackend, "start", keep)
+    out, _ = run_replay(dc_replace(cfg, workload=str(workload(0.062)), step_trace=str(trace),
+                                   out=str(tmp_path / "replay")))
+    s = json.loads((out / "summary.json").read_text())
+    st = s["engine"]["step_trace"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
+    assert (engines[0].ff_steps > late) == fast_forward  # (the decode runs before and after it)
+    assert s["engine"]["leak_check"] == "ok"

@@ -71,6 +71,11 @@ class InProcessBackend:
         self.step_times: list[tuple[list, list, float, list[str]]] | None = [] if record_steps else None
         #: index in step_times of the run's first step (the ones before it are the calibration's)
         self.run_first_step = 0
+        #: with record_steps: the driver's control-loop ticks, (steps recorded when the reading it read
+        #: was taken, the tick's run-clock time, the reading's age)
+        self.control_ticks: list[tuple[int, float, float]] = []
+        #: with record_steps: the run-clock time each step of ``step_times`` started
+        self.step_starts: list[float] = []
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -84,7 +89,10 @@ class InProcessBackend:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, tuple[asyncio.Future, dict[str, Any]]] = {}
-        self._sample = EngineSample(0.0)
+        #: the latest reading and how many recorded steps it shows: one tuple, so a reading and its
+        #: place are read together off the stepper thread
+        self._read: tuple[Telemetry, int] = (EngineSample(0.0), 0)
+        self._last_read = self._read
         self._stats: dict[str, Any] = {}
         self._error: BaseException | None = None
 
@@ -126,6 +134,7 @@ class InProcessBackend:
         pending: tuple[list, list, float, list[str]] | None = None
         added: list[str] = []
         t_end = 0.0
+        seen = 0  # steps recorded (closed or pending)
 
         def close(t: float) -> None:
             nonlocal pending
@@ -163,18 +172,21 @@ class InProcessBackend:
                     close(t_end)
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    self._snapshot()  # idle but alive: the sample stays fresh
+                    self._snapshot(None, seen)  # idle but alive: the sample stays fresh
                     continue
                 t0 = time.perf_counter()
                 close(t0)
+                t0_run = self.clock() if self._recorder is not None else 0.0
                 outs = engine.step()
                 if self._recorder is not None:
                     batches = self._recorder.take()
                     if len(batches) == 1 and (batches[0][0] or batches[0][1]):
                         pending = (*batches[0], t0, added)
+                        self.step_starts.append(t0_run)
                         added = []
+                        seen += 1
                 now = self.clock()
-                self._snapshot(now)
+                self._snapshot(now, seen)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
                 t_end = time.perf_counter()
@@ -184,8 +196,9 @@ class InProcessBackend:
             self._error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _snapshot(self, now: float | None = None) -> None:
-        self._sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
+    def _snapshot(self, now: float | None = None, seen: int = 0) -> None:
+        sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
+        self._read = (sample, seen)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:
@@ -266,7 +279,15 @@ class InProcessBackend:
     def sample(self) -> Telemetry:
         # Taken by the stepper thread after every step and every idle wait (50 ms): its ts is when
         # the engine was last seen alive, so a dead or stuck stepper shows up as stale telemetry.
-        return self._sample
+        self._last_read = read = self._read
+        return read[0]
+
+    def note_control_tick(self, now: float, reading_ts: float) -> None:
+        """With record_steps: the driver's control loop ticked at run-clock ``now`` on the reading
+        ``sample()`` last returned, stamped ``reading_ts`` (``write_steps`` files it under the step
+        that reading shows)."""
+        if self.step_times is not None:
+            self.control_ticks.append((self._last_read[1], now, now - reading_ts))
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -279,7 +300,7 @@ class InProcessBackend:
         if self.engine is not None:
             try:
                 self.scheduler.release_retention()
-                self._snapshot()
+                self._snapshot(None, self._read[1])
             except Exception:
                 logger.debug("retention release at close failed", exc_info=True)
             try:

@@ -119,7 +119,9 @@ class Replay:
         now = self.clock()
         return now if s.ts == 0.0 or s.ts > now else s.ts
 
-    def _telemetry(self) -> Telemetry:
+    def _telemetry(self, age: float | None = None) -> Telemetry:
+        """The controller's reading: the engine's, the driver's hit rate and the tool plane. ``age``: a
+        step-trace replay's tick, stamped as old as the recorded tick's reading was."""
         s = self.backend.sample()
         ts = self.tools.stats()
         cached, prompt = self.hit
@@ -130,7 +132,8 @@ class Replay:
         # Every engine field passes through (waiting, retained blocks and preemptions were once
         # dropped here, so a controller never saw calls queued in the engine); the driver adds its
         # own clock, the hit rate of the calls it saw and the tool plane.
-        return replace(s, ts=self._reading_ts(s), prefix_hit_rate=(cached / prompt) if prompt else None,
+        stamp = self._reading_ts(s) if age is None else self.clock() - age
+        return replace(s, ts=stamp, prefix_hit_rate=(cached / prompt) if prompt else None,
                        tools_in_flight=ts.in_flight if cpu else None, tool_workers=ts.workers,
                        tool_queue_wait_s=ts.ema_queue_wait_s if cpu else None)
 
@@ -151,13 +154,44 @@ class Replay:
             self._tick()
 
     async def _control(self) -> None:
+        """Feed the controller a reading and tick it every ``interval_s``. A run recording its steps
+        notes where each tick ran (``InProcessBackend.note_control_tick``); a step-trace replay
+        ticks where the recorded run's loop ticked instead (``StepTrace.next_tick``: at its time,
+        between the same steps, on a reading as old), then on the timer past the last."""
+        trace = getattr(self.backend, "recorded_ticks", None)
+        trace = trace() if trace is not None else None
+        if trace is not None:
+            await self._control_traced(trace)
+        note = getattr(self.backend, "note_control_tick", None)
         while not self.all_done.is_set():
-            self.ctrl.observe(self._telemetry())
+            t = self._telemetry()
+            if note is not None:
+                note(self.clock(), t.ts)
+            self.ctrl.observe(t)
             self._tick()
             try:
                 await asyncio.wait_for(self.all_done.wait(), self.ctrl.interval_s)
             except TimeoutError:
                 pass
+
+    async def _control_traced(self, trace) -> None:
+        """The control loop's recorded ticks (see ``_control``); returns past the last one, an
+        interval after it, or when the run is done."""
+        done = asyncio.ensure_future(self.all_done.wait())
+        try:
+            while not self.all_done.is_set():
+                due = trace.next_tick()
+                if due is None:  # past the recorded ticks: the controller's own timer from here
+                    await asyncio.wait((done,), timeout=self.ctrl.interval_s)
+                    return
+                await asyncio.wait((due, done), return_when=asyncio.FIRST_COMPLETED)
+                if not due.done():
+                    due.cancel()
+                    return
+                self.ctrl.observe(self._telemetry(due.result()))
+                self._tick()
+        finally:
+            done.cancel()
 
     def _sample(self) -> None:
         s = self.backend.sample()

@@ -54,15 +54,32 @@ def default_out_dir(policy: str) -> Path:
     return out
 
 
-def write_steps(path: Path, steps, first_run_step: int = 0) -> None:
+def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=()) -> None:
     """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds",
     "added": [request id, ...]}`` (added: the requests the engine took in before it); the steps before
-    ``first_run_step`` (the calibration's) also carry ``"calibration": true``."""
+    ``first_run_step`` (the calibration's) also carry ``"calibration": true``. ``starts``
+    (``InProcessBackend.step_starts``): each run step's ``"t"``, the run-clock time it started.
+
+    ``ticks`` (``InProcessBackend.control_ticks``): the driver's control-loop ticks. Each run step's line
+    lists under ``"ticks"`` those that ran after the step before it ended and before it ended itself
+    (they read the engine as the step before left it; the first run step: as the run started), each
+    as ``[at, age]``: the tick's run-clock time and the age of the engine reading it read. Ticks after
+    the last step are not listed (no step is left for them to change). ``sim/step_trace.py`` replays
+    them."""
+    per_line: dict[int, list[list[float]]] = {}
+    for seen, now, age in ticks:
+        line = max(seen, first_run_step)  # the step after the last one the reading showed
+        per_line.setdefault(line, []).append([round(now, 7), round(max(age, 0.0), 7)])
     with open(path, "w") as f:
         for i, (pf, dc, dt, added) in enumerate(steps):
             rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7), "added": added}
             if i < first_run_step:
                 rec["calibration"] = True
+            else:
+                if i < len(starts):
+                    rec["t"] = round(starts[i], 7)
+                if i in per_line:
+                    rec["ticks"] = per_line[i]
             f.write(json.dumps(rec) + "\n")
 
 
@@ -109,6 +126,9 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
         os.sched_setaffinity(0, parse_cpu_list(cfg.cpu_gpu))
     backend = plan.make_backend(clock)
     await backend.start()
+    recorded = getattr(backend, "recorded_arrivals", None)  # --step-trace: the recorded run's arrival times
+    if recorded is not None:
+        arrivals = recorded([p.workflow_id for p in plans], arrivals)
     replay = None
     try:
         if backend.vocab_size is not None and backend.vocab_size < 4096:
@@ -138,7 +158,8 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
                 replay.events.emit("run_end", engine=backend.engine_stats())
                 replay.events.close()
             if getattr(backend, "step_times", None):
-                write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0))
+                write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0),
+                            getattr(backend, "control_ticks", ()), getattr(backend, "step_starts", ()))
     return out, cost
 
 

@@ -364,6 +364,8 @@ class SimBackend:
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
+        #: --step-trace (``vllm_mars.sim.step_trace.StepTrace``, the profile): set at start
+        self._trace: Any = None
 
     async def start(self) -> None:
         from vllm_mars.engine.rig import PrefixReusingHasher, enable_engine_core_env_cache, make_scheduler
@@ -406,6 +408,9 @@ class SimBackend:
         self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
         self._stats = self.scheduler.mars_stats()
+        if hasattr(p, "trace_stats"):  # --step-trace: the recorded run's readings and control ticks
+            self._trace = p
+            p.attach(self)
         self._task = loop.create_task(self._run(), name="mars-sim-engine")
 
     # -- the engine coroutine -----------------------------------------------------------------------
@@ -468,12 +473,7 @@ class SimBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if trace is not None and trace.awaits():  # the real engine took in a call not here yet
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), trace.arrival_wait_s)
-                    except TimeoutError:
-                        pass
+                if trace is not None and await trace.before_step(self._wake):  # what the real engine waited for
                     continue
                 self._looked = None
                 got = await ff() if ff is not None else False
@@ -928,8 +928,22 @@ class SimBackend:
             raise
 
     def sample(self) -> EngineSample:
-        """The scheduler's state at this virtual instant."""
+        """The scheduler's state at this virtual instant (--step-trace: as the last step left it, as
+        the real engine's stepper hands it over; ``StepTrace.reading``)."""
+        if self._trace is not None:
+            return self._trace.reading()
         return scheduler_reading(self.scheduler, self.clock())
+
+    def recorded_arrivals(self, workflows: list[str], planned: list[float]) -> list[float]:
+        """--step-trace: the arrival time of each of ``workflows`` in the recorded run (its events.jsonl),
+        else the planned one (``StepTrace.arrivals``)."""
+        got = self._trace.arrivals if self._trace is not None else {}
+        return [got.get(w, t) for w, t in zip(workflows, planned)]
+
+    def recorded_ticks(self) -> Any:
+        """--step-trace with recorded control ticks: the trace the driver's control loop follows
+        (``StepTrace.next_tick``); else None."""
+        return self._trace if self._trace is not None and self._trace.has_ticks else None
 
     def engine_stats(self) -> dict[str, Any]:
         s = self.scheduler  # (None once closed: its last counters were kept then)

@@ -15,8 +15,28 @@ CPU engine), and the real engine starts a step a little after a call arrives at 
 wake-up); neither is in any step's time. So each recorded step lists the calls the real engine took
 in before it (``added``), and the sim takes each call in before that same step: a call that arrives
 earlier waits (:meth:`StepTrace.hold`), and a step waits up to ``ARRIVAL_WAIT_S`` of virtual time for
-a call it should take in that has not arrived yet (:meth:`StepTrace.awaits`). Recordings without
-``added`` replay with the sim's own arrival timing.
+a call it should take in that has not arrived yet (:meth:`StepTrace.awaits`). The decode
+fast-forward runs several steps without coming back to that wait, but it stops at any loop timer, so
+a step before one that takes in a call not here yet ends on a timer (:meth:`StepTrace._started`).
+Recordings without ``added`` replay with the sim's own arrival timing. After an idle spell a
+real engine starts its step a little after the call arrives (later on a loaded machine), and a policy
+that reads the clock (mars's MLFQ levels) decides by it: no replayed step starts before its recorded
+start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other as the recorded
+ones did.
+
+The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
+``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
+the sim's 1.200 s): a cost rule or window that compares waits with prices then decides at another
+step. ``--record-steps`` writes down every tick under the first step that ended after it
+(``steps.jsonl``'s ``ticks``: its run-clock time and the age of the engine reading it read;
+``driver.runner.write_steps``). The replay's control loop waits on :meth:`StepTrace.next_tick`
+instead of its timer: a loop timer at the recorded time, moved into the tick's window where the sim's
+steps put that time outside (after the step whose state it read has ended, before the next one ends:
+``ticks_moved``), reading the engine as the real engine's stepper hands it to the driver, a snapshot
+of the state the last step left (:meth:`StepTrace.reading`), stamped as old as the recorded reading
+was. Past the last recorded tick the loop runs on its timer again. Roots arrive when the recorded
+run's did (``workflow_arrive`` in its ``events.jsonl``, :func:`recorded_arrivals`): a real arrival
+timer overshoots its target too, and which of an arrival and a tick comes first decides an admission.
 
 The policies price work as the recorded run's did: a real run's admission controller and scheduler
 price with the driver's solo-call calibration on that engine, which its ``events.jsonl`` (beside
@@ -32,6 +52,10 @@ and the mechanism's; the trace takes the first out.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +65,56 @@ from vllm_mars.sim.fit import load_samples
 
 #: the longest a replayed step waits (virtual seconds) for a call the real engine took in before it
 ARRIVAL_WAIT_S = 0.25
+#: a replayed step waits for its recorded start only when that is later than this (seconds; the
+#: recorded step times are rounded to 0.1 us, so a busy run's step starts agree to about this)
+START_SLACK_S = 1e-5
+#: virtual seconds a replayed control tick keeps inside its step window: after the step it read has
+#: ended, before the next one ends (a timer due at the very instant a step ends would race the engine)
+TICK_MARGIN_S = 1e-7
+
+
+class _Tick:
+    """A recorded control tick the driver waits on: the run step it runs before (``line``: it reads
+    the engine as the step before left it), its run-clock time (``at``), its reading's age, and the
+    future that the loop timer at its place resolves."""
+
+    __slots__ = ("age", "at", "handle", "line", "waiter", "want")
+
+    def __init__(self, line: int, at: float, age: float, waiter: asyncio.Future) -> None:
+        self.line, self.at, self.age, self.waiter = line, at, age, waiter
+        self.handle: asyncio.TimerHandle | None = None
+        self.want = 0.0  # loop time of its recorded time, before it is moved into its window
+
+
+def _noop() -> None:
+    pass
+
+
+def _read_ticks(path: str) -> list[tuple[int, float, float]]:
+    """(run step, at, age) of every recorded control tick (``steps.jsonl``'s ``ticks``, see
+    ``driver.runner.write_steps``); ValueError naming the file, line and field."""
+    out: list[tuple[int, float, float]] = []
+    i = 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)  # (load_samples validated the file)
+            if d.get("calibration") is True:
+                continue
+            ticks = d.get("ticks")
+            if ticks is not None:
+                try:
+                    pairs = [(float(a), float(b)) for a, b in ticks]
+                except (TypeError, ValueError):
+                    pairs = None
+                if pairs is None or not all(math.isfinite(a) and a >= 0 and math.isfinite(b) and b >= 0
+                                            for a, b in pairs):
+                    raise ValueError(f"{path}:{n}: field 'ticks' must be a list of [at, age] pairs of "
+                                     f"seconds >= 0, got {ticks!r}")
+                out += [(i, a, b) for a, b in pairs]
+            i += 1
+    return out
 
 
 class StepTrace:
@@ -60,13 +134,34 @@ class StepTrace:
         self._mismatches = 0
         #: the calls the real engine took in before each recorded step, and where (step, position)
         self._added: list[list[str]] = []
+        #: the run-clock time each recorded step started (None: not recorded)
+        self._t: list[float | None] = []
         for d in read_jsonl(path):  # (load_samples validated the file)
             if d.get("calibration") is not True:
                 self._added.append([str(r) for r in d.get("added") or ()])
+                t = d.get("t")
+                self._t.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._waited = -1
         self.recorded_cost = recorded_cost_model(path)
+        #: when each root of the recorded run arrived (run clock), from its events.jsonl
+        self.arrivals = recorded_arrivals(path)
+        #: the recorded control ticks (run step, at, age), the next one's index and the one armed
+        self._ticks = _read_ticks(path)
+        self._k = 0
+        self._tick: _Tick | None = None
+        self._ticks_run = self._ticks_moved = 0
+        self._ticks_moved_max = 0.0
+        #: loop time at which each sim step ends (the engine's loop, set by attach)
+        self._ends: list[float] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock: Any = None
+        self._sched: Any = None
+        #: the engine's reading as the step before the one in flight left it, and the calls taken in
+        #: since (they are not in a real engine's reading until its next step)
+        self._begun: Any = None
+        self._taken_since = 0
 
     def cost_model(self) -> CostModel:
         """The cost model the recorded run's policies priced with, else the profile's."""
@@ -79,8 +174,11 @@ class StepTrace:
         i = self._next
         self._next += 1
         if i >= len(self._samples):
-            return self._profile.step_seconds(prefill, decode)
+            dt = self._profile.step_seconds(prefill, decode)
+            self._started(i, dt)
+            return dt
         s = self._samples[i]
+        self._started(i, s.seconds)
         # the same batch: the same chunks and decodes, in any order (a step's time does not depend on it;
         # the decode fast-forward lists its decodes before a policy's step hook orders them)
         if sorted(tuple(p) for p in prefill) != sorted(s.prefill) or sorted(decode) != sorted(s.decode):
@@ -89,6 +187,21 @@ class StepTrace:
                 self._first_mismatch = {"step": i, "recorded": {"prefill": s.prefill, "decode": s.decode},
                                         "sim": {"prefill": [tuple(p) for p in prefill], "decode": list(decode)}}
         return s.seconds
+
+    def _started(self, i: int, dt: float) -> None:
+        """Sim step ``i`` starts now and takes ``dt``: its window for the control ticks, and a loop timer
+        at its end when the next recorded step takes in a call that is not here yet (a fast-forward
+        run stops at a timer, so that step is not run before the wait :meth:`awaits` asks for)."""
+        loop = self._loop
+        if loop is None:
+            return
+        now = loop.time()
+        self._ends.append(now + dt)
+        nxt = i + 1
+        if nxt < len(self._added) and any(r not in self._taken for r in self._added[nxt]):
+            loop.call_at(now + dt, _noop)
+        if self._tick is not None:
+            self._arm()
 
     def hold(self, request_id: str) -> bool:
         """Whether the real engine took this call in before a later step than the next one."""
@@ -102,6 +215,32 @@ class StepTrace:
     def took(self, request_id: str) -> None:
         """The sim took this call in (before its next step)."""
         self._taken.add(request_id)
+        self._taken_since += 1
+
+    async def before_step(self, wake: asyncio.Event) -> bool:
+        """Wait, before the next step, for what the recorded run's engine waited for (True: it waited,
+        and the engine takes in what arrived and asks again): a call it took in before this step that
+        is not here yet (:meth:`awaits`: until a call arrives, at most ``ARRIVAL_WAIT_S``), or the
+        step's recorded start (``t``) while that is later than now. An idle real engine starts its
+        step a little after a call arrives, later on a loaded machine, and a policy that reads the
+        clock (MLFQ levels, retention expiry) decides by it: after an idle spell the replay starts
+        each step when the real one started (busy, its steps follow each other as the recorded
+        ones did)."""
+        if self.awaits():
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), self.arrival_wait_s)
+            except TimeoutError:
+                pass
+            return True
+        i = self._next
+        t = self._t[i] if i < len(self._t) else None
+        if t is not None:
+            wait = t - self._clock()
+            if wait > START_SLACK_S:
+                await asyncio.sleep(wait)
+                return True
+        return False
 
     def awaits(self) -> bool:
         """Whether the next step should wait for a call the real engine took in before it that has
@@ -114,12 +253,95 @@ class StepTrace:
         self._waited = i
         return True
 
+    # -- the control loop's ticks ---------------------------------------------------------------------
+    def attach(self, backend: Any) -> None:
+        """The sim engine starts (on its loop): ticks are timed on that loop, and the engine's reading
+        is kept as the real engine's stepper hands it to the driver, a snapshot of the state the last
+        step left, taken here where the next step begins, before anything of it (the policy's step
+        start, retention expiry, allocations) changes the state."""
+        from vllm_mars.admission.telemetry import scheduler_reading
+
+        self._loop = asyncio.get_running_loop()
+        self._clock = backend.clock
+        s = self._sched = backend.scheduler
+        begin = s._mars_begin_step
+
+        def begin_step(now: float) -> None:
+            self._begun = self._adjusted(scheduler_reading(s, self._clock()))
+            self._taken_since = 0
+            begin(now)
+
+        s._mars_begin_step = begin_step
+
+    def _adjusted(self, r: Any) -> Any:
+        return replace(r, waiting=r.waiting - self._taken_since) if self._taken_since and r.waiting else r
+
+    def reading(self) -> Any:
+        """The engine's reading now: the state the last step left (while a step runs, as the step before
+        it left it), without the calls taken in since."""
+        from vllm_mars.admission.telemetry import scheduler_reading
+
+        if self._ends and self._loop.time() < self._ends[-1] and self._begun is not None:
+            return self._begun
+        return self._adjusted(scheduler_reading(self._sched, self._clock()))
+
+    @property
+    def has_ticks(self) -> bool:
+        return bool(self._ticks)
+
+    def next_tick(self) -> asyncio.Future | None:
+        """A future that the next recorded control tick's place resolves with the age of the reading
+        it read (None: no recorded tick is left). The place: at its recorded run-clock time, moved
+        into its window when the sim's steps put that time outside: after the run step it read has
+        ended, before the next one ends."""
+        if self._k >= len(self._ticks) or self._loop is None:
+            return None
+        line, at, age = self._ticks[self._k]
+        self._k += 1
+        loop = self._loop
+        self._tick = _Tick(line, at, age, loop.create_future())
+        self._arm()
+        return self._tick.waiter
+
+    def _arm(self) -> None:
+        t = self._tick
+        line = t.line
+        base = self._loop.time() - self._clock()  # the run start on the loop's clock
+        t.want = base + t.at
+        if line == 0:
+            lo = base
+        elif line - 1 < len(self._ends):  # the step it read has started (and its end is known)
+            lo = self._ends[line - 1] + TICK_MARGIN_S
+        else:
+            return  # armed when that step starts
+        due = max(t.want, lo, self._loop.time())
+        if line < len(self._ends) and due > self._ends[line] - TICK_MARGIN_S:  # the next step ends first
+            due = max(lo, self._ends[line] - TICK_MARGIN_S)
+        if t.handle is not None:
+            if t.handle.when() == due:
+                return
+            t.handle.cancel()
+        t.handle = self._loop.call_at(due, self._fire, t)
+
+    def _fire(self, t: _Tick) -> None:
+        if self._tick is t:
+            self._tick = None
+        self._ticks_run += 1
+        shift = abs(self._loop.time() - t.want)
+        if shift > 1e-9:
+            self._ticks_moved += 1
+            self._ticks_moved_max = max(self._ticks_moved_max, shift)
+        if not t.waiter.done():
+            t.waiter.set_result(t.age)
+
     def trace_stats(self) -> dict[str, Any]:
         """Recorded steps, sim steps charged, batches that differed and the first of them (None: every
         recorded step's batch was the sim's)."""
         return {"file": self.path, "recorded_steps": len(self._samples), "sim_steps": self._next,
                 "mismatched_steps": self._mismatches, "first_mismatch": self._first_mismatch,
-                "cost_model": "recorded" if self.recorded_cost is not None else "profile"}
+                "cost_model": "recorded" if self.recorded_cost is not None else "profile",
+                "recorded_ticks": len(self._ticks), "ticks_run": self._ticks_run,
+                "ticks_moved": self._ticks_moved, "ticks_moved_max_s": round(self._ticks_moved_max, 6)}
 
 
 def recorded_cost_model(steps_path: str) -> CostModel | None:
@@ -133,3 +355,19 @@ def recorded_cost_model(steps_path: str) -> CostModel | None:
             cost = d.get("cost_model")
             return None if cost is None else CostModel.from_dict(cost, where=f"{events}: run_start.cost_model")
     return None
+
+
+def recorded_arrivals(steps_path: str) -> dict[str, float]:
+    """When each root of the run that recorded ``steps_path`` arrived (run-clock seconds): the
+    ``workflow_arrive`` events of the ``events.jsonl`` beside it ({}: no such file). A real run's
+    arrival timer overshoots its target (by a millisecond, more on a loaded machine), which decides
+    whether a root arrives before or after a control tick or a step."""
+    events = Path(steps_path).with_name("events.jsonl")
+    if not events.is_file():
+        return {}
+    out: dict[str, float] = {}
+    for d in read_jsonl(events):
+        if isinstance(d, dict) and d.get("event") == "workflow_arrive" and isinstance(d.get("ts"), (int, float)):
+            out[str(d.get("workflow"))] = float(d["ts"])
+    return out
+
