@@ -17,8 +17,11 @@ Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engi
    controller's choices), not its step-time model or the real driver's latencies;
 3. the sim with a profile fitted to each real run's own steps (``mars profile --from-steps``);
 4. the sim with the ``cpu`` grid fit of ``mars profile`` (its steps timed in the same serving loop as
-   the real runs'; one deterministic run; a grid timed on a loaded machine describes its load at
-   that moment).
+   the real runs'; a grid timed on a loaded machine describes its load at that moment).
+
+3 and 4 are medians over deterministic runs with the profile's step times scaled by each of
+``--scales`` (default 0.98-1.02): the preemptions of one run are one draw of a quantity chaotic in
+step time (a 1 % change moves them by up to 2x; E2E moves by about 1 %), as a real run's are.
 
 Every sim run has the real runs' engine shape (KV blocks, block size, limits). Writes
 results/sim_fidelity.json; errors are (sim - real) / real of medians over the repeats. Resumable: a
@@ -139,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: fit one)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
+    ap.add_argument("--scales", default="0.98,0.99,1,1.01,1.02",
+                    help="step-time scales of each fitted profile's sim runs (own-run and grid fit), comma-separated; "
+                         "the table takes their median (preemptions are chaotic in step time: one run is one draw; "
+                         "'1': a single run each)")
     ap.add_argument("--real-only", action="store_true", help="only the real runs (a later run adds the sims)")
     ap.add_argument("--no-new-real", action="store_true", help="use the real runs already in --out (at most "
                     "--repeats each), start none")
@@ -157,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     load0 = os.getloadavg()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        scales = [float(x) for x in args.scales.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--scales {args.scales!r}: comma-separated positive numbers expected")
+    if not scales or not all(0 < f < 10 for f in scales):
+        ap.error(f"--scales {args.scales!r}: comma-separated numbers in (0, 10) expected")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
     def run(cfg) -> dict:
@@ -164,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         if not (d / "summary.json").exists() or (cfg.backend == "inprocess" and not (d / "steps.jsonl").exists()):
             d, _ = run_replay(cfg)
         return json.loads((d / "summary.json").read_text())
+
+    def ensemble(cfg, prof: Path, dest: Path) -> list[dict]:
+        """The sim with ``prof``'s step times scaled by each of --scales: one deterministic run is one
+        draw (a 1 % change in step time moves a run's preemptions by up to 2x, its E2E by about 1 %),
+        so the sims' median is compared with the real runs' median."""
+        got = []
+        for f in scales:
+            p = prof if f == 1 else load_profile(str(prof)).with_step_scale(f).write(
+                prof.with_name(f"{prof.stem}-x{f:g}{prof.suffix}"))
+            got.append(metrics(run(replace(cfg, profile=str(p), out=str(dest) + (f"-x{f:g}" if f != 1 else "")))))
+        return got
 
     # 1. the real runs, interleaved over policies (a load change hits every policy alike)
     real: dict = {}
@@ -202,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                 if mars(["profile", "--from-steps", str(d / "steps.jsonl"), "--out", str(fit)]) != 0:
                     raise SystemExit("mars profile --from-steps failed")
                 prof = shaped(str(fit), base, fit)
-                s = run(replace(base, policy=pol, profile=str(prof), out=str(d.with_name(d.name.replace("real", "simown")))))
-                own.append(metrics(s))
+                own += ensemble(replace(base, policy=pol), prof, d.with_name(d.name.replace("real", "simown")))
             # 4. the grid fit
-            grid = metrics(run(replace(base, policy=pol, profile=str(grid_profile), out=str(out / w / f"simgrid-{pol}"))))
+            ens = ensemble(replace(base, policy=pol), grid_profile, out / w / f"simgrid-{pol}")
+            grid = {**median(ens), "completed": ens[0]["completed"]}
             for d, m in runs:  # how slowly the engine ran in this run against the grid fit, batch for batch
                 m["step_speed_vs_grid"] = round(step_speed(load_profile(str(grid_profile)),
                                                            load_samples(str(d / "steps.jsonl"), run_only=True)), 3)
@@ -218,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for t, (_, m) in zip(trace, runs)),
                           "of": len(runs), "runs": trace},
                 "own_run_fit": {**errors(rm, median(own)), "median": median(own), "runs": own},
-                "grid_fit": {**errors(rm, grid), "sim": grid},
+                "grid_fit": {**errors(rm, grid), "sim": grid, "runs": ens},
             }
         best = {k: min(policies, key=lambda p, k=k: res[p][k]["mean_e2e_s"] if k == "real" else
                        (res[p][k]["median"] if k == "own_run_fit" else res[p][k]["sim"])["mean_e2e_s"])
@@ -236,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "real_runs": {w: {p: len(real[w][p]) for p in policies} for w in workloads},
         "real_runs_utc": [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) for t in (min(epochs), max(epochs))]
         if epochs else None, "rps": args.rps,
-        "num_blocks": args.num_blocks, "profile": profile, "profile_source": load_profile(profile).efficiency.source,
+        "num_blocks": args.num_blocks, "profile": profile, "scales": scales,
+        "profile_source": load_profile(profile).efficiency.source,
         "wall_s": round(time.time() - t0, 1), "work_dir": str(out)}
     print(json.dumps(result, indent=2))
     if args.results:
