@@ -16,6 +16,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from itertools import islice
+from typing import Any
 
 from vllm_mars.admission.base import PendingRoot
 from vllm_mars.admission.mars.cost import fit_wait_s, rebuild_s_total
@@ -30,6 +33,15 @@ class Selection(AimdWindow):
     """The selection half of :class:`~vllm_mars.admission.mars.MarsAdmissionController`."""
 
     _turn_growth: float
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        #: The last cost-rule selection that admitted nothing, every root skipped because its
+        #: rebuilds cost at least the slot's wait where the pool keeps the contexts: (view, cap,
+        #: block size, budget, stall factor, slot wait, the roots weighed, in queue order).
+        self._skipped: tuple[LifeView, float, int, int, int, float, list[PendingRoot]] | None = None
+        #: Queued roots weighed by the selections so far (a diagnostic: what the ticks cost)
+        self.weighed = 0
 
     # hooks the controller provides
     def footprint_blocks(self, root: PendingRoot) -> int:
@@ -54,28 +66,46 @@ class Selection(AimdWindow):
         raise NotImplementedError
 
     def _select(self, slots: int, budget: int | None, now: float) -> list[Choice]:
-        """Pick up to ``slots`` roots: (root, mode, footprint blocks, decision inputs)."""
-        queue = list(self._queue.values())
+        """Pick up to ``slots`` roots: (root, mode, footprint blocks, decision inputs).
+
+        What a queued root's place in the active roots' projection decides (its footprint, its
+        whole-life peak and overflow, whether the pool keeps the contexts with it) does not
+        depend on the budget, the running calls or the slot's wait: it is kept per root in the
+        projection's view (``view.memo``, keyed by the workflow), so a tick whose view is the
+        previous one's reads it back and only weighs it against this tick's budget and prices.
+
+        A root skipped under the cost rule where the pool keeps the contexts stays skipped while
+        the view is the same, the budget does not grow, the running calls do not fall and the
+        slot's wait does not grow (its shortfall, its rebuild seconds and their stall can only
+        grow, the wait only shrink: rebuild seconds do not fall with more tokens, and the sum's
+        terms are >= 0): a tick after one that admitted nothing and skipped every root that way
+        weighs only the roots queued behind them since (``_skipped``)."""
+        queue = self._queue
         if budget is None:  # missing telemetry: a small fixed window in arrival order
-            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r), {}) for r in queue[:slots]]
+            return [(r, "no_telemetry_fcfs", self.footprint_blocks(r), {}) for r in islice(queue.values(), slots)]
         cfg = self.config
-        foot = {r.workflow: self.footprint_blocks(r) for r in queue}
         cost_rule = self._rule() == "cost"
-        short = [r for r in queue if not self._is_long(self._est_tokens(r))]
-        if not short and not cost_rule:
-            return self._drain(queue, slots, budget, foot)
-        usage = self._usage()
-        light = (not (self._kv_overloaded or self._stale)
-                 and (usage is None or usage <= cfg.kv_low) and budget > 0
-                 and len(queue) <= slots and sum(foot.values()) <= budget)
-        if cost_rule:
-            order, mode = queue, "cost_fit"
-        elif light:
-            order, mode = queue, "light_fcfs"
+        foot: dict[str, int] | None = None
+        order: Iterable[PendingRoot]
+        if cost_rule:  # arrival order: nothing to size up front
+            order, mode = queue.values(), "cost_fit"
         else:
-            order = sorted(queue, key=lambda r: (not self.returning(r), foot[r.workflow], self._seq[r.workflow]))
-            mode = "smallest_fit"
-        queue_s = self._queue_cost_s(now) if cost_rule else None
+            roots = list(queue.values())
+            foot = {r.workflow: self.footprint_blocks(r) for r in roots}
+            if not any(not self._is_long(self._est_tokens(r)) for r in roots):
+                return self._drain(roots, slots, budget, foot)
+            usage = self._usage()
+            light = (not (self._kv_overloaded or self._stale)
+                     and (usage is None or usage <= cfg.kv_low) and budget > 0
+                     and len(roots) <= slots and sum(foot.values()) <= budget)
+            if light:
+                order, mode = roots, "light_fcfs"
+            else:
+                seq = self._seq
+                order = sorted(roots, key=lambda r: (not self.returning(r), foot[r.workflow], seq[r.workflow]))
+                mode = "smallest_fit"
+        queue_s = self._queue_cost_s(now) if cost_rule else math.inf
+        stall = self._stall_factor() if cost_rule else 1  # (admissions apply after the selection)
         cap = self.life_capacity_tokens() if cfg.size == "life" else None
         # The active roots' projection, kept between ticks while no root is admitted, ends or shows
         # a new turn; each candidate recomputes only what it changes (exactly: see LifeView).
@@ -85,40 +115,59 @@ class Selection(AimdWindow):
         bs = self._block_size()
         out: list[Choice] = []
         remaining = budget
-        for i, r in enumerate(order):
+        last = len(queue) - 1
+        start, skipped, self._skipped = 0, self._skipped, None
+        if (skipped is not None and cost_rule and skipped[0] is view and skipped[1] == cap and skipped[2] == bs
+                and budget <= skipped[3] and stall >= skipped[4] and queue_s <= skipped[5]):
+            weighed = skipped[6]
+            if len(weighed) <= len(queue) and list(islice(queue.values(), len(weighed))) == weighed:
+                start = len(weighed)  # (the roots since are behind them: those go on being weighed)
+                order = islice(queue.values(), start, None)
+        all_kept = cost_rule and view is not None  # every root skipped where the pool keeps the contexts
+        i = start - 1
+        for i, r in enumerate(order, start):
             if len(out) >= slots:
+                self.weighed -= 1  # (not weighed: counted below)
                 break
-            b = foot[r.workflow]
-            over, why, grown, with_peak = 0, {}, False, 0.0
+            why: dict = {}
             if view is not None:
                 assert cap is not None
-                # Whole life: the candidate's context over all its turns joins the projection; what
-                # the peak gains beyond the capacity is its overflow.
-                cand = (self._root_turns(r), float(self._est_tokens(r)))
                 memo = view.memo
-                with_peak = memo.get(cand)
-                if with_peak is None:
-                    with_peak = memo[cand] = view.peak_with(cand)
-                grown = True
-                if with_peak > cap:
-                    if peak is None:
-                        peak = view.peak()
-                    over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
-                # else with_peak - max(cap, peak) <= 0: no overflow, whatever the peak
-                why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
-            if b <= remaining and over == 0:
-                out.append((r, mode, b, why))
-            elif cost_rule:
-                assert queue_s is not None
-                lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
-                if view is not None:
+                wf = r.workflow
+                # (root, cap, block size, footprint, (turns, tokens), life peak with it, overflow
+                # blocks, pool keeps the contexts with it: None until asked)
+                st = memo.get(wf)
+                if st is None or st[0] is not r or st[1] != cap or st[2] != bs:
+                    b = foot[wf] if foot is not None else self.footprint_blocks(r)
+                    # Whole life: the candidate's context over all its turns joins the projection;
+                    # what the peak gains beyond the capacity is its overflow.
+                    cand = (self._root_turns(r), float(self._est_tokens(r)))
+                    with_peak = memo.get(cand)
+                    if with_peak is None:
+                        with_peak = memo[cand] = view.peak_with(cand)
+                    over = 0
+                    if with_peak > cap:
+                        if peak is None:
+                            peak = view.peak()
+                        over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
+                    # else with_peak - max(cap, peak) <= 0: no overflow, whatever the peak
+                    st = memo[wf] = [r, cap, bs, b, cand, with_peak, over, None]
+                else:
+                    b, cand, with_peak, over = st[3], st[4], st[5], st[6]
+                if b <= remaining and over == 0:
+                    why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
+                    out.append((r, mode, b, why))
+                elif cost_rule:
+                    lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
+                    keeps = st[7]
+                    if keeps is None:
+                        keeps = st[7] = view.pool_keeps(cap, cfg.window_min, cand)
                     # the overflow priced turn by turn: what the candidate adds to the projection's
                     # excess over the pool at each of its coming turns (kept with the view, as the
                     # rebuild seconds it costs at a shortfall: only the stall factor is read now)
                     # Where the pool keeps the contexts, the wait is the slot's (queue_s): the sum
                     # stops once it reaches that (a root skipped all the same), kept as a lower bound.
-                    keeps = view.pool_keeps(cap, cfg.window_min, cand)
-                    stall, bound = self._stall_factor(), queue_s if keeps else math.inf
+                    bound = queue_s if keeps else math.inf
                     key = (cand, cap, bs, lack)
                     priced = memo.get(key)  # (rebuild seconds or a lower bound, overflow turns, exact)
                     if priced is None or (not priced[2] and priced[0] * stall < bound):
@@ -126,29 +175,49 @@ class Selection(AimdWindow):
                         total = self._rebuild_s_total(r, lack, per_turn, bound, stall)
                         priced = memo[key] = (total, sum(1 for x in per_turn if x > 0), total * stall < bound)
                     rebuild_s = priced[0] * stall
-                    why = {**why, "overflow_turns": priced[1]}
+                    wait_s = queue_s
+                    if rebuild_s >= wait_s and keeps:
+                        continue
+                    why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap),
+                           "overflow_turns": priced[1]}
+                    if rebuild_s >= wait_s:
+                        # No active set keeps the contexts: holding it only pays if a slot makes it fit.
+                        all_kept = False
+                        wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
+                                               view, cand, cap, queue_s, view.growth)
+                        why["wait_slots"] = k
+                        if rebuild_s >= wait_s:
+                            continue
+                    out.append((r, "cost_overflow", b, {**why, "overflow_blocks": lack + over,
+                                                        "expected_rebuild_s": round(rebuild_s, 6),
+                                                        "expected_queue_s": round(wait_s, 6)}))
                 else:
-                    rebuild_s = self._rebuild_cost_s(r, lack + over)
-                    keeps = True
-                wait_s = queue_s
-                if rebuild_s >= wait_s and not keeps:
-                    # No active set keeps the contexts: holding it only pays if a slot makes it fit.
-                    wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
-                                           view, cand, cap, queue_s, view.growth)
-                    why = {**why, "wait_slots": k}
-                if rebuild_s >= wait_s:
                     continue
-                out.append((r, "cost_overflow", b, {**why, "overflow_blocks": lack + over,
-                                                    "expected_rebuild_s": round(rebuild_s, 6),
-                                                    "expected_queue_s": round(wait_s, 6)}))
+                remaining -= b
+                if len(out) < slots and i < last:  # (a candidate follows)
+                    view, peak = view.grown(cand), with_peak
+                continue
+            b = foot[r.workflow] if foot is not None else self.footprint_blocks(r)
+            if b <= remaining:
+                out.append((r, mode, b, why))
+            elif cost_rule:
+                lack = max(b - max(remaining, 0), 0)
+                rebuild_s = self._rebuild_cost_s(r, lack)
+                if rebuild_s >= queue_s:
+                    continue
+                out.append((r, "cost_overflow", b, {"overflow_blocks": lack, "expected_rebuild_s": round(rebuild_s, 6),
+                                                    "expected_queue_s": round(queue_s, 6)}))
             else:
                 continue
             remaining -= b
-            if grown and len(out) < slots and i + 1 < len(order):  # (a candidate follows)
-                view, peak = view.grown(cand), with_peak
+        self.weighed += i + 1 - start
+        if not out and all_kept:
+            assert view is not None and cap is not None
+            self._skipped = (view, cap, bs, budget, stall, queue_s, list(queue.values()))
         if not out and not self._active:
-            oldest = queue[0]
-            out.append((oldest, "oldest_alone", foot[oldest.workflow], {}))
+            oldest = next(iter(queue.values()))
+            out.append((oldest, "oldest_alone", foot[oldest.workflow] if foot is not None
+                        else self.footprint_blocks(oldest), {}))
         return out
 
     def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int,
