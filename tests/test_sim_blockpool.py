@@ -31,7 +31,7 @@ from vllm_mars.engine.rig import (
 )
 from vllm_mars.sim import blockpool
 from vllm_mars.sim import engine as sim_engine
-from vllm_mars.sim.blockpool import SimBlockPool, SimFullAttentionManager, SimKVCacheManager
+from vllm_mars.sim.blockpool import SimBlockPool, SimFullAttentionManager, SimKVCacheManager, cached_tokens
 
 BS = 16
 
@@ -102,8 +102,12 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
     pair = _Pair(num_blocks, events)
     families = [[rng.randrange(3, 4000) for _ in range(40 * BS)] for _ in range(4)]
     owners: list[dict] = []  # per live request: its Request, its blocks in each pool, blocks cached
-    seen = {"hits": 0, "evictions": 0, "duplicates": 0, "partial": 0, "resets": 0, "refused": 0}
+    seen = {"hits": 0, "evictions": 0, "duplicates": 0, "partial": 0, "resets": 0, "refused": 0, "estimated": 0}
     for step in range(steps):
+        for o in owners:  # each live request's cached-token estimate, as vLLM's max over its blocks
+            vllms = max((b.block_hash_num_tokens or 0 for b in o["blocks"][0]), default=0)
+            assert cached_tokens(o["blocks"][1], BS) == vllms, (step, pair.ops[-5:])
+            seen["estimated"] += vllms > 0
         roll = rng.random()
         if roll < 0.45 or not owners:
             fam = rng.choice(families)
@@ -186,7 +190,7 @@ def test_random_operations_match_vllms_pool(seed, events):
     seen = _random_run(seed, events)
     # the sequences reach the cases that matter: prefix hits, evictions of cached blocks, a hash
     # held by two blocks, blocks under a second hash, refusals, resets
-    assert seen["hits"] and seen["evictions"] and seen["duplicates"] and seen["partial"], seen
+    assert seen["hits"] and seen["evictions"] and seen["duplicates"] and seen["partial"] and seen["estimated"], seen
 
 
 def test_random_operations_cover_refusals_and_resets():

@@ -13,7 +13,7 @@ method and property calls (``get_new_blocks`` -> ``_maybe_evict_cached_block`` -
 directly; :class:`SimFullAttentionManager` answers the full-attention prefix lookup with one walk of
 the hash map at C speed (``map``/``takewhile``) and counts a hit's free blocks the same way; and
 :class:`SimKVCacheManager` reads a request's cached-token estimate (its prefill stats, once per
-request, over all its blocks) at C speed too. The result is vLLM's, exactly: the same blocks
+request) from its last cached blocks. The result is vLLM's, exactly: the same blocks
 handed out, the same free-queue (LRU eviction) order, the same hash map contents and order, the same
 removals reported through ``_emit_block_removed_events`` (in one call per operation instead of one
 per block: the same hashes in the same order, so the same KV events and the same removal count).
@@ -205,16 +205,36 @@ class SimFullAttentionManager(FullAttentionManager):
 
 class SimKVCacheManager(KVCacheManager):
     """vLLM's KV cache manager whose estimate of a request's cached tokens (read once per request,
-    for its prefill stats) scans the request's blocks at C speed."""
+    for its prefill stats) reads the request's last cached blocks (:func:`cached_tokens`)."""
 
     def estimate_cached_tokens(self, request: Any) -> int:
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
             return super().estimate_cached_tokens(request)
-        if not groups[0].kv_cache_spec.prefix_cacheable:
+        spec = groups[0].kv_cache_spec
+        if not spec.prefix_cacheable:
             return 0
-        # the most prefix tokens any of its blocks is cached under (vLLM's max over its blocks)
-        return max(filter(None, map(_HASH_TOKENS, self.get_blocks(request.request_id).blocks[0])), default=0)
+        return cached_tokens(self.get_blocks(request.request_id).blocks[0], spec.block_size)
+
+
+def cached_tokens(blocks: Sequence[KVCacheBlock], block_size: int) -> int:
+    """vLLM's estimate of a request's cached tokens over its ``blocks`` (in request order): the most
+    prefix tokens any of them is cached under, 0 for none.
+
+    A block at position ``j`` of a request is cached under at most ``(j + 1) * block_size`` prefix
+    tokens (its own block hash, a hit found under the request's hash at ``j``, or a partial entry
+    inside it). So when the last block cached under any hash is cached under exactly
+    ``(j + 1) * block_size`` tokens, none before it has more and that is the maximum: read from the
+    end, one or two blocks (the unfilled tail). Otherwise every block is read, as vLLM does."""
+    j = len(blocks)
+    for block in reversed(blocks):
+        j -= 1
+        n = block._block_hash_num_tokens
+        if n:
+            if n == (j + 1) * block_size:
+                return n
+            break
+    return max(filter(None, map(_HASH_TOKENS, blocks)), default=0)
 
 
 def install(scheduler: Any) -> bool:
