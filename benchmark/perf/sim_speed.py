@@ -25,6 +25,13 @@ checks that both runs wrote byte-identical ``summary.json`` and ``events.jsonl``
 The script times whichever ``vllm_mars`` it imports: against another revision's sim, run it again
 with ``PYTHONPATH`` at that checkout's ``vllm-mars`` (side by side, in the same session).
 
+``--floor`` also times, per run, the CPU inside vLLM's own ``schedule()`` and ``update_from_output()``
+on the steps the fast-forward leaves to the full path (arrivals, finishes, preemptions, starts) and
+inside the fast-forward itself: ``virtual_s`` over the first is the best virtual/CPU reachable while
+the sim runs vLLM's real scheduler on those steps (``floor_virtual_per_cpu``).
+
+    .venv/bin/python benchmark/perf/sim_speed.py --workflows 400 --floor
+
 ``--kv-scale`` runs on a pool that many times the profile's (the step times stay the profile's): the
 cost of a huge pool (``max_rss_mb`` is the process's peak resident memory, vLLM's import included).
 """
@@ -60,9 +67,45 @@ def grouped(stats: pstats.Stats) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+class _Timed:
+    """CPU time inside chosen methods while installed (outermost call counted once), for ``--floor``."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list = []
+
+    def wrap(self, owner: type, name: str, label: str) -> None:
+        f = owner.__dict__[name]
+        self.cpu[label], self.calls[label] = 0.0, 0
+        depth = [0]
+        cpu, calls = self.cpu, self.calls
+
+        def timed(*a, **k):
+            if depth[0]:
+                return f(*a, **k)
+            depth[0] = 1
+            t = time.process_time()
+            try:
+                return f(*a, **k)
+            finally:
+                depth[0] = 0
+                cpu[label] += time.process_time() - t
+                calls[label] += 1
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, f))
+
+    def undo(self) -> None:
+        for owner, name, f in reversed(self._undo):
+            setattr(owner, name, f)
+        self._undo.clear()
+
+
 def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
     """One replay; its speed record and its output dir."""
     from vllm_mars.driver.runner import ReplayConfig, run_replay
+    from vllm_mars.engine.scheduler import MarsSchedulerMixin
     from vllm_mars.sim.engine import SimBackend
     from vllm_mars.workload.ilr import generate, load_preset
     from vllm_mars.workload.schema import write_workload
@@ -74,6 +117,19 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
                        seed=args.seed, kv_scale=args.kv_scale, progress=False,
                        out=str(tmp / f"run-{workflows}-{'ff' if fast else 'noff'}"))
     SimBackend.fast_forward = fast
+    backends = []
+    start = SimBackend.start
+
+    async def recording_start(self):
+        backends.append(self)
+        return await start(self)
+
+    SimBackend.start = recording_start
+    timed = _Timed() if args.floor else None
+    if timed is not None:
+        # the full path: vLLM's schedule() (with the policy's end of step) and update_from_output()
+        timed.wrap(MarsSchedulerMixin, "_mars_schedule_begun", "full_path_schedule")
+        timed.wrap(MarsSchedulerMixin, "update_from_output", "full_path_update")
     prof = cProfile.Profile() if args.cprofile else None
     load0 = os.getloadavg()[0]
     t, c = time.monotonic(), time.process_time()
@@ -85,6 +141,9 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
         if prof:
             prof.disable()
         SimBackend.fast_forward = True
+        SimBackend.start = start
+        if timed is not None:
+            timed.undo()
     wall, cpu = time.monotonic() - t, time.process_time() - c
     summary = json.loads((out / "summary.json").read_text())
     virtual = summary["wall_s"]  # the run's duration on its (virtual) clock
@@ -96,8 +155,20 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
         "virtual_per_wall": round(virtual / wall, 1), "virtual_per_cpu": round(virtual / cpu, 1),
         "completed": summary["completed"], "steps": summary["engine"]["steps"],
         "mean_e2e_s": round(summary["e2e_s"]["mean"], 1), "preemptions": summary["preemptions"],
-        "prefix_hit_rate": round(summary["prefix_hit_rate"], 3),
+        "prefix_hit_rate": round(summary["prefix_hit_rate"], 3), "out": str(out),
     }
+    run = max(backends, key=lambda b: b.steps)  # the replay's engine (not a calibration engine)
+    rec.update({k: getattr(run, k) for k in ("ff_steps", "ff_waiting", "ff_prefill", "ff_crossed", "ff_bulk")
+                if hasattr(run, k)})
+    if timed is not None:
+        full = timed.cpu["full_path_schedule"] + timed.cpu["full_path_update"]
+        rec["floor"] = {
+            "full_path_steps": run.steps - run.ff_steps,
+            **{f"{k}_cpu_s": round(v, 2) for k, v in timed.cpu.items()},
+            "full_path_schedule_calls": timed.calls["full_path_schedule"],
+            "full_path_cpu_s": round(full, 2), "full_path_share": round(full / cpu, 3),
+            "floor_virtual_per_cpu": round(virtual / full, 1) if full else None,
+        }
     if prof:
         stats = pstats.Stats(prof)
         rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
@@ -121,6 +192,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-scale", type=float, default=None, help="KV pool = this x the profile's (default: the profile's)")
     ap.add_argument("--cprofile", action="store_true", help="also report where the time goes (slower)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time vLLM's schedule()/update_from_output() on the full-path steps (the floor)")
     ap.add_argument("--record", action="store_true", help="write results/sim_speed.json")
     ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.json"))
     args = ap.parse_args()

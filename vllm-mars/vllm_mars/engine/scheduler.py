@@ -336,6 +336,42 @@ class MarsSchedulerMixin:
         if cost.warning_due and out.total_num_scheduled_tokens:
             cost.check_warning()
 
+    def _mars_steady_decodes(self) -> bool:
+        """Whether further decode-only steps of the running calls, in their order, change nothing
+        of the policy's but what :meth:`_mars_decode_steps` applies (the simulator then applies a
+        run of them at once). Asked after such a step ran through ``_mars_begin_step``/
+        ``_mars_end_step``; a retention's expiry is the caller's to check."""
+        returning = self._returning
+        if returning and any(r.request_id in returning for r in self.running):
+            return False
+        return self._cost.fit is None and self.mars_policy.steady_decodes(self.running_calls())
+
+    def _mars_decode_steps(self, steps: int, last_now: float) -> None:
+        """The policy's part of ``steps`` decode-only steps at once, the last begun at ``last_now``:
+        the state that many ``_mars_begin_step``/``_mars_end_step`` pairs leave when every running
+        call is scheduled one token a step and :meth:`_mars_steady_decodes` held (no retention
+        expired by ``last_now``: the caller's check). Their requests already count the tokens."""
+        policy = self.mars_policy
+        if policy.orders or policy.caps_chunks:
+            policy.begin_step()
+        if policy.orders:
+            # the order stands (steady keys); what the ordering pass sets beside it
+            if policy.custom_victims:
+                self._victims_ranked = False
+            self.waiting.mark_dirty()
+            self.kv_holding_waiting.mark_dirty()
+        if policy.orders or policy.tracks_service:
+            calls = self._calls
+            bulk = policy.on_decode_steps if policy.tracks_service else None
+            for r in self.running:
+                call = calls[r.request_id]
+                call.last_scheduled = last_now
+                if bulk is not None:
+                    bulk(call, steps)
+        cost = self._cost
+        if cost.warning_due:
+            cost.check_warning()
+
     def _order_running(self) -> None:
         calls = self._calls
         policy = self.mars_policy

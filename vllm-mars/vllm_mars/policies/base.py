@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 from vllm_mars.clock import Clock, MonotonicClock
@@ -265,6 +265,24 @@ class Policy:
 
     def on_finished(self, call: CallView, aborted: bool) -> None:
         pass
+
+    # runs of decode-only steps (the simulator applies them at once: vllm_mars.sim.engine) -------
+    def steady_decodes(self, calls: Sequence[CallView]) -> bool:
+        """Whether more decode-only steps of exactly these running calls, in this order (the last
+        step's ordering pass, with each call scheduled one token in that step), change nothing but
+        what :meth:`on_decode_steps` does: every further step's ``begin_step``, ``running_key`` (the
+        order stays) and ``on_scheduled(call, 1)`` (when ``tracks_service``) together equal one
+        :meth:`on_decode_steps` per call. The default holds for a policy that keeps none of these
+        hooks; a policy that keeps one says so itself."""
+        cls = type(self)
+        return (cls.begin_step is Policy.begin_step
+                and (not self.orders or cls.running_key is Policy.running_key)
+                and (not self.tracks_service or cls.on_scheduled is Policy.on_scheduled))
+
+    def on_decode_steps(self, call: CallView, steps: int) -> None:
+        """``steps`` decode-only steps' ``on_scheduled(call, 1)`` at once, for a call that
+        :meth:`steady_decodes` accepted (when ``tracks_service``; its request already counts the
+        steps' tokens as computed)."""
 
     # decisions -------------------------------------------------------------------------------
     def waiting_key(self, call: CallView) -> Any:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,9 @@ class _ContinuumBase(Policy):
 
     def running_key(self, call: CallView) -> Any:
         return (call.state, call.seq)
+
+    def steady_decodes(self, calls: Sequence[CallView]) -> bool:
+        return True  # (program's first arrival, seq): fixed keys, no per-step state
 
     # -- pins -------------------------------------------------------------------------------------
     def ttl_s(self, call: CallView, num_blocks: int) -> float:
@@ -242,6 +246,11 @@ class ContinuumDyPolicy(_ContinuumBase):
 
     def on_preempted(self, call: CallView) -> None:
         self._preempted_at[call.request_id] = self.clock.now()
+
+    def steady_decodes(self, calls: Sequence[CallView]) -> bool:
+        # a readmitted call's delay sample is taken at its first ordering, then the keys are fixed
+        pre = self._preempted_at
+        return not pre or not any(c.request_id in pre for c in calls)
 
     def running_key(self, call: CallView) -> Any:
         if self._preempted_at:

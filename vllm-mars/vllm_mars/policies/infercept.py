@@ -59,6 +59,7 @@ what the host tier still holds (what it evicted is recomputed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +172,9 @@ class InferceptPolicy(Policy):
         return (call.state, call.seq)  # (workflow's first arrival, this call's arrival)
 
     running_key = waiting_key
+
+    def steady_decodes(self, calls: Sequence[CallView]) -> bool:
+        return True  # (workflow's first arrival, seq): fixed keys, no per-step state
 
     # -- decision ---------------------------------------------------------------------------------
     def expected_gap(self, call: CallView) -> float | None:

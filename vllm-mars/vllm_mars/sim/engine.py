@@ -28,6 +28,18 @@ submitted or aborted calls). Any step that could differ (an arrival, a finish, a
 possible preemption, an abort) runs the full path. Results are identical with it off
 (tests/test_sim_fast_forward.py).
 
+Runs of decode steps at once (``SimBackend._decode_run``). Once such a step has run the policy's
+hooks, and when nothing waits that vLLM's waiting loop would reach, the steps after it are applied
+as a run while the policy says its hooks are steady (``MarsScheduler._mars_steady_decodes``: the
+running order stays, and the steps' ``on_scheduled`` come to one ``on_decode_steps`` per call;
+autellix's quanta and promotions move every step, so it never is): each step is priced as above and
+the clock advanced by it, up to the first step that starts at or after a retention's expiry, whose
+new blocks could exceed the free ones, or during which something else on the loop is due (those run
+one at a time). Then, in step order and running order within a step, each request whose step
+starts or fills a block is brought to where that step finds it (computed and output tokens) and
+``allocate_slots`` runs for it, so vLLM's free queue, hash map and removals come out as step by
+step; then the remaining tokens and the policy's hooks at once (``_mars_decode_steps``).
+
 Calls may wait during such steps when vLLM's waiting loop would admit none of them. It stops before
 the queue's head when the running set or the token budget is full; otherwise the step, after the
 policy's step hooks, sorts the queue as vLLM's loop does (the policies' keys do not read the KV
@@ -72,7 +84,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Mapping
+from itertools import repeat
+from operator import add
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +330,9 @@ class SimBackend:
     name = "sim"
     #: Decode fast-forward (module docstring). Off only to show that results do not depend on it.
     fast_forward = True
+    #: Runs of the fast-forward's decode-only steps applied at once (module docstring); off only to
+    #: show that results do not depend on it.
+    decode_runs = True
 
     def __init__(self, profile: Any, clock, *, policy: str = "fcfs",
                  policy_options: Mapping[str, Any] | None = None, seed: int = 0,
@@ -361,6 +379,10 @@ class SimBackend:
         self.ff_waiting = 0
         #: of ``ff_steps``, those with prefill chunks in the running set
         self.ff_prefill = 0
+        #: of ``ff_steps``, those applied in runs at once (``_decode_run``)
+        self.ff_bulk = 0
+        #: after a decode-only step of the fast-forward: (vLLM's step count, the running calls) then
+        self._ran: tuple[int, list] | None = None
         self.leak_error: str | None = None
         #: The profile's cost model (set at start): the policies' and the driver's rebuild prices.
         self.cost_model: Any = None
@@ -591,7 +613,21 @@ class SimBackend:
         out = _StepOut()
         crossed = False
         handed = None
+        # runs of steps at once (``_decode_run``) once a step here has run the policy's hooks; not
+        # beside a waiting loop, nor on a recorded trace (it hands out its steps one ask at a time)
+        bulk = self.decode_runs and not waits and not hasattr(profile, "trace_stats")
+        # (the engine's last step was one of these, of the same running calls: its hooks ran)
+        ran = self._ran
+        ready = bulk and ran is not None and ran[0] == s.current_step and ran[1] == running
         while done < horizon:
+            if ready:
+                ready = False
+                got, crossed = await self._decode_run(horizon - done, done, starts, fills)
+                if got:
+                    done += got
+                    if crossed:
+                        break
+                    continue
             k = done % bs
             new = starts[k]
             if new and len(new) > pool.get_num_free_blocks():
@@ -654,6 +690,7 @@ class SimBackend:
             done += 1
             if crossed:
                 break
+            ready = bulk
         if done:
             if not s.use_v2_model_runner:
                 s.prev_step_scheduled_req_ids.clear()
@@ -667,9 +704,106 @@ class SimBackend:
             self.ff_crossed += crossed
             if len(waiting):
                 self.ff_waiting += done
+            self._ran = (s.current_step, running[:])
         if handed is not None:
             return s._mars_schedule_begun(handed)
         return crossed if done else False
+
+    async def _decode_run(self, limit: int, done: int, starts: list, fills: list) -> tuple[int, bool]:
+        """Up to ``limit`` more of ``_fast_forward``'s decode-only steps applied at once, after one
+        of them ran there (its ``done``-th; ``starts``/``fills``: its requests whose step starts or
+        fills a block, by step mod block size). Only while the policy's hooks are steady
+        (``MarsScheduler._mars_steady_decodes``) and each step would run there alike: its start
+        before any retention expires, its new blocks within the free ones; the last may be one
+        during which something else on the loop is due. Each step is priced as there and the clock
+        advanced by it; then, in step order and running order within a step, each request whose
+        step starts or fills a block is brought to where that step finds it (computed tokens, output
+        tokens) and ``allocate_slots`` runs as there; then the computed tokens and the policy's
+        hooks at once (``_mars_decode_steps``) and the output tokens, the last step's after its
+        sleep through the loop when something was due. Returns the steps applied (0: none) and
+        whether the last slept through the loop."""
+        s = self.scheduler
+        if limit <= 0 or not s._mars_steady_decodes():
+            return 0, False
+        running = s.running
+        kvm = s.kv_cache_manager
+        bs = s.block_size
+        loop = self._loop
+        advance = loop.advance_if_idle
+        price = self.profile.step_seconds
+        expiry = s.retention.next_expiry() if s.retention else math.inf
+        free = kvm.block_pool.get_num_free_blocks()
+        base = [r.num_computed_tokens for r in running]
+        busy = self.busy_s
+        now = loop.time()
+        last = now
+        k = need = 0
+        crossing = 0.0  # the last step's time when something else on the loop is due during it
+        while k < limit and now < expiry:
+            new = len(starts[(done + k) % bs])
+            if need + new > free:
+                break  # an allocation could fail: the step runs one at a time
+            dt = price(_NO_PREFILL, list(map(add, base, repeat(k))))
+            if not dt > 0:
+                raise RuntimeError(f"profile {self.profile.name!r}: step_seconds returned {dt!r} for a non-empty batch")
+            need += new
+            busy += dt
+            last = now
+            k += 1
+            if not advance(dt):
+                crossing = dt  # it runs, then sleeps through the loop; the caller starts over
+                break
+            now = loop.time()
+        if not k:
+            return 0, False
+        self.busy_s = busy
+        self.steps += k
+        lookahead = s.num_lookahead_tokens
+        token = SIM_TOKEN
+        index = {id(r): i for i, r in enumerate(running)}
+        appended = [0] * len(running)  # output tokens each request got in this run so far
+        new_step, take = kvm.new_step_starts, kvm.take_new_block_ids
+        allocate = kvm.allocate_slots
+        for j in range(k):
+            new_step()
+            b = (done + j) % bs
+            events = starts[b] + fills[b]
+            if not events:
+                continue
+            if len(events) > 1:
+                events.sort(key=lambda r: index[id(r)])
+            for r in events:
+                i = index[id(r)]
+                m = j - appended[i]
+                if m:
+                    r.num_computed_tokens = base[i] + j
+                    r.append_output_token_ids([token] * m)
+                    appended[i] = j
+                if allocate(r, 1, num_lookahead_tokens=lookahead) is None:
+                    raise RuntimeError(f"sim fast-forward: allocation failed for {r.request_id}")
+            take()
+        for i, r in enumerate(running):
+            r.num_computed_tokens = base[i] + k
+        s.current_step += k
+        s.prefill_capacity_bound = len(s.waiting) > len(s.deferred_waiting)  # (vLLM's, after its loop)
+        s.finished_req_ids = set()
+        s.reset_preempted_req_ids = set()
+        s._mars_decode_steps(k, last)
+        if crossing:
+            # the steps before it sampled their tokens; its own come after its sleep, as there
+            for i, r in enumerate(running):
+                m = k - 1 - appended[i]
+                if m:
+                    r.append_output_token_ids([token] * m if m > 1 else token)
+            await asyncio.sleep(crossing)
+            for r in running:
+                r.append_output_token_ids(token)
+        else:
+            for i, r in enumerate(running):
+                m = k - appended[i]
+                r.append_output_token_ids([token] * m if m > 1 else token)
+        self.ff_bulk += k
+        return k, bool(crossing)
 
     async def _prefill_steps(self, horizon: int) -> Any:
         """The fast-forward's steps whose running set holds prefill chunks beside decodes (returns

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_mars.clock import Clock
@@ -182,6 +182,27 @@ class MarsPolicy(MarsRetention):
         if st.quantum and num_tokens >= st.quantum and call.remaining_prefill > 0:
             st.feedback = min(st.quantum_level + 1, self._max_level)
         st.quantum = 0
+
+    def steady_decodes(self, calls: Sequence[CallView]) -> bool:
+        """A decoding call's order key is fixed (its own seq, or its workflow's first arrival in the
+        evicted order) unless MLFQ ranks decodes by level with aging, and ``on_scheduled`` only
+        records its computed tokens once nothing is pending: no hold or preemption recovery to
+        time, no priced start or first prefix hit to count, no quantum spent."""
+        cfg = self.config
+        if cfg.mlfq and not (self._evicted or self._promote):
+            return False
+        first_hit = cfg.evicted_order
+        for c in calls:
+            st: _State = c.state
+            if (st.held_since >= 0 or st.preempted_at >= 0 or st.priced_start == 1 or st.quantum
+                    or (first_hit and not st.hit_seen)):
+                return False
+        return True
+
+    def on_decode_steps(self, call: CallView, steps: int) -> None:
+        st: _State = call.state
+        st.preempted = False
+        st.computed = call._req.num_computed_tokens
 
     def on_preempted(self, call: CallView) -> None:
         st: _State = call.state
