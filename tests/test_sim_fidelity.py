@@ -44,10 +44,10 @@ def test_mars_profile_times_each_grid_step_as_the_serving_loop_runs_it(tiny_mode
     slow = 0.02
     snapshot = InProcessBackend._snapshot
 
-    def slow_snapshot(self, now=None):
+    def slow_snapshot(self, now=None, *args, **kwargs):
         if now is not None:  # the snapshot after each step (not the idle loop's)
             time.sleep(slow)
-        snapshot(self, now)
+        snapshot(self, now, *args, **kwargs)
 
     monkeypatch.setattr(InProcessBackend, "_snapshot", slow_snapshot)
     grid = GRIDS["tiny"]
