@@ -1,6 +1,8 @@
-"""Where a simulated run's CPU goes outside the engine step: process CPU time spent inside chosen
-functions of the driver, the admission tick, request making and output writing, and in garbage
-collection, during ``sim_speed.py``'s run (same flags, passed through).
+"""Where a simulated run's CPU goes: process CPU time spent inside chosen functions of the driver,
+the admission tick, the full-path engine steps (vLLM's ``schedule()`` and ``update_from_output()``,
+the KV work inside them: allocations, prefix lookups, frees, retention, the pool's per-block work),
+request making and block hashing, output writing, and in garbage collection, during
+``sim_speed.py``'s run (same flags, passed through).
 
     PYTHONPATH=<tree>/vllm-mars python benchmark/perf/sim_costs.py --workflows 200 [--costs-out f.json]
 
