@@ -92,6 +92,7 @@ class InProcessBackend:
         #: the latest reading and how many recorded steps it shows: one tuple, so a reading and its
         #: place are read together off the stepper thread
         self._read: tuple[Telemetry, int] = (EngineSample(0.0), 0)
+        self._seen = 0  # with record_steps: steps recorded so far (closed or pending; the stepper's)
         self._last_read = self._read
         self._stats: dict[str, Any] = {}
         self._error: BaseException | None = None
@@ -134,7 +135,6 @@ class InProcessBackend:
         pending: tuple[list, list, float, list[str]] | None = None
         added: list[str] = []
         t_end = 0.0
-        seen = 0  # steps recorded (closed or pending)
 
         def close(t: float) -> None:
             nonlocal pending
@@ -172,7 +172,7 @@ class InProcessBackend:
                     close(t_end)
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    self._snapshot(None, seen)  # idle but alive: the sample stays fresh
+                    self._snapshot()  # idle but alive: the sample stays fresh
                     continue
                 t0 = time.perf_counter()
                 close(t0)
@@ -184,9 +184,9 @@ class InProcessBackend:
                         pending = (*batches[0], t0, added)
                         self.step_starts.append(t0_run)
                         added = []
-                        seen += 1
+                        self._seen += 1
                 now = self.clock()
-                self._snapshot(now, seen)
+                self._snapshot(now)
                 for out in outs:
                     self._loop.call_soon_threadsafe(self._on_output, out, now)
                 t_end = time.perf_counter()
@@ -196,9 +196,9 @@ class InProcessBackend:
             self._error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _snapshot(self, now: float | None = None, seen: int = 0) -> None:
+    def _snapshot(self, now: float | None = None) -> None:
         sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
-        self._read = (sample, seen)
+        self._read = (sample, self._seen)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float) -> None:
@@ -300,7 +300,7 @@ class InProcessBackend:
         if self.engine is not None:
             try:
                 self.scheduler.release_retention()
-                self._snapshot(None, self._read[1])
+                self._snapshot()
             except Exception:
                 logger.debug("retention release at close failed", exc_info=True)
             try:

@@ -143,7 +143,8 @@ class StepTrace:
                 self._t.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
-        self._waited = -1
+        self._waited = -1  # the step that waits for a late call, and until when
+        self._wait_until = 0.0
         self.recorded_cost = recorded_cost_model(path)
         #: when each root of the recorded run arrived (run clock), from its events.jsonl
         self.arrivals = recorded_arrivals(path)
@@ -220,16 +221,17 @@ class StepTrace:
     async def before_step(self, wake: asyncio.Event) -> bool:
         """Wait, before the next step, for what the recorded run's engine waited for (True: it waited,
         and the engine takes in what arrived and asks again): a call it took in before this step that
-        is not here yet (:meth:`awaits`: until a call arrives, at most ``ARRIVAL_WAIT_S``), or the
+        is not here yet (:meth:`awaits`: until it arrives, at most ``ARRIVAL_WAIT_S``), or the
         step's recorded start (``t``) while that is later than now. An idle real engine starts its
         step a little after a call arrives, later on a loaded machine, and a policy that reads the
         clock (MLFQ levels, retention expiry) decides by it: after an idle spell the replay starts
         each step when the real one started (busy, its steps follow each other as the recorded
         ones did)."""
-        if self.awaits():
+        left = self.awaits()
+        if left > 0:
             wake.clear()
             try:
-                await asyncio.wait_for(wake.wait(), self.arrival_wait_s)
+                await asyncio.wait_for(wake.wait(), left)
             except TimeoutError:
                 pass
             return True
@@ -242,16 +244,17 @@ class StepTrace:
                 return True
         return False
 
-    def awaits(self) -> bool:
-        """Whether the next step should wait for a call the real engine took in before it that has
-        not arrived here (once per step: after ``ARRIVAL_WAIT_S`` it runs without it)."""
+    def awaits(self) -> float:
+        """How long (virtual seconds) the next step still waits for a call the real engine took in
+        before it that has not arrived here: until ``ARRIVAL_WAIT_S`` after the step first waited
+        (other calls arriving meanwhile do not end the wait), then it runs without it (0)."""
         i = self._next
-        if i >= len(self._added) or self._waited == i:
-            return False
-        if all(r in self._taken for r in self._added[i]):
-            return False
-        self._waited = i
-        return True
+        if i >= len(self._added) or all(r in self._taken for r in self._added[i]):
+            return 0.0
+        now = self._loop.time() if self._loop is not None else 0.0
+        if self._waited != i:
+            self._waited, self._wait_until = i, now + self.arrival_wait_s
+        return max(0.0, self._wait_until - now)
 
     # -- the control loop's ticks ---------------------------------------------------------------------
     def attach(self, backend: Any) -> None:
