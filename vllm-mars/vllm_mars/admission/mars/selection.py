@@ -135,7 +135,8 @@ class Selection(AimdWindow):
                 memo = view.memo
                 wf = r.workflow
                 # (root, cap, block size, footprint, (turns, tokens), life peak with it, overflow
-                # blocks, pool keeps the contexts with it: None until asked)
+                # blocks; then, once asked: pool keeps the contexts with it, its marginal overflow
+                # per turn and the turns that overflow)
                 st = memo.get(wf)
                 if st is None or st[0] is not r or st[1] != cap or st[2] != bs:
                     b = foot[wf] if foot is not None else self.footprint_blocks(r)
@@ -151,7 +152,7 @@ class Selection(AimdWindow):
                             peak = view.peak()
                         over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
                     # else with_peak - max(cap, peak) <= 0: no overflow, whatever the peak
-                    st = memo[wf] = [r, cap, bs, b, cand, with_peak, over, None]
+                    st = memo[wf] = [r, cap, bs, b, cand, with_peak, over, None, None, 0]
                 else:
                     b, cand, with_peak, over = st[3], st[4], st[5], st[6]
                 if b <= remaining and over == 0:
@@ -162,6 +163,8 @@ class Selection(AimdWindow):
                     keeps = st[7]
                     if keeps is None:
                         keeps = st[7] = view.pool_keeps(cap, cfg.window_min, cand)
+                        st[8] = per_turn = view.marginal_overflow(cand, cap)
+                        st[9] = sum(map((0.0).__lt__, per_turn))  # (the turns with x > 0)
                     # the overflow priced turn by turn: what the candidate adds to the projection's
                     # excess over the pool at each of its coming turns (kept with the view, as the
                     # rebuild seconds it costs at a shortfall: only the stall factor is read now)
@@ -171,9 +174,9 @@ class Selection(AimdWindow):
                     key = (cand, cap, bs, lack)
                     priced = memo.get(key)  # (rebuild seconds or a lower bound, overflow turns, exact)
                     if priced is None or (not priced[2] and priced[0] * stall < bound):
-                        per_turn = view.marginal_overflow(cand, cap)
-                        total = self._rebuild_s_total(r, lack, per_turn, bound, stall)
-                        priced = memo[key] = (total, sum(1 for x in per_turn if x > 0), total * stall < bound)
+                        assert self.cost is not None
+                        total = rebuild_s_total(self.cost, cand[0], bs, lack, st[8], bound, stall)
+                        priced = memo[key] = (total, st[9], total * stall < bound)
                     rebuild_s = priced[0] * stall
                     wait_s = queue_s
                     if rebuild_s >= wait_s and keeps:
