@@ -69,10 +69,11 @@ class Selection(AimdWindow):
         """Pick up to ``slots`` roots: (root, mode, footprint blocks, decision inputs).
 
         What a queued root's place in the active roots' projection decides (its footprint, its
-        whole-life peak and overflow, whether the pool keeps the contexts with it) does not
-        depend on the budget, the running calls or the slot's wait: it is kept per root in the
-        projection's view (``view.memo``, keyed by the workflow), so a tick whose view is the
-        previous one's reads it back and only weighs it against this tick's budget and prices.
+        whole-life peak and overflow, whether the pool keeps the contexts with it, its marginal
+        overflow per turn) does not depend on the budget, the running calls or the slot's wait:
+        it is kept per root in the projection's view (``view.memo``, keyed by the workflow), so a
+        tick whose view is the previous one's reads it back and only weighs it against this
+        tick's budget and prices.
 
         A root skipped under the cost rule where the pool keeps the contexts stays skipped while
         the view is the same, the budget does not grow, the running calls do not fall and the
