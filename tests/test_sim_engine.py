@@ -161,6 +161,13 @@ def test_sim_makes_the_same_decisions_as_the_rig_given_the_same_step_times(polic
             return end_step(out, now)
 
         sched._mars_end_step = recording_end_step
+        decode_steps = sched._mars_decode_steps
+
+        def recording_decode_steps(k, last_now):  # a run of decode-only steps at once (one token each)
+            steps.extend({r.request_id: 1 for r in sched.running} for _ in range(k))
+            return decode_steps(k, last_now)
+
+        sched._mars_decode_steps = recording_decode_steps
         done: list[str] = []
 
         async def call(rid, ids, n, extra):
