@@ -226,7 +226,6 @@ def test_step_trace_reproduces_the_run_it_was_recorded_from(tmp_path, monkeypatc
     benchmark/perf/sim_fidelity.py; a real run on a loaded machine can race its step boundaries, so an
     exact replay of one is a benchmark reading, not a CI check.)"""
     from vllm_mars.driver.runner import ReplayConfig, run_replay
-    from vllm_mars.sim.engine import SimBackend
 
     lines = []
     for i in range(6):
@@ -245,25 +244,9 @@ def test_step_trace_reproduces_the_run_it_was_recorded_from(tmp_path, monkeypatc
                                         step_overhead_s=3 * e.step_overhead_s,
                                         per_seq_overhead_s=3 * e.per_seq_overhead_s),
                                 num_blocks=32, max_model_len=480).write(tmp_path / "b.toml")
-    recorded = []
-
-    class Recording:  # the profile, writing down each step it prices
-        def __init__(self, p):
-            self.p = p
-
-        def __getattr__(self, name):
-            return getattr(self.p, name)
-
-        def step_seconds(self, prefill, decode):
-            dt = self.p.step_seconds(prefill, decode)
-            recorded.append({"prefill": [list(x) for x in prefill], "decode": list(decode), "seconds": dt})
-            return dt
-
-    init = SimBackend.__init__
-    monkeypatch.setattr(SimBackend, "__init__", lambda self, p, *a, **k: init(self, Recording(p), *a, **k))
     cfg = ReplayConfig(workload=str(wl), rps=20, backend="sim", calibrate=False, progress=False, plots=False)
-    first, _ = run_replay(ReplayConfig(**{**cfg.__dict__, "profile": str(shaped), "out": str(tmp_path / "a")}))
-    monkeypatch.undo()
+    first, recorded = _record_sim_run(
+        monkeypatch, ReplayConfig(**{**cfg.__dict__, "profile": str(shaped), "out": str(tmp_path / "a")}))
     trace = tmp_path / "steps.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in recorded))
     again, _ = run_replay(ReplayConfig(**{**cfg.__dict__, "profile": str(slow), "step_trace": str(trace),

@@ -13,7 +13,6 @@ the small, frequent ones (the block hasher: one call per decoded token) read hig
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import json
@@ -53,33 +52,17 @@ WRAPPED = (
 )
 
 
-def _wrap(acc: dict, module: str, qual: str, label: str) -> None:
+def _owner(module: str, qual: str) -> tuple[object, str] | None:
+    """The object holding ``module.qual`` and the attribute's name; None when this tree lacks it."""
     try:
         owner = importlib.import_module(module)
         *path, name = qual.split(".")
         for p in path:
             owner = getattr(owner, p)
-        f = getattr(owner, name)
+        getattr(owner, name)
     except (ImportError, AttributeError):
-        return
-    acc[label] = [0, 0.0]
-    depth = [0]
-
-    @functools.wraps(f)
-    def timed(*a, **k):
-        if depth[0]:
-            return f(*a, **k)
-        depth[0] = 1
-        t = time.process_time()
-        try:
-            return f(*a, **k)
-        finally:
-            depth[0] = 0
-            rec = acc[label]
-            rec[0] += 1
-            rec[1] += time.process_time() - t
-
-    setattr(owner, name, timed)
+        return None
+    return owner, name
 
 
 def main() -> None:
@@ -89,9 +72,12 @@ def main() -> None:
         i = argv.index("--costs-out")
         out = argv[i + 1]
         del argv[i:i + 2]
-    acc: dict[str, list] = {}
-    for entry in WRAPPED:
-        _wrap(acc, *entry)
+    speed = runpy.run_path(str(Path(__file__).with_name("sim_speed.py")))  # its code, not its run
+    timed = speed["_Timed"]()  # the timers of sim_speed.py --floor
+    for module, qual, label in WRAPPED:
+        found = _owner(module, qual)
+        if found is not None:
+            timed.wrap(*found, label)
     gcs = {"collections": 0, "full": 0, "cpu_s": 0.0}
     t0 = [0.0]
 
@@ -119,8 +105,9 @@ def main() -> None:
 
     runner.run_replay = timed_run
     sys.argv = [str(Path(__file__).with_name("sim_speed.py")), *argv]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    rows = {label: {"calls": n, "cpu_s": round(s, 2), "share": round(s / total[0], 4)} for label, (n, s) in acc.items()}
+    speed["main"]()
+    rows = {label: {"calls": timed.calls[label], "cpu_s": round(s, 2), "share": round(s / total[0], 4)}
+            for label, s in timed.cpu.items()}
     rows["garbage collection"] = {"calls": gcs["collections"], "full": gcs["full"], "cpu_s": round(gcs["cpu_s"], 2),
                                   "share": round(gcs["cpu_s"] / total[0], 4)}
     print(f"run_replay CPU s: {total[0]:.2f}")

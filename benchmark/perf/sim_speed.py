@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 GROUPS = (("vllm/v1/core", "vllm scheduler + KV cache manager"), ("site-packages/vllm/", "vllm other"),
@@ -75,12 +77,15 @@ class _Timed:
         self.calls: dict[str, int] = {}
         self._undo: list = []
 
-    def wrap(self, owner: type, name: str, label: str) -> None:
-        f = owner.__dict__[name]
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        """Time ``owner.name`` (a class's method or a module's function) under ``label``."""
+        own = name in vars(owner)
+        f = vars(owner)[name] if own else getattr(owner, name)
         self.cpu[label], self.calls[label] = 0.0, 0
         depth = [0]
         cpu, calls = self.cpu, self.calls
 
+        @functools.wraps(f)
         def timed(*a, **k):
             if depth[0]:
                 return f(*a, **k)
@@ -94,11 +99,14 @@ class _Timed:
                 calls[label] += 1
 
         setattr(owner, name, timed)
-        self._undo.append((owner, name, f))
+        self._undo.append((owner, name, f if own else None))
 
     def undo(self) -> None:
         for owner, name, f in reversed(self._undo):
-            setattr(owner, name, f)
+            if f is None:
+                delattr(owner, name)  # (it was inherited)
+            else:
+                setattr(owner, name, f)
         self._undo.clear()
 
 

@@ -461,7 +461,7 @@ class SimBackend:
 
             s._get_local_prefix_cache_hit = recording_lookup
         xfer = self._xfer  # the CPU offload tier's transfers (None: no tier; vllm_mars.sim.offload)
-        trace = profile if hasattr(profile, "trace_stats") else None  # --step-trace
+        trace = self._trace  # --step-trace
         try:
             while True:
                 if self._aborts or self._incoming:
@@ -615,7 +615,7 @@ class SimBackend:
         handed = None
         # runs of steps at once (``_decode_run``) once a step here has run the policy's hooks; not
         # beside a waiting loop, nor on a recorded trace (it hands out its steps one ask at a time)
-        bulk = self.decode_runs and not waits and not hasattr(profile, "trace_stats")
+        bulk = self.decode_runs and not waits and self._trace is None
         # (the engine's last step was one of these, of the same running calls: its hooks ran)
         ran = self._ran
         ready = bulk and ran is not None and ran[0] == s.current_step and ran[1] == running
@@ -1087,9 +1087,8 @@ class SimBackend:
                    hash_blocks_reused=self._hasher.reused if self._hasher else 0)
         if self._xfer is not None:
             out["offload"] = self._xfer.stats()
-        trace = getattr(self.profile, "trace_stats", None)  # --step-trace (vllm_mars.sim.step_trace)
-        if trace is not None:
-            out["step_trace"] = trace()
+        if self._trace is not None:  # --step-trace (vllm_mars.sim.step_trace)
+            out["step_trace"] = self._trace.trace_stats()
         return out
 
     async def close(self) -> None:

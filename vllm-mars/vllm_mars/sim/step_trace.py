@@ -90,18 +90,25 @@ def _noop() -> None:
     pass
 
 
-def _read_ticks(path: str) -> list[tuple[int, float, float]]:
-    """(run step, at, age) of every recorded control tick (``steps.jsonl``'s ``ticks``, see
-    ``driver.runner.write_steps``); ValueError naming the file, line and field."""
-    out: list[tuple[int, float, float]] = []
-    i = 0
+def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[tuple[int, float, float]]]:
+    """Per recorded run step (calibration steps left out): the calls the engine took in before it
+    (``added``), its run-clock start (``t``, None: not recorded); and (run step, at, age) of every
+    recorded control tick (``ticks``, see ``driver.runner.write_steps``). ValueError naming the file,
+    line and field (``load_samples`` validated the rest of the file)."""
+    added: list[list[str]] = []
+    starts: list[float | None] = []
+    ticks_out: list[tuple[int, float, float]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            d = json.loads(line)  # (load_samples validated the file)
+            d = json.loads(line)
             if d.get("calibration") is True:
                 continue
+            i = len(added)
+            added.append([str(r) for r in d.get("added") or ()])
+            t = d.get("t")
+            starts.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
             ticks = d.get("ticks")
             if ticks is not None:
                 try:
@@ -112,9 +119,8 @@ def _read_ticks(path: str) -> list[tuple[int, float, float]]:
                                             for a, b in pairs):
                     raise ValueError(f"{path}:{n}: field 'ticks' must be a list of [at, age] pairs of "
                                      f"seconds >= 0, got {ticks!r}")
-                out += [(i, a, b) for a, b in pairs]
-            i += 1
-    return out
+                ticks_out += [(i, a, b) for a, b in pairs]
+    return added, starts, ticks_out
 
 
 class StepTrace:
@@ -132,15 +138,10 @@ class StepTrace:
         self._next = 0
         self._first_mismatch: dict[str, Any] | None = None
         self._mismatches = 0
-        #: the calls the real engine took in before each recorded step, and where (step, position)
-        self._added: list[list[str]] = []
-        #: the run-clock time each recorded step started (None: not recorded)
-        self._t: list[float | None] = []
-        for d in read_jsonl(path):  # (load_samples validated the file)
-            if d.get("calibration") is not True:
-                self._added.append([str(r) for r in d.get("added") or ()])
-                t = d.get("t")
-                self._t.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
+        #: the calls the real engine took in before each recorded step, and where (step, position); the
+        #: run-clock time each recorded step started (None: not recorded); the recorded control ticks
+        #: (run step, at, age)
+        self._added, self._t, self._ticks = _read_run_fields(path)
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._waited = -1  # the step that waits for a late call, and until when
@@ -148,8 +149,7 @@ class StepTrace:
         self.recorded_cost = recorded_cost_model(path)
         #: when each root of the recorded run arrived (run clock), from its events.jsonl
         self.arrivals = recorded_arrivals(path)
-        #: the recorded control ticks (run step, at, age), the next one's index and the one armed
-        self._ticks = _read_ticks(path)
+        #: the next recorded control tick's index and the one armed
         self._k = 0
         self._tick: _Tick | None = None
         self._ticks_run = self._ticks_moved = 0
