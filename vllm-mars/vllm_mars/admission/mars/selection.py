@@ -29,6 +29,24 @@ from vllm_mars.admission.mars.window import AimdWindow
 Choice = tuple[PendingRoot, str, int, dict]
 
 
+class _Weighed:
+    """A queued root's place in one projection view (``LifeView.memo``, keyed by its workflow): its
+    footprint, (turns, tokens), whole-life peak with it and overflow blocks, sized for ``cap`` and
+    ``bs``; once the cost rule asks: whether the pool keeps the contexts with it, its marginal
+    overflow per turn and the turns that overflow."""
+
+    __slots__ = ("blocks", "bs", "cand", "cap", "keeps", "over", "overflow_turns", "per_turn", "root",
+                 "with_peak")
+
+    def __init__(self, root: PendingRoot, cap: float, bs: int, blocks: int, cand: tuple[int, float],
+                 with_peak: float, over: int) -> None:
+        self.root, self.cap, self.bs, self.blocks, self.cand = root, cap, bs, blocks, cand
+        self.with_peak, self.over = with_peak, over
+        self.keeps: bool | None = None
+        self.per_turn: list[float] = []
+        self.overflow_turns = 0
+
+
 class Selection(AimdWindow):
     """The selection half of :class:`~vllm_mars.admission.mars.MarsAdmissionController`."""
 
@@ -135,11 +153,8 @@ class Selection(AimdWindow):
                 assert cap is not None
                 memo = view.memo
                 wf = r.workflow
-                # (root, cap, block size, footprint, (turns, tokens), life peak with it, overflow
-                # blocks; then, once asked: pool keeps the contexts with it, its marginal overflow
-                # per turn and the turns that overflow)
                 st = memo.get(wf)
-                if st is None or st[0] is not r or st[1] != cap or st[2] != bs:
+                if st is None or st.root is not r or st.cap != cap or st.bs != bs:
                     b = foot[wf] if foot is not None else self.footprint_blocks(r)
                     # Whole life: the candidate's context over all its turns joins the projection;
                     # what the peak gains beyond the capacity is its overflow.
@@ -153,19 +168,19 @@ class Selection(AimdWindow):
                             peak = view.peak()
                         over = max(0, math.ceil((with_peak - max(cap, peak)) / bs))
                     # else with_peak - max(cap, peak) <= 0: no overflow, whatever the peak
-                    st = memo[wf] = [r, cap, bs, b, cand, with_peak, over, None, None, 0]
+                    st = memo[wf] = _Weighed(r, cap, bs, b, cand, with_peak, over)
                 else:
-                    b, cand, with_peak, over = st[3], st[4], st[5], st[6]
+                    b, cand, with_peak, over = st.blocks, st.cand, st.with_peak, st.over
                 if b <= remaining and over == 0:
                     why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap)}
                     out.append((r, mode, b, why))
                 elif cost_rule:
                     lack = max(b - max(remaining, 0), 0)  # blocks short of the budget now
-                    keeps = st[7]
+                    keeps = st.keeps
                     if keeps is None:
-                        keeps = st[7] = view.pool_keeps(cap, cfg.window_min, cand)
-                        st[8] = per_turn = view.marginal_overflow(cand, cap)
-                        st[9] = sum(map((0.0).__lt__, per_turn))  # (the turns with x > 0)
+                        keeps = st.keeps = view.pool_keeps(cap, cfg.window_min, cand)
+                        st.per_turn = per_turn = view.marginal_overflow(cand, cap)
+                        st.overflow_turns = sum(map((0.0).__lt__, per_turn))  # (the turns with x > 0)
                     # the overflow priced turn by turn: what the candidate adds to the projection's
                     # excess over the pool at each of its coming turns (kept with the view, as the
                     # rebuild seconds it costs at a shortfall: only the stall factor is read now)
@@ -176,8 +191,8 @@ class Selection(AimdWindow):
                     priced = memo.get(key)  # (rebuild seconds or a lower bound, overflow turns, exact)
                     if priced is None or (not priced[2] and priced[0] * stall < bound):
                         assert self.cost is not None
-                        total = rebuild_s_total(self.cost, cand[0], bs, lack, st[8], bound, stall)
-                        priced = memo[key] = (total, st[9], total * stall < bound)
+                        total = rebuild_s_total(self.cost, cand[0], bs, lack, st.per_turn, bound, stall)
+                        priced = memo[key] = (total, st.overflow_turns, total * stall < bound)
                     rebuild_s = priced[0] * stall
                     wait_s = queue_s
                     if rebuild_s >= wait_s and keeps:
