@@ -326,20 +326,43 @@ def test_randomized_invariants():
 
 # -- CONCUR ------------------------------------------------------------------------------------------
 def test_concur_aimd():
-    c = ConcurController(ConcurConfig(window_min=1, window_max=10, window_init=4))
+    """The paper's Eq. 1 with its settings (alpha 2, beta 0.5, U_low 0.2, U_high 0.5, H_thresh 0.2):
+    decrease needs high utilisation and a hit rate below the threshold, not a falling one."""
+    c = ConcurController(ConcurConfig(window_min=1, window_max=20, window_init=4))
     c.observe(tel(0, usage=0.1, hit=0.5))
     c.tick(0)
-    assert c.window == 5  # usage < u_low: +1
+    assert c.window == 6  # usage < u_low: +2
     c.observe(tel(0.2, usage=0.6, hit=0.5))
     c.tick(0.2)
-    assert c.window == 5  # above u_high but the hit rate holds
     c.observe(tel(0.4, usage=0.6, hit=0.3))
     c.tick(0.4)
-    assert c.window == 2  # hit rate fell: x0.5
-    c.observe(tel(0.6, usage=0.3, hit=0.1))
+    assert c.window == 6  # above u_high, the hit rate fell but stays >= 0.2: hold
+    c.observe(tel(0.6, usage=0.6, hit=0.15))
     c.tick(0.6)
-    assert c.window == 2  # between the marks: hold
-    assert [e.data["reason"] for e in c.take_events() if e.event == "admission_window"] == ["increase", "decrease"]
+    assert c.window == 3  # above u_high and hit rate < 0.2: x0.5
+    c.observe(tel(0.8, usage=0.6, hit=0.15))
+    c.tick(0.8)
+    assert c.window == 1  # the hit rate stays low (not falling): x0.5 again
+    c.observe(tel(1.0, usage=0.3, hit=0.1))
+    c.tick(1.0)
+    assert c.window == 1  # between the marks: hold
+    c.observe(tel(1.2, usage=0.05, hit=None))
+    c.tick(1.2)
+    assert c.window == 3
+    c.observe(tel(1.4, usage=0.55, hit=None))
+    c.tick(1.4)
+    assert c.window == 1  # an unknown hit rate counts as low
+    assert [e.data["reason"] for e in c.take_events() if e.event == "admission_window"] == \
+        ["increase", "decrease", "decrease", "increase", "decrease"]
+
+
+def test_concur_defaults_are_the_papers_and_validated():
+    cfg = ConcurConfig()
+    assert (cfg.inc, cfg.dec_factor, cfg.u_low, cfg.u_high, cfg.hit_thresh) == (2, 0.5, 0.2, 0.5, 0.2)
+    with pytest.raises(ValueError, match=r"ConcurConfig.hit_thresh = 1.5: must be in \[0, 1\]"):
+        make_controller("concur", {"hit_thresh": 1.5})
+    with pytest.raises(ValueError, match="unknown ConcurConfig"):
+        make_controller("concur", {"hit_drop_tol": 0.01})
 
 
 def test_concur_admits_fcfs_within_window_and_refills():
