@@ -71,7 +71,7 @@ def redraw_results(exp: Experiment, out: Path) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{p}: invalid JSON: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("cells"), list):
-        raise ValueError(f"{p}: not an experiment's results (no 'cells' list)")
+        raise ValueError(f"{p}: not an experiment's results (no 'cells' list)")  # noqa: TRY004 (the CLI's one-line error)
     if record.get("experiment") != exp.name:
         raise ValueError(f"{p}: results of experiment {record.get('experiment')!r}, not of {exp.path} "
                          f"({exp.name!r})")

@@ -11,7 +11,6 @@ from vllm_mars.metrics.events import read_events
 from vllm_mars.metrics.report import _fmt, plot_runs, summary_table
 from vllm_mars.metrics.summary import DEFAULT_ALPHA
 
-
 #: A run dir's resource use, beside its summary.json (written by ``driver.compare.run_policies``):
 #: ``cpu_s`` (CPU seconds, user + system, of the process that ran it plus of the child processes it
 #: waited for, over the run alone), ``children_cpu_s`` (that second part), ``wall_s``,
