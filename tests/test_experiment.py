@@ -92,6 +92,23 @@ def test_two_cell_grid_runs_every_policy_and_writes_the_table(grid):
         assert (out / png).stat().st_size > 1000, png
     assert json.loads((out / "results.json").read_text())["cells"] == record["cells"]
     assert "run_dir" not in json.dumps(record["cells"])  # results.json carries no machine-local paths
+    # each run's CPU time: in its run dir (not in summary.json: the sim's results stay its events'
+    # alone), per run in results.json, summed in the header and per run in the mechanisms table
+    cpu, imported = [], []
+    for c in record["cells"]:
+        d = out / "runs" / "compact" / f"rps{c['rps']:g}" / "seed0"
+        for p in exp.policies:
+            usage = json.loads((d / p / "usage.json").read_text())
+            assert usage["cpu_s"] > 0 and usage["wall_s"] > 0 and usage["cpu_s"] >= usage["children_cpu_s"], p
+            assert c["policies"][p]["cpu_s"] == usage["cpu_s"]
+            assert c["policies"][p]["cpu_imported_vllm"] is usage["imported_vllm"]
+            assert "cpu" not in (d / p / "summary.json").read_text()
+            cpu.append(usage["cpu_s"])
+            imported.append(usage["imported_vllm"])
+    assert record["cpu_s"] == round(sum(cpu), 1) and record["cpu_runs"] == 6
+    assert sum(imported) <= 1 and not any(imported[1:])  # only a process's first run loads vLLM
+    assert f"CPU time of the runs, summed: {record['cpu_s']:.0f} s" in table
+    assert "| mean TTFT (s) | CPU (s) |" in table
 
 
 def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
@@ -176,6 +193,85 @@ def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_
     # a results.json that is not a record of cells is not read back: it is rewritten
     (copy / "results.json").write_text("[1, 2]")
     assert len(run_experiment(exp, copy, progress=False, execute=False)["cells"]) == 2
+
+
+def test_report_without_run_dirs_redraws_the_table_from_results_json(grid, tmp_path, capsys):
+    """A fresh clone has results.json and no run dirs: --report draws table.md and the plots again
+    from results.json, which stays as recorded."""
+    import shutil
+
+    from vllm_mars.cli import main
+
+    exp, out, _ = grid
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(out / "results.json", fresh)
+    before = (fresh / "results.json").read_text()
+    assert main(["experiment", "run", str(exp.path), "--out", str(fresh), "--report"]) == 0
+    assert (fresh / "table.md").read_text() == (out / "table.md").read_text()
+    assert (fresh / "results.json").read_text() == before and not (fresh / "runs").exists()
+    for png in ("speedup_heatmap.png", "mean_e2e_vs_rps.png", "goodput_vs_rps.png"):
+        assert (fresh / png).stat().st_size > 1000, png
+    (fresh / "results.json").write_text(before.replace('"experiment": "two-cells"', '"experiment": "other"'))
+    assert main(["experiment", "run", str(exp.path), "--out", str(fresh), "--report"]) == 2
+    assert "results of experiment 'other', not of" in capsys.readouterr().err
+
+
+def test_run_cpu_time_is_the_runs_own_and_old_records_still_report(grid, tmp_path, monkeypatch):
+    """usage.json counts the CPU a run took in this process and in the children it waited for, not
+    its wall time; cells and results.json written before it existed still load and report."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from vllm_mars.driver import compare
+    from vllm_mars.experiment.grid import run_experiment
+    from vllm_mars.experiment.results import format_results
+
+    def busy(seconds):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    work = {"mars": lambda: busy(0.3), "fcfs": lambda: time.sleep(0.3),
+            "mars-short-ret": lambda: subprocess.run(
+                [sys.executable, "-c", "import time\nt=time.process_time()+0.3\nwhile time.process_time()<t: pass"],
+                check=True)}
+
+    def replay(cfg, cost=None):
+        work[Path(cfg.out).name]()  # the run dir is the label
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        Path(cfg.out, "summary.json").write_text(json.dumps({"policy": cfg.policy, "e2e_s": {"mean": 1.0}}))
+        return Path(cfg.out), cost
+
+    exp, _, _ = grid
+    monkeypatch.setattr(compare, "run_replay", replay)
+    rec = run_experiment(exp, tmp_path / "o", only=["compact/rps2/*"], progress=False)
+    d = tmp_path / "o" / "runs" / "compact" / "rps2" / "seed0"
+    use = {p: json.loads((d / p / "usage.json").read_text()) for p in exp.policies}
+    assert 0.28 <= use["mars"]["cpu_s"] < 1.5 and use["mars"]["children_cpu_s"] == 0
+    assert use["fcfs"]["wall_s"] >= 0.3 and use["fcfs"]["cpu_s"] < 0.15
+    assert use["mars-short-ret"]["children_cpu_s"] >= 0.28
+    assert use["mars-short-ret"]["cpu_s"] >= use["mars-short-ret"]["children_cpu_s"]
+    assert {p: v["cpu_s"] for p, v in rec["cells"][0]["policies"].items()} == {p: u["cpu_s"] for p, u in use.items()}
+    # runs recorded before usage.json existed: no file, no field; --report still writes the table
+    for p in exp.policies:
+        (d / p / "usage.json").unlink()
+    (d / "cell.json").unlink()
+    old = run_experiment(exp, tmp_path / "o", progress=False, execute=False)
+    assert all(v["cpu_s"] is None for v in old["cells"][0]["policies"].values()) and old["cpu_runs"] == 0
+    table = (tmp_path / "o" / "table.md").read_text()
+    assert "CPU time of the runs: not recorded" in table and "| 1.00 |" in table
+    # an old results.json (no cpu fields anywhere) formats
+    legacy = json.loads((tmp_path / "o" / "results.json").read_text())
+    for k in ("cpu_s", "cpu_runs"):
+        legacy.pop(k)
+    for c in legacy["cells"]:
+        for v in c["policies"].values():
+            v.pop("cpu_s"), v.pop("cpu_imported_vllm")
+    assert "CPU time of the runs: not recorded" in format_results(exp, legacy)
+    shutil.rmtree(tmp_path / "o")
 
 
 def test_cli_lists_cells_and_exits_2_on_a_bad_only(grid, capsys):
@@ -289,6 +385,15 @@ def test_experiments_readme_table_is_generated_from_the_headers(tmp_path, capsys
     from vllm_mars.experiment.readme import BEGIN, END, update_readme
 
     assert not update_readme(REPO / "experiments", check=True), "run `mars experiment readme`"
+    # every experiment file (paper/, studies/, scale_out/, ...) states its status and has its row
+    root = REPO / "experiments"
+    files = sorted(p for p in root.rglob("*.toml") if "results" not in p.relative_to(root).parts)
+    assert {f.parent.name for f in files} >= {"paper", "studies", "scale_out"}
+    readme = (root / "README.md").read_text()
+    for f in files:
+        status = tomllib.loads(f.read_text()).get("status")
+        assert status, f"{f}: no status line"
+        assert f"| `{f.relative_to(root).as_posix()}` | {status} |" in readme, f
     (tmp_path / "studies").mkdir()
     (tmp_path / "results" / "two-cells").mkdir(parents=True)
     write(tmp_path / "studies", 'status = "canonical"\n' + GRID, "a.toml")
@@ -308,7 +413,17 @@ def test_parallel_cells_give_the_same_table_as_serial(grid, tmp_path):
     from vllm_mars.experiment.grid import run_experiment
 
     exp, _, serial = grid
+    import resource
+
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     par = run_experiment(exp, tmp_path / "par", jobs=2, progress=False)
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # each run's CPU is its worker's own (the calibrating run, in this process, aside): the workers'
+    # runs add up to no more than the CPU the workers took in all
+    worker = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    runs = {(c["key"], p): d["cpu_s"] for c in par["cells"] for p, d in c["policies"].items()}
+    assert all(x > 0 for x in runs.values())
+    assert sum(runs.values()) - runs[("compact/rps2/seed0", "mars")] <= worker  # that one calibrated, here
     assert [c["key"] for c in par["cells"]] == [c["key"] for c in serial["cells"]]
     for a, b in zip(par["cells"], serial["cells"]):
         assert a["speedup"] == pytest.approx(b["speedup"])

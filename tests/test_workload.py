@@ -24,8 +24,12 @@ from vllm_mars.workload.schema import (
 from vllm_mars.workload.tooltime import WEKA_TOOL_MIX, fit_tool_mixture, mixture_quantile
 
 ROOT = Path(__file__).resolve().parents[1]
-WEKA = ROOT.parent / "shared" / "traces" / "weka"
-needs_weka = pytest.mark.skipif(not WEKA.is_dir(), reason="../shared/traces/weka not present")
+#: real kv-cache-tester traces: the shipped 8-trace sample (whole sessions, no sub-agents) and a
+#: test fixture of trimmed ones (sub-agents, contexts past 262k) with the gaps of all 40 public
+#: traces (tests/data/weka_trimmed/README.md)
+WEKA_SAMPLE = ROOT / "benchmark" / "workloads" / "weka_sample"
+WEKA_TRIMMED = ROOT / "tests" / "data" / "weka_trimmed"
+WEKA_GAPS = ROOT / "tests" / "data" / "weka_gaps.json"
 
 
 def wf(wid="a", **kw):
@@ -203,9 +207,13 @@ def test_bundled_compact_default_matches_its_preset():
 
 
 # ---------------------------------------------------------------------- tool-time mixture
-@needs_weka
 def test_tool_mixture_refits_from_weka_traces():
-    gaps = list(weka.iter_gaps(WEKA))
+    per_trace = json.loads(WEKA_GAPS.read_text())["gaps"]
+    assert len(per_trace) == 40
+    # the recorded gaps are what iter_gaps reads from the traces (the whole ones shipped here)
+    for f in weka.trace_files(WEKA_SAMPLE):
+        assert list(weka.iter_gaps(f)) == per_trace[f.stem], f.name
+    gaps = [g for gs in per_trace.values() for g in gs]
     assert len(gaps) > 1000
     fit = {t.name: t for t in fit_tool_mixture(gaps, iters=30)}
     for t in WEKA_TOOL_MIX:
@@ -220,11 +228,10 @@ def _raw_calls(reqs):
     return sorted((r for r in reqs if r["type"] != "subagent"), key=lambda r: r["t"])
 
 
-@needs_weka
 def test_weka_converter_turns_tokens_children():
-    files = weka.trace_files(WEKA)
-    assert len(files) == 40
-    roots = weka.convert_dir(WEKA)
+    files = weka.trace_files(WEKA_SAMPLE) + weka.trace_files(WEKA_TRIMMED)
+    assert len(files) == 11
+    roots = weka.convert_dir(WEKA_SAMPLE) + weka.convert_dir(WEKA_TRIMMED)
     total_children = 0
     for f, root in zip(files, roots):
         raw = json.loads(f.read_text())
@@ -249,15 +256,14 @@ def test_weka_converter_turns_tokens_children():
                 break
             assert n == calls[k]["in"], (f.name, k)
         assert all(0 <= t.tool_s <= weka.DEFAULT_MAX_TOOL_S for t in root.turns)
-    assert total_children == 7
+    assert total_children == 4
 
 
-@needs_weka
 def test_weka_hash_blocks_are_shared_token_ids(tmp_path):
     out = tmp_path / "wk.jsonl"
-    assert mars_main(["convert", "weka", str(WEKA / "trace_0010.json"), "-o", str(out), "--scale", "8"]) == 0
+    assert mars_main(["convert", "weka", str(WEKA_TRIMMED / "trace_0010.json"), "-o", str(out), "--scale", "8"]) == 0
     (root,) = load_plans(out, seed=3)
-    raw = json.loads((WEKA / "trace_0010.json").read_text())
+    raw = json.loads((WEKA_TRIMMED / "trace_0010.json").read_text())
     kids = [c for _, c in root.children]
     assert len(kids) == 4 and all(c.root_id == "trace_0010" and c.parent_id == "trace_0010" for c in kids)
     # the Explore sub-agents' first requests share leading hash blocks -> identical leading ids

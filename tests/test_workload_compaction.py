@@ -18,7 +18,7 @@ from vllm_mars.workload.schema import SCHEMA_V1, SCHEMA_V2, WorkloadError, dump_
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "benchmark" / "workloads" / "weka_sample"
-WEKA = REPO.parent / "shared" / "traces" / "weka"
+TRIMMED = REPO / "tests" / "data" / "weka_trimmed"  # real traces, trimmed (README.md there)
 
 
 def _v2(wid="c", compact=None, schema=SCHEMA_V2, **kw):
@@ -134,13 +134,19 @@ def test_a_compacted_weka_trace_replays_in_the_sim(tmp_path, capsys):
         check_context("x", weka.convert_dir(src, scale=32), 700)
 
 
-@pytest.mark.skipif(not WEKA.is_dir(), reason="../shared/traces/weka not present")
 def test_unscaled_weka_traces_fit_a_262k_model_with_compaction():
     with pytest.raises(ValueError, match="above max_model_len=262144"):
-        check_context("x", weka.convert_dir(WEKA), 262144)
-    roots = weka.convert_dir(WEKA, max_context=262144)
-    check_context("x", roots, 262144)
-    assert sum(w.meta["forced_compactions"] for r in roots for w in r.walk()) >= 1
+        check_context("x", weka.convert_dir(TRIMMED), 262144)
+    roots = {r.workflow_id: r for r in weka.convert_dir(TRIMMED, max_context=262144)
+             + weka.convert_dir(SAMPLE, max_context=262144)}
+    check_context("x", list(roots.values()), 262144)
+    # trace_0038 grows from 31.8k to 448.8k tokens: compacts first; trace_0056 starts at 300.8k
+    assert roots["trace_0038"].meta["forced_compactions"] >= 1
+    assert roots["trace_0056"].meta["truncated_inputs"] == 1
+    assert roots["trace_0056"].peak_context_tokens() <= 262144
+    # the whole sample fits as it is: nothing forced there
+    assert all(w.meta["forced_compactions"] == 0 and w.meta["truncated_inputs"] == 0
+               for r in weka.convert_dir(SAMPLE, max_context=262144) for w in r.walk())
 
 
 # -- issue 35 hole 14: the weka converter's memory, ids and numbers --------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, replace
@@ -19,7 +21,7 @@ from vllm_mars.driver.config import ReplayConfig, RunPlan
 from vllm_mars.driver.control import check_policy, resolve_policy
 from vllm_mars.driver.runner import run_replay
 from vllm_mars.engine.local import COMPARE_CPU_NUM_BLOCKS
-from vllm_mars.metrics.compare import compare_record, write_compare_report
+from vllm_mars.metrics.compare import USAGE_FILE, compare_record, write_compare_report
 from vllm_mars.metrics.ideal import CostModel
 
 logger = logging.getLogger(__name__)
@@ -69,13 +71,30 @@ def policy_config(base: ReplayConfig, label: str, variant: Mapping[str, Any] | N
                    admission_options={**shared, **v.get("admission_options", {})}, **{**v.get("replay", {}), **kw})
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of the children it has waited for."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _write_usage(run_dir: Path, cpu0: tuple[float, float], wall0: float, had_vllm: bool) -> None:
+    own, kids = (b - a for a, b in zip(cpu0, _cpu()))
+    usage = {"cpu_s": round(own + kids, 3), "children_cpu_s": round(kids, 3),
+             "wall_s": round(time.monotonic() - wall0, 3),
+             "imported_vllm": not had_vllm and "vllm" in sys.modules}
+    (Path(run_dir) / USAGE_FILE).write_text(json.dumps(usage) + "\n")
+
+
 def run_policies(base: ReplayConfig, policies: Sequence[str], rps: float, out: str | Path,
                  cost: CostModel | None = None, variants: Mapping[str, Mapping[str, Any]] | None = None,
                  resume: bool = False, on_run: Callable[[str], None] | None = None,
                  ) -> tuple[dict[str, dict], dict[str, str], CostModel | None]:
     """Each policy label at ``rps``, its run dir ``out/<label>``; returns (summary per label, run dir
     per label, the cost model). With ``resume``, a run dir that has ``summary.json`` is finished and
-    is read, not re-run. ``on_run(label)`` is called before each run that executes."""
+    is read, not re-run. ``on_run(label)`` is called before each run that executes. Each run that
+    executes leaves its CPU and wall time in ``<run dir>/usage.json`` (``metrics.compare.USAGE_FILE``):
+    this process's own (a worker's, in a parallel grid), over that run alone; ``imported_vllm``: the
+    run was the first of its process to need vLLM and its CPU includes importing it (seconds)."""
     summaries: dict[str, dict] = {}
     dirs: dict[str, str] = {}
     for label in policies:
@@ -85,7 +104,9 @@ def run_policies(base: ReplayConfig, policies: Sequence[str], rps: float, out: s
             if on_run:
                 on_run(label)
             cfg = policy_config(base, label, (variants or {}).get(label), rps=rps, out=str(run_dir))
+            had_vllm, cpu0, wall0 = "vllm" in sys.modules, _cpu(), time.monotonic()
             _, cost = run_replay(cfg, cost)
+            _write_usage(run_dir, cpu0, wall0, had_vllm)
         summaries[label] = json.loads(done.read_text())
         dirs[label] = str(run_dir)
     return summaries, dirs, cost

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from vllm_mars.driver.compare import run_policies
 from vllm_mars.driver.runner import ReplayConfig
 from vllm_mars.experiment.figures import run_figure_data, workload_stats
-from vllm_mars.experiment.results import write_results
+from vllm_mars.experiment.results import redraw_results, write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
 from vllm_mars.metrics.compare import compare_record
 from vllm_mars.metrics.ideal import CostModel
@@ -192,11 +192,14 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
                    execute: bool = True, rerun: Sequence[str] = ()) -> dict[str, Any]:
     """Run the selected cells' unfinished runs (of ``policies`` only, when given); then write the
     results of every cell with a finished run (``execute=False``: run nothing, only rewrite the cell
-    records and results). ``rerun``: policies whose finished runs in the selected cells are deleted
-    first and run again (after a change to the code or the defaults they run on). Returns the
-    results record (``results.json``)."""
+    records and results; where ``out`` has no run dirs at all, as on a fresh clone, only redraw the
+    table and plots from ``out/results.json``). ``rerun``: policies whose finished runs in the selected
+    cells are deleted first and run again (after a change to the code or the defaults they run on).
+    Returns the results record (``results.json``)."""
 
     out = Path(out)
+    if not execute and not rerun and not (out / "runs").is_dir() and (out / "results.json").is_file():
+        return redraw_results(exp, out)
     out.mkdir(parents=True, exist_ok=True)
     cells = select_cells(exp, only)
     for flag, names in (("--policies", policies or ()), ("--rerun", rerun)):

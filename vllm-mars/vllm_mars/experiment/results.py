@@ -41,7 +41,8 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
               "cells": [_strip(c) for c in cells], "missing": [c.key for c in exp.cells() if c.key not in done],
               "missing_runs": [f"{c['key']}/{p}" for c in cells for p in _policies_of(exp, c)
                                if p not in c["policies"]],
-              "wall_s": round(sum(c.get("wall_s") or 0 for c in cells), 1)}
+              "wall_s": round(sum(c.get("wall_s") or 0 for c in cells), 1),
+              **_cpu_total(cells)}
     if exp.limit is not None:
 
         rows, notes = limit_rows(record, load_limit(exp.limit))
@@ -50,9 +51,39 @@ def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]]
     if ystick:
         record["yardstick"] = ystick
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    plots = plot_results(exp, record, out) + draw_figures(exp, record, out) if cells else []
-    (out / "table.md").write_text(format_results(exp, record, plots) + "\n")
+    _render(exp, out, record)
     return record
+
+
+def _render(exp: Experiment, out: Path, record: Mapping[str, Any]) -> None:
+    """``table.md`` and the plots of ``record``."""
+    plots = plot_results(exp, record, out) + draw_figures(exp, record, out) if record["cells"] else []
+    (out / "table.md").write_text(format_results(exp, record, plots) + "\n")
+
+
+def redraw_results(exp: Experiment, out: Path) -> dict[str, Any]:
+    """``table.md`` and the plots drawn again from ``out/results.json`` as it stands (a fresh clone
+    has no run dirs to rebuild it from); results.json itself is left as recorded (its settings are
+    the run's, not today's defaults). Returns the record."""
+    p = out / "results.json"
+    try:
+        record = json.loads(p.read_text())
+    except ValueError as e:
+        raise ValueError(f"{p}: invalid JSON: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("cells"), list):
+        raise ValueError(f"{p}: not an experiment's results (no 'cells' list)")  # noqa: TRY004 (the CLI's one-line error)
+    if record.get("experiment") != exp.name:
+        raise ValueError(f"{p}: results of experiment {record.get('experiment')!r}, not of {exp.path} "
+                         f"({exp.name!r})")
+    _render(exp, out, record)
+    return record
+
+
+def _cpu_total(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``cpu_s``: the runs' CPU seconds summed (each run's own, ``metrics.compare.USAGE_FILE``),
+    ``cpu_runs``: how many runs recorded it (none did before the field existed)."""
+    known = [d["cpu_s"] for c in cells for d in c["policies"].values() if d.get("cpu_s") is not None]
+    return {"cpu_s": round(sum(known), 1), "cpu_runs": len(known)}
 
 
 def _rel(p: Path, exp_file: Path) -> str:
@@ -121,6 +152,16 @@ def _speedup_section(cells: Sequence[Mapping], a: float) -> list[str]:
     return lines
 
 
+def _cpu_line(record: Mapping[str, Any]) -> str:
+    """The runs' CPU time for the header (a results.json from before it was recorded has none)."""
+    runs = sum(len(c["policies"]) for c in record["cells"])
+    n = record.get("cpu_runs") or 0
+    if not n:
+        return "CPU time of the runs: not recorded"
+    return (f"CPU time of the runs, summed: {record['cpu_s']:.0f} s"
+            + ("" if n == runs else f" (recorded for {n} of {runs} runs)"))
+
+
 def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     cells = record["cells"]
     pols = list(exp.policies)
@@ -128,13 +169,13 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
     cfg = record["config"]["replay"]
     lines = [f"# Experiment `{exp.name}`", "", exp.description.strip(), "",
              (f"- file: `{exp.path}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
-             f"wall time of the cells, summed: {record['wall_s']:.0f} s"),
+             f"wall time of the cells, summed: {record['wall_s']:.0f} s; {_cpu_line(record)}"),
              f"- backend: {cfg.get('backend')}" + (f", profile: {cfg.get('profile')}" if cfg.get("profile") else "")
              + f", arrival: {cfg.get('arrival')}, policies: {', '.join(pols)}",
              f"- T_ideal: {(record.get('cost_model') or {}).get('source', 'none')}", ""]
     if record["missing"]:
         lines += [f"Missing cells (not run yet): {', '.join(record['missing'])}", ""]
-    if record["missing_runs"]:
+    if record.get("missing_runs"):
         lines += [(f"Runs not done in the cells above ({len(record['missing_runs'])}): "
                   f"{', '.join(record['missing_runs'])}"), ""]
     if any("mars" in c["policies"] for c in cells):
@@ -166,7 +207,10 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
                "later); prefix hit = cached / prompt tokens (a context evicted from the prefix cache while its "
                "workflow ran a tool is recomputed on its next turn and lowers it); KV evicted = cached KV blocks "
                "removed (vLLM KV events); adm. wait = mean / p95 seconds a root waited for admission; tool wait = mean "
-               "seconds a tool call queued for a tool core (0 without `cpu_tool`); KV = mean / max KV usage."), ""]
+               "seconds a tool call queued for a tool core (0 without `cpu_tool`); KV = mean / max KV usage; CPU = "
+               "CPU seconds the run took (user + system, of the process that ran it: a worker's own with --jobs; "
+               "'-' for a run recorded before this was; '+vllm': the first run of its process to need vLLM, "
+               "whose CPU includes importing it)."), ""]
     rows = []
     for c in cells:
         for p in (p for p in pols if p in c["policies"]):
@@ -178,9 +222,11 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
                          f"{_fmt(d.get('mean_admission_wait_s'))} / {_fmt(d.get('p95_admission_wait_s'))}",
                          _fmt(d.get("mean_tool_wait_s")),
                          f"{_fmt(d.get('kv_usage_mean'), 3)} / {_fmt(d.get('kv_usage_max'), 3)}",
-                         _fmt(d.get("mean_ttft_s"), 3)])
+                         _fmt(d.get("mean_ttft_s"), 3),
+                         _fmt(d.get("cpu_s"), 1) + (" +vllm" if d.get("cpu_imported_vllm") else "")])
     lines += _table(["workload", "rps", "seed", "policy", "done", "mean E2E (s)", "preempt", "recomputed",
-                     "prefix hit", "KV evicted", "adm. wait (s)", "tool wait (s)", "KV", "mean TTFT (s)"], rows) + [""]
+                     "prefix hit", "KV evicted", "adm. wait (s)", "tool wait (s)", "KV", "mean TTFT (s)",
+                     "CPU (s)"], rows) + [""]
     lines += [f"![{f}]({f})" for f in plots]
     return "\n".join(lines)
 

@@ -11,6 +11,24 @@ from vllm_mars.metrics.events import read_events
 from vllm_mars.metrics.report import _fmt, plot_runs, summary_table
 from vllm_mars.metrics.summary import DEFAULT_ALPHA
 
+#: A run dir's resource use, beside its summary.json (written by ``driver.compare.run_policies``):
+#: ``cpu_s`` (CPU seconds, user + system, of the process that ran it plus of the child processes it
+#: waited for, over the run alone), ``children_cpu_s`` (that second part), ``wall_s``,
+#: ``imported_vllm`` (the run was its process's first to load vLLM: its CPU includes that import).
+#: Kept out of summary.json, which is the run's events alone (byte-identical across re-runs of the sim).
+USAGE_FILE = "usage.json"
+
+
+def run_usage(run_dir: str | Path | None) -> dict[str, Any]:
+    """The run dir's :data:`USAGE_FILE` (empty for a run recorded before it existed, or unreadable)."""
+    if run_dir is None:
+        return {}
+    try:
+        data = json.loads((Path(run_dir) / USAGE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
 
 def is_mars(policy: str) -> bool:
     return policy == "mars" or policy.startswith("mars-")
@@ -52,6 +70,8 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
         cell = {"rps": rps, **cell_speedup(by_policy), "policies": {}}
         for p, s in by_policy.items():
             e = s.get("e2e_s") or {}
+            run_dir = (run_dirs or {}).get(rps, {}).get(p)
+            use = run_usage(run_dir)
             cell["policies"][p] = {
                 "mean_e2e_s": e.get("mean"), "p90_e2e_s": e.get("p90"), "p95_e2e_s": e.get("p95"), "p99_e2e_s": e.get("p99"),
                 f"goodput_wps_alpha{a}": (s.get("goodput_wps") or {}).get(a),
@@ -67,7 +87,8 @@ def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str
                 "kv_usage_mean": (s.get("kv_usage") or {}).get("mean"),
                 "kv_usage_max": (s.get("kv_usage") or {}).get("max"),
                 "makespan_s": s.get("makespan_s"), "t_ideal_source": s.get("t_ideal_source"),
-                "run_dir": (run_dirs or {}).get(rps, {}).get(p)}
+                "cpu_s": use.get("cpu_s"), "cpu_imported_vllm": use.get("imported_vllm"),
+                "run_dir": run_dir}
         out["cells"].append(cell)
     return out
 

@@ -8,7 +8,7 @@ and spreads (sigma of log time) are fitted by EM to the gaps between calls in th
 traces of the public ``callanjfox/kv-cache-tester`` repository (``traces/``, 40 files) (gap = t[k+1] - t[k] - api_time[k], gaps above
 ``max_gap_s`` dropped as user idle). Every named tool keeps at least ``min_weight`` so each tool
 still appears. :data:`WEKA_TOOL_MIX` holds the fitted result; ``tests/test_workload.py`` refits it
-from the traces and checks the constants.
+from the 40 traces' gaps (``tests/data/weka_gaps.json``) and checks the constants.
 """
 
 from __future__ import annotations
