@@ -152,10 +152,11 @@ def test_second_run_skips_finished_cells_and_only_selects(grid, monkeypatch):
         run_experiment(exp, out, progress=False, rerun=["nope"])
 
 
-def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_run(grid, tmp_path, capsys,
-                                                                                     monkeypatch):
-    """A fresh clone has results.json but no run dirs: a --policies or --report run there would rewrite
-    the table from the few run dirs it has and drop every other run; it refuses instead."""
+def test_runs_a_results_file_records_without_run_dirs_are_kept_and_joined_by_new_runs(grid, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A fresh clone has results.json but no run dirs: its recorded runs count as finished and stay in the
+    table that a --policies, --only or --report run there writes, beside the runs it makes; the speedup is
+    taken over both; --rerun runs a recorded one again."""
     import shutil
 
     from vllm_mars.cli import main
@@ -165,35 +166,38 @@ def test_a_results_file_whose_run_dirs_are_gone_is_not_overwritten_by_a_partial_
     exp, out, _ = grid
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
-    shutil.rmtree(copy / "runs" / "compact" / "rps2" / "seed0" / "mars")
-    before = (copy / "results.json").read_text()
+    before = {c["key"]: c for c in json.loads((copy / "results.json").read_text())["cells"]}
+    shutil.rmtree(copy / "runs" / "compact" / "rps2" / "seed0" / "mars")  # one run's dir gone
     ran = []
     monkeypatch.setattr(compare, "run_replay", _recording_replay(ran))
-    with pytest.raises(ValueError, match=r"records 1 run\(s\) whose run dirs are not under .*compact/rps2/seed0/mars"):
-        run_experiment(exp, copy, progress=False, policies=["fcfs"])
-    with pytest.raises(ValueError, match="compact/rps2/seed0/mars"):
-        run_experiment(exp, copy, progress=False, execute=False)
-    with pytest.raises(ValueError, match="compact/rps2/seed0/mars"):  # the other cell only: the run stays lost
-        run_experiment(exp, copy, only=["compact/rps8/*"], progress=False)
-    assert main(["experiment", "run", str(exp.path), "--out", str(copy), "--report"]) == 2
-    err = capsys.readouterr().err
-    assert "would drop them" in err and "Traceback" not in err
-    assert ran == [] and (copy / "results.json").read_text() == before
-    # running the cell in full brings the run back; nothing is dropped
-    rec = run_experiment(exp, copy, only=["compact/rps2/*"], progress=False)
-    assert ran == [("mars", 2.0)] and rec["missing_runs"] == [] and rec["missing"] == []
-    assert {c["key"] for c in rec["cells"]} == {"compact/rps2/seed0", "compact/rps8/seed0"}
-    # a run of a policy the file no longer runs (a variant removed or renamed) is not held for:
+    rec = run_experiment(exp, copy, progress=False, policies=["fcfs"])
+    assert ran == [] and rec["missing_runs"] == [] and rec["missing"] == []
+    cells = {c["key"]: c for c in rec["cells"]}
+    assert cells["compact/rps2/seed0"]["policies"] == before["compact/rps2/seed0"]["policies"]
+    assert cells["compact/rps2/seed0"]["speedup"] == pytest.approx(before["compact/rps2/seed0"]["speedup"])
+    shutil.rmtree(copy / "runs")  # a fresh clone: every run dir gone
+    assert main(["experiment", "run", str(exp.path), "--out", str(copy), "--report"]) == 0
+    rec = json.loads((copy / "results.json").read_text())
+    assert {c["key"]: c["policies"] for c in rec["cells"]} == {k: c["policies"] for k, c in before.items()}
+    assert "Traceback" not in capsys.readouterr().err
+    # a new run joins the recorded ones in its cell; the speedup is taken over both
+    rec = run_experiment(exp, copy, only=["compact/rps8/*"], progress=False, rerun=["fcfs"])
+    assert ran == [("fcfs", 8.0)]
+    c8, old8 = {c["key"]: c for c in rec["cells"]}["compact/rps8/seed0"], before["compact/rps8/seed0"]
+    assert c8["policies"]["fcfs"]["mean_e2e_s"] == 1.0 and c8["policies"]["mars"] == old8["policies"]["mars"]
+    assert list(c8["policies"]) == ["mars", "fcfs", "mars-short-ret"]
+    assert c8["baseline"] == "fcfs" and c8["speedup"] == pytest.approx(1.0 / old8["policies"]["mars"]["mean_e2e_s"])
+    assert {c["key"]: c for c in rec["cells"]}["compact/rps2/seed0"]["policies"] == before["compact/rps2/seed0"]["policies"]
+    # written again, nothing is counted twice
+    again = run_experiment(exp, copy, progress=False, execute=False)
+    assert ran == [("fcfs", 8.0)] and again["cells"] == rec["cells"] and again["wall_s"] == rec["wall_s"]
+    # a run of a policy the file no longer runs (a variant removed or renamed) is not kept:
     # the file changed, and the rewritten table leaves it out
     data = json.loads((copy / "results.json").read_text())
     data["cells"][0]["policies"]["mars-renamed"] = dict(data["cells"][0]["policies"]["mars"])
     (copy / "results.json").write_text(json.dumps(data))
     rec = run_experiment(exp, copy, progress=False, execute=False)
     assert all("mars-renamed" not in c["policies"] for c in rec["cells"])
-    # a results.json that is not a record of cells is not read back: it is rewritten
-    (copy / "results.json").write_text("[1, 2]")
-    assert len(run_experiment(exp, copy, progress=False, execute=False)["cells"]) == 2
-
 
 def test_report_without_run_dirs_redraws_the_table_from_results_json(grid, tmp_path, capsys):
     """A fresh clone has results.json and no run dirs: --report draws table.md and the plots again

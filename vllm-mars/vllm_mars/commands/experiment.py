@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vllm_mars.commands.driver import _quiet_engine
-from vllm_mars.experiment.grid import cell_dir, is_finished, run_experiment, select_cells
+from vllm_mars.experiment.grid import cell_dir, is_finished, recorded_runs, run_experiment, select_cells
 from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
 from vllm_mars.experiment.readme import update_readme
 from vllm_mars.experiment.spec import check_limit, load_experiment
@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     esub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = esub.add_parser("run", help="run every unfinished cell; write results.json, table.md and plots",
                         description="Each cell (workload, rps, seed) runs every policy of the file through the "
-                                    "replay driver. Resumable: runs whose dir has summary.json are skipped. "
+                                    "replay driver. Resumable: runs whose dir has summary.json are skipped, and so are "
+                                    "runs results.json records without a run dir (a fresh clone; they stay in the table). "
                                     "Writes results.json, table.md (the paper's table shape) and plots to --out.")
     r.add_argument("file", help="experiment TOML file")
     r.add_argument("--out", default=None, help="output dir (default: runs/experiments/<name>)")
@@ -145,8 +146,9 @@ def _run(args: argparse.Namespace) -> int:
     only = _csv(args.only)
     if args.list:
         cells = select_cells(exp, only)
+        recorded = recorded_runs(exp, out)
         for c in cells:
-            state = "done" if is_finished(exp, out, c) else "todo"
+            state = "done" if is_finished(exp, out, c, recorded) else "todo"
             print(f"{state}  {c.key}  ({len(exp.policies_for(c.workload))} policies)  {cell_dir(out, c)}")
         print(f"{len(cells)} cells, {sum(len(exp.policies_for(c.workload)) for c in cells)} runs")
         return 0

@@ -6,7 +6,8 @@ Layout under ``out``: ``runs/workloads/`` (materialised JSONL per workload and s
 (``results.json``, ``table.md``, plots; see :mod:`vllm_mars.experiment.results`).
 
 Resumable: a run whose dir has ``summary.json`` is finished and is read, not re-run, so a second
-invocation runs only what is missing. ``jobs > 1`` runs cells in parallel processes (spawned).
+invocation runs only what is missing; a run ``results.json`` records without a run dir (a fresh
+clone) is finished too, and its record stays in the results beside the runs made here. ``jobs > 1`` runs cells in parallel processes (spawned).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm_mars.driver.runner import ReplayConfig
 from vllm_mars.experiment.figures import run_figure_data, workload_stats
 from vllm_mars.experiment.results import redraw_results, write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
-from vllm_mars.metrics.compare import compare_record
+from vllm_mars.metrics.compare import cell_speedup, compare_record
 from vllm_mars.metrics.ideal import CostModel
 from vllm_mars.workload.ilr import generate, load_preset
 from vllm_mars.workload.schema import load_workload, write_workload
@@ -112,8 +113,10 @@ def finished_policies(exp: Experiment, out: Path, cell: Cell) -> list[str]:
     return [p for p in exp.policies_for(cell.workload) if (d / p / "summary.json").is_file()]
 
 
-def is_finished(exp: Experiment, out: Path, cell: Cell) -> bool:
-    return len(finished_policies(exp, out, cell)) == len(exp.policies_for(cell.workload))
+def is_finished(exp: Experiment, out: Path, cell: Cell, recorded: dict[str, dict[str, Any]] | None = None) -> bool:
+    """Every policy of the cell finished here or recorded without a run dir (``recorded``: :func:`recorded_runs`)."""
+    kept = (recorded or {}).get(cell.key, {}).get("policies") or {}
+    return len({*finished_policies(exp, out, cell), *kept}) == len(exp.policies_for(cell.workload))
 
 
 def _run_cell(cfg: ReplayConfig, run: Sequence[str], policies: Sequence[str], variants: dict, rps: float, d: Path,
@@ -157,34 +160,54 @@ def _load_cost(out: Path) -> CostModel | None:
     return CostModel.from_dict(json.loads(p.read_text()), where=str(p)) if p.is_file() else None
 
 
-def _refuse_to_drop_runs(exp: Experiment, out: Path, cells: Sequence[Cell], policies: Sequence[str] | None) -> None:
-    """Raise when ``out/results.json`` records runs whose run dirs are not under ``out/runs`` and this
-    invocation (``cells``, ``policies``) would not run them again: the results written at the end are
-    rebuilt from the run dirs, so those runs would silently leave the committed table (a fresh clone
-    has results.json but no run dirs)."""
+def recorded_runs(exp: Experiment, out: Path) -> dict[str, dict[str, Any]]:
+    """The runs ``out/results.json`` records that have no run dir under ``out/runs`` (a fresh clone
+    has results.json but no run dirs; an unfinished run dir is run again), per cell key: the recorded
+    cell with only those policies in ``policies``. They count as finished (``--rerun`` runs one again) and stay in the results written
+    now, beside the runs whose dirs are here. A policy the file no longer runs in that cell (a variant
+    removed or renamed) is the file's change: its runs leave the table."""
     p = out / "results.json"
     if not p.is_file():
-        return
+        return {}
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError):
-        return  # not ours to read back; it is rewritten from the run dirs
+        return {}  # not ours to read back; it is rewritten from the run dirs
     recorded = data.get("cells") if isinstance(data, dict) else None
     if not isinstance(recorded, list):
-        return
-    again = {(c.key, q) for c in cells for q in exp.policies_for(c.workload) if policies is None or q in policies}
+        return {}
     by_key = {c.key: c for c in exp.cells()}
-    # A policy the file no longer runs in that cell (a variant removed or renamed) is the file's
-    # change, not a loss: its runs leave the table.
-    lost = [f"{rec.get('key')}/{q}" for rec in recorded if isinstance(rec, dict) and rec.get("key") in by_key
-            for q in (rec.get("policies") or {})
-            if q in exp.policies_for(by_key[rec["key"]].workload)
-            and not (cell_dir(out, by_key[rec["key"]]) / q).is_dir() and (rec["key"], q) not in again]
-    if lost:
-        raise ValueError(f"{p} records {len(lost)} run(s) whose run dirs are not under {out / 'runs'} "
-                         f"(first: {lost[0]}) and this invocation would not run them again, so the results "
-                         "written now would drop them; restore the run dirs, run those cells in full, "
-                         "or write to another --out")
+    kept: dict[str, dict[str, Any]] = {}
+    for rec in recorded:
+        cell = by_key.get(rec.get("key")) if isinstance(rec, dict) else None
+        if cell is None or not isinstance(rec.get("policies"), dict):
+            continue
+        runs = {q: d for q, d in rec["policies"].items() if q in exp.policies_for(cell.workload)
+                and not (cell_dir(out, cell) / q).is_dir()}
+        if runs:
+            kept[cell.key] = {**rec, "policies": runs}
+    return kept
+
+
+def _with_recorded(exp: Experiment, cell: Cell, rec: dict[str, Any] | None,
+                   recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The cell's record from its run dirs (``rec``, cell.json) joined with its recorded runs whose dirs
+    are gone (``recorded``); the speedup is taken again over both. ``carried_wall_s``: the wall
+    seconds of the recorded runs, which no cell.json here counts."""
+    if not recorded:
+        return rec
+    runs = {**recorded["policies"], **((rec or {}).get("policies") or {})}
+    labels = exp.policies_for(cell.workload)
+    runs = {q: runs[q] for q in labels if q in runs}
+    means = {q: {"e2e_s": {"mean": d.get("mean_e2e_s")}, "policy": (exp.variants.get(q) or {}).get("policy", q)}
+             for q, d in runs.items()}
+    carried = recorded.get("carried_wall_s", recorded.get("wall_s") or 0.0)
+    out = {**recorded, **(rec or {}), "policies": runs,
+           "speedup": None, "baseline": None, "baseline_mean_e2e_s": None, "mars_mean_e2e_s": None}
+    out.update(cell_speedup(means))
+    out["wall_s"] = round(((rec or {}).get("wall_s") or 0.0) + carried, 3)
+    out["carried_wall_s"] = carried
+    return out
 
 
 def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None = None, jobs: int = 1,
@@ -211,12 +234,15 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         policies = [*policies, *(p for p in rerun if p not in policies)]
     if rerun and not execute:
         raise ValueError("--rerun runs the policies again; it cannot go with --report")
-    _refuse_to_drop_runs(exp, out, cells if execute else [], policies)
     for cell in cells:
         for p in rerun:
             d = cell_dir(out, cell) / p
             if p in exp.policies_for(cell.workload) and d.is_dir():
                 shutil.rmtree(d)
+    recorded = recorded_runs(exp, out)
+    for cell in cells:  # a recorded run --rerun names is run again
+        for p in rerun:
+            recorded.get(cell.key, {}).get("policies", {}).pop(p, None)
     bar = _bar(len(cells), exp.name, progress)
     cost = _load_cost(out)
     mats: dict[tuple[str, int], Materialized] = {}
@@ -226,7 +252,8 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         if key not in mats:
             mats[key] = materialize(cell.workload, cell.seed, exp.num_workflows(cell.workload), out)
         cfg = cell_config(exp, cell, mats[key].path)
-        run = [p for p in exp.policies_for(cell.workload) if policies is None or p in policies]
+        kept = (recorded.get(cell.key) or {}).get("policies") or {}
+        run = [p for p in exp.policies_for(cell.workload) if (policies is None or p in policies) and p not in kept]
         done = finished_policies(exp, out, cell)
         rec = cell_dir(out, cell) / "cell.json"
         if not execute:
@@ -274,8 +301,9 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
     records = []
     for cell in exp.cells():
         p = cell_dir(out, cell) / "cell.json"
-        if p.is_file():
-            records.append(json.loads(p.read_text()))
+        rec = _with_recorded(exp, cell, json.loads(p.read_text()) if p.is_file() else None, recorded.get(cell.key))
+        if rec is not None:
+            records.append(rec)
     return write_results(exp, out, records, cost)
 
 
