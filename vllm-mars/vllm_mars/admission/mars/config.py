@@ -68,14 +68,6 @@ class MarsAdmissionConfig(WindowConfig):
     #: guard margin is for the blocks allocated now, and a projected peak is reached (if at all)
     #: only at the end of the roots' lives, when a retained context can still make room.
     life_target: float = 1.0
-    #: Study only (issue 31's yardstick, retired in the next commit): what holding a root that does
-    #: not fit costs. "slot": its slot wait; "queue": the slot wait x the roots queued from it on
-    #: (each gets its slot a slot sooner); "age": at least the time it has waited.
-    hold_cost: str = "slot"
-    #: Study only: the factor on an overflow's rebuild cost. "linear": 1; "peak": (projected life
-    #: peak with it / pool)^2 past the pool; "duty": 1 / (1 - u)^2, u = running calls (an EMA) per
-    #: active root x that peak / pool (never admitted at u >= 1).
-    overflow_price: str = "linear"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,7 +104,3 @@ class MarsAdmissionConfig(WindowConfig):
             raise bad("size", "'life' or 'turn'")
         if not 0.1 <= self.life_target <= 2.0:
             raise bad("life_target", "in [0.1, 2.0]")
-        if self.hold_cost not in ("slot", "queue", "age"):
-            raise bad("hold_cost", "'slot', 'queue' or 'age'")
-        if self.overflow_price not in ("linear", "peak", "duty"):
-            raise bad("overflow_price", "'linear', 'peak' or 'duty'")

@@ -70,7 +70,6 @@ class MarsAdmissionController(Selection):
         self._admitted_n = 0  # ... and how many
         self._turns = float(cfg.default_turns)  # EMA of LLM calls per root
         self._waiting_ema: float | None = None  # EMA of calls waiting in the engine, per reading
-        self._run_ema: float | None = None  # EMA of running calls, per reading (overflow_price duty)
         self._cost_warned = False
         self._turn_growth = 0.0  # learned tokens added per turn (0 until a workflow reports)
         self._grown = 0  # turn-growth observations so far
@@ -128,9 +127,6 @@ class MarsAdmissionController(Selection):
             if telemetry.waiting is not None:
                 w = float(telemetry.waiting)
                 self._waiting_ema = w if self._waiting_ema is None else 0.8 * self._waiting_ema + 0.2 * w
-            if telemetry.running is not None:
-                w = float(telemetry.running)
-                self._run_ema = w if self._run_ema is None else 0.99 * self._run_ema + 0.01 * w
 
     def _on_reestimate(self, act: _Active, prefill_tokens: int, now: float) -> None:
         # A later turn's prompt: the context grew by one turn (tool output, the previous answer).

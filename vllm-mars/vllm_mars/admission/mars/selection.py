@@ -64,7 +64,6 @@ class Selection(AimdWindow):
     """The selection half of :class:`~vllm_mars.admission.mars.MarsAdmissionController`."""
 
     _turn_growth: float
-    _run_ema: float | None
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
@@ -199,18 +198,15 @@ class Selection(AimdWindow):
                     # rebuild seconds it costs at a shortfall: only the stall factor is read now)
                     # Where the pool keeps the contexts, the wait is the slot's (queue_s): the sum
                     # stops once it reaches that (a root skipped all the same), kept as a lower bound.
-                    hold_n = (len(queue) - i) if cfg.hold_cost == "queue" else 1
-                    q_s = max(queue_s, now - r.arrival) if cfg.hold_cost == "age" else queue_s
-                    fac = self._overflow_factor(with_peak, cap)
-                    bound = q_s * hold_n / fac if keeps else math.inf
+                    bound = queue_s if keeps else math.inf
                     key = (cand, cap, bs, lack)
                     priced = memo.get(key)  # (rebuild seconds or a lower bound, overflow turns, exact)
                     if priced is None or (not priced[2] and priced[0] * stall < bound):
                         assert self.cost is not None
                         total = rebuild_s_total(self.cost, cand[0], bs, lack, st.per_turn, bound, stall)
                         priced = memo[key] = (total, st.overflow_turns, total * stall < bound)
-                    rebuild_s = priced[0] * stall * fac if fac != math.inf else math.inf
-                    wait_s = q_s * hold_n
+                    rebuild_s = priced[0] * stall
+                    wait_s = queue_s
                     if rebuild_s >= wait_s and keeps:
                         continue
                     why = {"life_peak_tokens": round(with_peak), "life_capacity_tokens": round(cap),
@@ -218,8 +214,8 @@ class Selection(AimdWindow):
                     if rebuild_s >= wait_s:
                         # No active set keeps the contexts: holding it only pays if a slot makes it fit.
                         all_kept = False
-                        wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn) * fac,
-                                               view, cand, cap, q_s * hold_n, view.growth)
+                        wait_s, k = fit_wait_s(lambda per_turn, r=r: self._rebuild_cost_s(r, 0, per_turn),
+                                               view, cand, cap, queue_s, view.growth)
                         why["wait_slots"] = k
                         if rebuild_s >= wait_s:
                             continue
@@ -246,7 +242,7 @@ class Selection(AimdWindow):
                 continue
             remaining -= b
         self.weighed += i + 1 - start
-        if not out and all_kept and cfg.hold_cost == "slot" and cfg.overflow_price == "linear":
+        if not out and all_kept:
             assert view is not None and cap is not None
             self._skipped = _Skipped(view, cap, bs, budget, stall, queue_s, list(queue.values()))
         if not out and not self._active:
@@ -254,17 +250,6 @@ class Selection(AimdWindow):
             out.append((oldest, "oldest_alone", foot[oldest.workflow] if foot is not None
                         else self.footprint_blocks(oldest), {}))
         return out
-
-    def _overflow_factor(self, with_peak: float, cap: float) -> float:
-        """The study's factor on an overflow's rebuild cost (``overflow_price``)."""
-        cfg = self.config
-        if cfg.overflow_price == "linear":
-            return 1.0
-        if cfg.overflow_price == "peak":
-            return max(1.0, with_peak / cap) ** 2
-        run = self._run_ema if self._run_ema is not None else 0.0
-        u = run / max(1, len(self._active)) * with_peak / cap
-        return math.inf if u >= 1 else 1.0 / (1.0 - u) ** 2
 
     def _rebuild_cost_s(self, root: PendingRoot, overflow_blocks: int,
                         per_turn_tokens: list[float] | None = None) -> float:
