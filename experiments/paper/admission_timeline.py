@@ -7,11 +7,17 @@ active roots' contexts over the pool (each root's latest prompt + output), and t
     python experiments/paper/admission_timeline.py RUN_DIR [RUN_DIR ...] [--bin 50]
 
 ``--probe`` runs the run dir's replay again (the sim is deterministic: the same run) and prints,
-every 5 virtual seconds while roots wait, how mars's cost rule priced the oldest waiting root: its
-overflow beyond the pool per coming turn, its rebuild seconds (before the stall factor), the stall
+every 5 virtual seconds while roots wait, how mars's cost rule priced the oldest waiting root: the
+projected life peak with it over the pool, its overflow beyond the pool per coming turn, its rebuild seconds (before the stall factor), the stall
 factor ``1 + running`` and the slot wait it was held against.
 
     python experiments/paper/admission_timeline.py RUN_DIR --probe
+
+``--waits`` prints, per root workflow in arrival order, its first prompt, LLM calls, admission wait
+(arrival to start) and service (start to done) in each run dir given, then their means: where two
+admissions of the same cell differ, waiting or running.
+
+    python experiments/paper/admission_timeline.py RUN_DIR_A RUN_DIR_B --waits
 """
 
 from __future__ import annotations
@@ -77,6 +83,44 @@ def timeline(run: Path, bin_s: float) -> None:
               f"{mean(r.get('over_pool', [])):9.2f} {rebuilt.get(b, 0):8d}")
 
 
+def _roots(run: Path) -> dict[str, tuple[float, int, float, float, int]]:
+    """Root workflow -> (arrival, first prompt tokens, start, done, LLM calls)."""
+    arr: dict[str, tuple[float, int]] = {}
+    start: dict[str, float] = {}
+    done: dict[str, float] = {}
+    calls: dict[str, int] = defaultdict(int)
+    for e in read_events(run):
+        kind, wf = e["event"], e.get("workflow")
+        if kind == "workflow_arrive":
+            arr[wf] = (e["ts"], e["prefill_tokens"])
+        elif kind == "workflow_start" and e.get("root") == wf:
+            start[wf] = e["ts"]
+        elif kind == "workflow_done" and e.get("root") == wf:
+            done[wf] = e["ts"]
+        elif kind == "call_end":
+            calls[wf] += 1
+    return {w: (a, p, start[w], done[w], calls[w]) for w, (a, p) in arr.items() if w in start and w in done}
+
+
+def waits(runs: list[Path]) -> None:
+    rows = [_roots(r) for r in runs]
+    print("  ".join(f"[{i}] {r}" for i, r in enumerate(runs)))
+    print("workflow     arrival  prompt calls " + "".join(f"  [{i}] wait  service" for i in range(len(runs))))
+    sums = [[0.0, 0.0] for _ in runs]
+    common = [w for w in rows[0] if all(w in r for r in rows)]
+    for w in sorted(common, key=lambda w: rows[0][w][0]):
+        a, p, _, _, n = rows[0][w]
+        line = f"{w[-10:]:>10} {a:8.1f} {p:7d} {n:5d}"
+        for i, r in enumerate(rows):
+            _, _, st, dn, _ = r[w]
+            sums[i][0] += st - a
+            sums[i][1] += dn - st
+            line += f"  {st - a:9.1f} {dn - st:8.1f}"
+        print(line)
+    n = max(len(common), 1)
+    print("mean" + " " * 27 + "".join(f"  {w / n:9.1f} {s / n:8.1f}" for w, s in sums))
+
+
 def probe(run: Path) -> None:
     from vllm_mars.admission.mars.controller import MarsAdmissionController
     from vllm_mars.driver.config import ReplayConfig
@@ -101,6 +145,7 @@ def probe(run: Path) -> None:
             over = view.marginal_overflow(cand, cap)
             ctx = sum(c for _, c in view.items)
             print(f"  t {now:6.1f} active {len(self._active):2d} queued {len(self._queue):2d} ctx/pool {ctx / cap:4.2f} "
+                  f"peak with it/pool {view.peak_with(cand) / cap:4.2f} "
                   f"candidate {cand[1]:7.0f} tokens {cand[0]:4.1f} turns, overflow turns {sum(1 for x in over if x > 0):2d}, "
                   f"rebuild {self._rebuild_s_total(root, 0, over):6.2f} s x stall {self._stall_factor():5.2f} "
                   f"vs slot wait {self._queue_cost_s(now):6.2f} s; admitted now {admitted}")
@@ -121,7 +166,11 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="run dirs (events.jsonl, summary.json, run_config.json)")
     ap.add_argument("--bin", type=float, default=50.0, help="seconds per row (default 50)")
     ap.add_argument("--probe", action="store_true", help="re-run the replay and print the cost rule's holds")
+    ap.add_argument("--waits", action="store_true", help="per root: admission wait and service in each run dir")
     a = ap.parse_args()
+    if a.waits:
+        waits(a.runs)
+        return
     for run in a.runs:
         probe(run) if a.probe else timeline(run, a.bin)
 

@@ -47,6 +47,19 @@ class _Weighed:
         self.overflow_turns = 0
 
 
+class _Skipped:
+    """The last cost-rule selection that admitted nothing, every root skipped because its rebuilds
+    cost at least the slot's wait where the pool keeps the contexts: its view, capacity, block
+    size, budget, stall factor and slot wait, and the roots it weighed (in queue order)."""
+
+    __slots__ = ("budget", "bs", "cap", "queue_s", "roots", "stall", "view")
+
+    def __init__(self, view: LifeView, cap: float, bs: int, budget: int, stall: int, queue_s: float,
+                 roots: list[PendingRoot]) -> None:
+        self.view, self.cap, self.bs, self.budget, self.stall, self.queue_s = view, cap, bs, budget, stall, queue_s
+        self.roots = roots
+
+
 class Selection(AimdWindow):
     """The selection half of :class:`~vllm_mars.admission.mars.MarsAdmissionController`."""
 
@@ -54,10 +67,9 @@ class Selection(AimdWindow):
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
-        #: The last cost-rule selection that admitted nothing, every root skipped because its
-        #: rebuilds cost at least the slot's wait where the pool keeps the contexts: (view, cap,
-        #: block size, budget, stall factor, slot wait, the roots weighed, in queue order).
-        self._skipped: tuple[LifeView, float, int, int, int, float, list[PendingRoot]] | None = None
+        #: The last cost-rule selection that admitted nothing, every root skipped where the pool
+        #: keeps the contexts (see :meth:`_select`).
+        self._skipped: _Skipped | None = None
         #: Queued roots weighed by the selections so far (a diagnostic: what the ticks cost)
         self.weighed = 0
 
@@ -136,9 +148,9 @@ class Selection(AimdWindow):
         remaining = budget
         last = len(queue) - 1
         start, skipped, self._skipped = 0, self._skipped, None
-        if (skipped is not None and cost_rule and skipped[0] is view and skipped[1] == cap and skipped[2] == bs
-                and budget <= skipped[3] and stall >= skipped[4] and queue_s <= skipped[5]):
-            weighed = skipped[6]
+        if (skipped is not None and cost_rule and skipped.view is view and skipped.cap == cap and skipped.bs == bs
+                and budget <= skipped.budget and stall >= skipped.stall and queue_s <= skipped.queue_s):
+            weighed = skipped.roots
             if len(weighed) <= len(queue) and list(islice(queue.values(), len(weighed))) == weighed:
                 start = len(weighed)  # (the roots since are behind them: those go on being weighed)
                 order = islice(queue.values(), start, None)
@@ -232,7 +244,7 @@ class Selection(AimdWindow):
         self.weighed += i + 1 - start
         if not out and all_kept:
             assert view is not None and cap is not None
-            self._skipped = (view, cap, bs, budget, stall, queue_s, list(queue.values()))
+            self._skipped = _Skipped(view, cap, bs, budget, stall, queue_s, list(queue.values()))
         if not out and not self._active:
             oldest = next(iter(queue.values()))
             out.append((oldest, "oldest_alone", foot[oldest.workflow] if foot is not None
