@@ -209,6 +209,30 @@ class StepTrace:
         where = self._where.get(request_id)
         return where is not None and where[0] > self._next
 
+    def held(self, arrived: list[str], busy: bool) -> set[str]:
+        """Of the calls that reached the engine now (``arrived``), those it keeps back: on a busy
+        engine, the calls the real engine took in before a later step than the next one
+        (:meth:`hold`); on any engine, the calls the real engine took in before the next step behind
+        a call that is not here yet, until the step's wait for it ends (:meth:`awaits`). vLLM's
+        waiting queue keeps the order calls are added in, so two calls whose tools end within a
+        step of each other in another order than the real run's would otherwise be scheduled the
+        other way round (a chunk budget split the other way)."""
+        out = {r for r in arrived if self.hold(r)} if busy else set()
+        i = self._next
+        if i >= len(self._added) or (self._waited == i and self._loop is not None
+                                     and self._loop.time() >= self._wait_until):
+            return out
+        here = set(arrived)
+        behind = False
+        for r in self._added[i]:
+            if r in self._taken:
+                continue
+            if r not in here:
+                behind = True
+            elif behind:
+                out.add(r)
+        return out
+
     def order(self, request_id: str) -> tuple[int, int]:
         """Where the real engine took this call in (step, position); calls it never saw last."""
         return self._where.get(request_id, (len(self._added), 0))
