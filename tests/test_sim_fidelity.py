@@ -485,7 +485,7 @@ def test_step_trace_takes_calls_in_in_the_recorded_order(tmp_path, monkeypatch):
     assert s["engine"]["leak_check"] == "ok" and s["completed"] == 3
 
 
-def test_sim_fidelity_per_run_bias_and_winner_margin():
+def test_sim_fidelity_per_run_bias_and_winner_margin(tmp_path):
     """sim_fidelity.py's reading of the counts: a mean log ratio per run (a systematic miss shows
     beyond its standard error, noise does not) and the winner's margin over the next policy."""
     import importlib.util
@@ -504,3 +504,10 @@ def test_sim_fidelity_per_run_bias_and_winner_margin():
     assert sf.per_run_bias([(0, 0), (0, 1)]) == {"runs": 0, "mean_log_ratio": None, "stderr": None}
     assert sf.margin({"fcfs": 11.0, "mars": 10.5, "continuum": 10.0}) == 0.05
     assert sf.margin({"fcfs": 3.0}) is None
+    files = []  # two results files pool their runs
+    for i, pairs in enumerate(([[10, 7], [12, 8]], [[8, 6], [14, 10]])):
+        per_run = {"pairs": pairs, **sf.per_run_bias(pairs)}
+        doc = {"compact": {"mars": {"own_run_fit": {"per_run": {"preemptions": per_run}}}, "_winner": {}}, "_meta": {}}
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(doc))
+    assert sf.pooled_bias([str(f) for f in files])["compact"]["mars"]["preemptions"] == low

@@ -103,6 +103,20 @@ def per_run_bias(pairs: list[tuple[float, float]]) -> dict:
             "stderr": None if se is None else round(se, 4)}
 
 
+def pooled_bias(paths: list[str]) -> dict:
+    """:func:`per_run_bias` of each workload, policy and count over the runs of several results files."""
+    out: dict = {}
+    for path in paths:
+        for w, res in json.loads(Path(path).read_text()).items():
+            if w.startswith("_"):
+                continue
+            for pol, r in res.items():
+                per_run = {} if pol.startswith("_") else r["own_run_fit"].get("per_run") or {}
+                for key, v in per_run.items():
+                    out.setdefault(w, {}).setdefault(pol, {}).setdefault(key, []).extend(map(tuple, v["pairs"]))
+    return {w: {p: {k: per_run_bias(v) for k, v in ks.items()} for p, ks in ps.items()} for w, ps in out.items()}
+
+
 def margin(e2e: dict[str, float]) -> float | None:
     """Relative gap between the best and the second-best policy's mean E2E (None: one policy)."""
     v = sorted(e2e.values())
@@ -172,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
+                    help="print the per-run count bias pooled over these results files (no runs)")
     args = ap.parse_args(argv)
+    if args.pool:
+        print(json.dumps(pooled_bias(args.pool), indent=2))
+        return 0
 
     from vllm_mars.cli import main as mars
     from vllm_mars.driver.runner import ReplayConfig, run_replay
