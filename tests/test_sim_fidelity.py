@@ -442,3 +442,72 @@ def test_step_trace_waits_for_a_late_call_inside_a_fast_forward_run(tmp_path, mo
     assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
     assert (engines[0].ff_steps > late) == fast_forward  # (the decode runs before and after it)
     assert s["engine"]["leak_check"] == "ok"
+
+
+def test_step_trace_takes_calls_in_in_the_recorded_order(tmp_path, monkeypatch):
+    """Two tools end within one step of each other in the recording, and in the other order a step
+    apart in the replay: the replay keeps the first-arriving call back until the one the recorded engine took
+    in first is here (StepTrace.held), so vLLM's waiting queue, which keeps the order calls are
+    added in, splits the step's chunk budget as the recorded engine did. Before, the two chunks
+    came out the other way round (real ILR-3 fcfs runs departed so at steps 137 and 335)."""
+    from dataclasses import replace as dc_replace
+
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    def workload(tool_a: float, tool_b: float) -> Path:
+        rows = [{"schema": "mars_workload_v1", "workflow_id": "long", "prompt_tokens": 200,
+                 "turns": [{"output_tokens": 300}]}]
+        for wid, tool_s, append in (("a", tool_a, 300), ("b", tool_b, 200)):
+            rows.append({"schema": "mars_workload_v1", "workflow_id": wid, "prompt_tokens": 100,
+                         "turns": [{"output_tokens": 4, "tool_s": tool_s, "tool": "t"},
+                                   {"append_tokens": append, "output_tokens": 4}]})
+        path = tmp_path / f"wl-{tool_a}-{tool_b}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    prof = load_profile("h200-llama-3.1-8b")
+    shaped = prof.with_efficiency(prof.efficiency, num_blocks=96, max_model_len=1024,
+                                  max_num_batched_tokens=384).write(tmp_path / "p.toml")
+    cfg = ReplayConfig(workload=str(workload(0.05, 0.0505)), rps=1000, backend="sim", profile=str(shaped),
+                       calibrate=False, progress=False, plots=False, out=str(tmp_path / "rec"))
+    _, steps = _record_sim_run(monkeypatch, cfg)
+    both = next(i for i, s in enumerate(steps) if "a:t1" in s["added"])
+    assert steps[both]["added"] == ["a:t1", "b:t1"], steps[both]  # one step takes both in, a first
+    assert len(steps[both]["prefill"]) == 2 and steps[both]["prefill"][0][0] != steps[both]["prefill"][1][0]
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    # replayed with a's tool 12 ms longer: b arrives first, a step or two before a
+    out, _ = run_replay(dc_replace(cfg, workload=str(workload(0.062, 0.0505)), step_trace=str(trace),
+                                   out=str(tmp_path / "replay")))
+    s = json.loads((out / "summary.json").read_text())
+    st = s["engine"]["step_trace"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
+    assert s["engine"]["leak_check"] == "ok" and s["completed"] == 3
+
+
+def test_sim_fidelity_per_run_bias_and_winner_margin(tmp_path):
+    """sim_fidelity.py's reading of the counts: a mean log ratio per run (a systematic miss shows
+    beyond its standard error, noise does not) and the winner's margin over the next policy."""
+    import importlib.util
+    import math
+
+    path = Path(__file__).resolve().parents[1] / "benchmark" / "perf" / "sim_fidelity.py"
+    spec = importlib.util.spec_from_file_location("sim_fidelity", path)
+    sf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sf)
+    noise = sf.per_run_bias([(16, 13), (16, 10), (8, 11), (9, 9), (7, 10), (10, 13)])
+    assert noise["runs"] == 6 and abs(noise["mean_log_ratio"]) < 2 * noise["stderr"]
+    low = sf.per_run_bias([(10, 7), (12, 8), (8, 6), (14, 10)])  # every run about 30 % under
+    assert low["mean_log_ratio"] < -0.25 and low["mean_log_ratio"] + 2 * low["stderr"] < 0
+    assert math.isclose(low["mean_log_ratio"], sum(math.log(s / r) for r, s in ((10, 7), (12, 8), (8, 6), (14, 10))) / 4,
+                        abs_tol=1e-4)
+    assert sf.per_run_bias([(0, 0), (0, 1)]) == {"runs": 0, "mean_log_ratio": None, "stderr": None}
+    assert sf.margin({"fcfs": 11.0, "mars": 10.5, "continuum": 10.0}) == 0.05
+    assert sf.margin({"fcfs": 3.0}) is None
+    files = []  # two results files pool their runs
+    for i, pairs in enumerate(([[10, 7], [12, 8]], [[8, 6], [14, 10]])):
+        per_run = {"pairs": pairs, **sf.per_run_bias(pairs)}
+        doc = {"compact": {"mars": {"own_run_fit": {"per_run": {"preemptions": per_run}}}, "_winner": {}}, "_meta": {}}
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(doc))
+    assert sf.pooled_bias([str(f) for f in files])["compact"]["mars"]["preemptions"] == low

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -87,6 +88,39 @@ def errors(real: dict, sim: dict) -> dict:
             "p95_e2e_err": rel(sim["p95_e2e_s"], real["p95_e2e_s"]),
             "preemptions_err": rel(sim["preemptions"], real["preemptions"]),
             "recomputed_tokens_err": rel(sim["recomputed_tokens"], real["recomputed_tokens"])}
+
+
+def per_run_bias(pairs: list[tuple[float, float]]) -> dict:
+    """Whether the sim misses a real run's count systematically: over (real count, median of the sims
+    of that run's own fit) pairs, the mean log ratio sim / real and its standard error (runs with a
+    zero on either side left out). A miss of the medians over a few repeats can be the real runs'
+    own noise; a mean log ratio beyond about 2 standard errors is not."""
+    logs = [math.log(s / r) for r, s in pairs if r > 0 and s > 0]
+    if not logs:
+        return {"runs": 0, "mean_log_ratio": None, "stderr": None}
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else None
+    return {"runs": len(logs), "mean_log_ratio": round(statistics.fmean(logs), 4),
+            "stderr": None if se is None else round(se, 4)}
+
+
+def pooled_bias(paths: list[str]) -> dict:
+    """:func:`per_run_bias` of each workload, policy and count over the runs of several results files."""
+    out: dict = {}
+    for path in paths:
+        for w, res in json.loads(Path(path).read_text()).items():
+            if w.startswith("_"):
+                continue
+            for pol, r in res.items():
+                per_run = {} if pol.startswith("_") else r["own_run_fit"].get("per_run") or {}
+                for key, v in per_run.items():
+                    out.setdefault(w, {}).setdefault(pol, {}).setdefault(key, []).extend(map(tuple, v["pairs"]))
+    return {w: {p: {k: per_run_bias(v) for k, v in ks.items()} for p, ks in ps.items()} for w, ps in out.items()}
+
+
+def margin(e2e: dict[str, float]) -> float | None:
+    """Relative gap between the best and the second-best policy's mean E2E (None: one policy)."""
+    v = sorted(e2e.values())
+    return round((v[1] - v[0]) / v[0], 4) if len(v) > 1 and v[0] > 0 else None
 
 
 def fit_grid_profile(out: Path, grid: str, repeats: int | None) -> Path:
@@ -152,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
+                    help="print the per-run count bias pooled over these results files (no runs)")
     args = ap.parse_args(argv)
+    if args.pool:
+        print(json.dumps(pooled_bias(args.pool), indent=2))
+        return 0
 
     from vllm_mars.cli import main as mars
     from vllm_mars.driver.runner import ReplayConfig, run_replay
@@ -234,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                 m["step_speed_vs_grid"] = round(step_speed(load_profile(str(grid_profile)),
                                                            load_samples(str(d / "steps.jsonl"), run_only=True)), 3)
             rm = median([m for _, m in runs])
+            k = len(scales)  # each real run's own-fit sims: its count against the median of its sims
+            pairs = {key: [(m[key], statistics.median(o[key] for o in own[i * k:(i + 1) * k]))
+                           for i, (_, m) in enumerate(runs)] for key in ("preemptions", "recomputed_tokens")}
             res[pol] = {
                 "real": {**rm, "runs": [m for _, m in runs], "spread": spread([m for _, m in runs])},
                 # exact: every recorded step's batch was the sim's, so the same preemptions
@@ -241,13 +283,18 @@ def main(argv: list[str] | None = None) -> int:
                                        and t["recomputed_tokens"] == m["recomputed_tokens"]
                                        for t, (_, m) in zip(trace, runs)),
                           "of": len(runs), "runs": trace},
-                "own_run_fit": {**errors(rm, median(own)), "median": median(own), "runs": own},
+                "own_run_fit": {**errors(rm, median(own)), "median": median(own), "runs": own,
+                                "per_run": {key: {"pairs": v, **per_run_bias(v)} for key, v in pairs.items()}},
                 "grid_fit": {**errors(rm, grid), "sim": grid, "runs": ens},
             }
-        best = {k: min(policies, key=lambda p, k=k: res[p][k]["mean_e2e_s"] if k == "real" else
-                       (res[p][k]["median"] if k == "own_run_fit" else res[p][k]["sim"])["mean_e2e_s"])
-                for k in ("real", "own_run_fit", "grid_fit")}
-        res["_winner"] = {**best, "same": len(set(best.values())) == 1}
+        e2e = {"real": {p: res[p]["real"]["mean_e2e_s"] for p in policies},
+               "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in policies},
+               "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in policies}}
+        best = {k: min(v, key=v.get) for k, v in e2e.items()}
+        # the margin of the best policy over the next, against the real runs' own E2E spread
+        res["_winner"] = {**best, "same": len(set(best.values())) == 1,
+                          "margin": {k: margin(v) for k, v in e2e.items()},
+                          "real_spread_of_best": res[best["real"]]["real"]["spread"]["mean_e2e_s"]}
     epochs = [json.loads((d / "events.jsonl").open().readline()).get("epoch") or 0 for w in workloads
               for p in policies for d, _ in real[w][p]]
     epochs = [e for e in epochs if e]

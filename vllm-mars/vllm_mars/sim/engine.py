@@ -475,10 +475,9 @@ class SimBackend:
                     hasher = self._hasher
                     incoming, held = self._incoming, []
                     if trace is not None:  # a recorded run's arrivals (sim/step_trace.py)
-                        busy = s.has_requests()
-                        held = [c for c in incoming if busy and trace.hold(c[0])]
-                        incoming = sorted((c for c in incoming if not (busy and trace.hold(c[0]))),
-                                          key=lambda c: trace.order(c[0]))
+                        keep = trace.held([c[0] for c in incoming], s.has_requests())
+                        held = [c for c in incoming if c[0] in keep]
+                        incoming = sorted((c for c in incoming if c[0] not in keep), key=lambda c: trace.order(c[0]))
                     for rid, ids, max_tokens, extra, ignore_eos in incoming:
                         if trace is not None:
                             trace.took(rid)
@@ -493,7 +492,10 @@ class SimBackend:
                     self._incoming = held
                 if not s.has_requests():
                     self._wake.clear()
-                    await self._wake.wait()
+                    if trace is not None and self._incoming:  # calls held for the recorded intake order
+                        await trace.before_step(self._wake)
+                    else:
+                        await self._wake.wait()
                     continue
                 if trace is not None and await trace.before_step(self._wake):  # what the real engine waited for
                     continue

@@ -9,20 +9,21 @@ Each step's batch is compared with the recorded one; the first difference is rep
 (:meth:`StepTrace.trace_stats`), and from there on the times no longer belong to the same batches. Steps
 past the end of the recording cost the profile's time.
 
-Arrivals follow the recording too. A real run's driver hands a call to the engine a little later
-than the sim's does (the output hand-off to the asyncio thread, a timer's overshoot: 1-3 ms on the
-CPU engine), and the real engine starts a step a little after a call arrives at an idle engine (its
-wake-up); neither is in any step's time. So each recorded step lists the calls the real engine took
-in before it (``added``), and the sim takes each call in before that same step: a call that arrives
-earlier waits (:meth:`StepTrace.hold`), and a step waits up to ``ARRIVAL_WAIT_S`` of virtual time for
-a call it should take in that has not arrived yet (:meth:`StepTrace.awaits`). The decode
-fast-forward runs several steps without coming back to that wait, but it stops at any loop timer, so
-a step before one that takes in a call not here yet ends on a timer (:meth:`StepTrace._started`).
-Recordings without ``added`` replay with the sim's own arrival timing. After an idle spell a
-real engine starts its step a little after the call arrives (later on a loaded machine), and a policy
-that reads the clock (mars's MLFQ levels) decides by it: no replayed step starts before its recorded
-start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other as the recorded
-ones did.
+Arrivals follow the recording too. A real run's driver hands a call to the engine a little later than
+the sim's does (the output hand-off to the asyncio thread, a timer's overshoot: 1-3 ms on the CPU
+engine), and the real engine starts a step a little after a call arrives at an idle engine (its
+wake-up); neither is in any step's time. So each recorded step lists the calls the real engine took in
+before it (``added``), and the sim takes each call in before that same step, in the same order: a call
+that arrives earlier waits (:meth:`StepTrace.hold`), so does one that arrives before a call the real
+engine took in ahead of it for that step (:meth:`StepTrace.held`), and a step waits up to
+``ARRIVAL_WAIT_S`` of virtual time for a call it should take in that has not arrived yet
+(:meth:`StepTrace.awaits`). The decode fast-forward runs several steps without coming back to that wait,
+but it stops at any loop timer, so a step before one that takes in a call not here yet ends on a timer
+(:meth:`StepTrace._started`). Recordings without ``added`` replay with the sim's own arrival timing.
+After an idle spell a real engine starts its step a little after the call arrives (later on a loaded
+machine), and a policy that reads the clock (mars's MLFQ levels) decides by it: no replayed step starts
+before its recorded start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other
+as the recorded ones did.
 
 The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
@@ -208,6 +209,30 @@ class StepTrace:
         """Whether the real engine took this call in before a later step than the next one."""
         where = self._where.get(request_id)
         return where is not None and where[0] > self._next
+
+    def held(self, arrived: list[str], busy: bool) -> set[str]:
+        """Of the calls that reached the engine now (``arrived``), those it keeps back: on a busy
+        engine, the calls the real engine took in before a later step than the next one
+        (:meth:`hold`); on any engine, the calls the real engine took in before the next step behind
+        a call that is not here yet, until the step's wait for it ends (:meth:`awaits`). vLLM's
+        waiting queue keeps the order calls are added in, so two calls whose tools end within a
+        step of each other in another order than the real run's would otherwise be scheduled the
+        other way round (a chunk budget split the other way)."""
+        out = {r for r in arrived if self.hold(r)} if busy else set()
+        i = self._next
+        if i >= len(self._added) or (self._waited == i and self._loop is not None
+                                     and self._loop.time() >= self._wait_until):
+            return out
+        here = set(arrived)
+        behind = False
+        for r in self._added[i]:
+            if r in self._taken:
+                continue
+            if r not in here:
+                behind = True
+            elif behind:
+                out.add(r)
+        return out
 
     def order(self, request_id: str) -> tuple[int, int]:
         """Where the real engine took this call in (step, position); calls it never saw last."""
