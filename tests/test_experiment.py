@@ -433,3 +433,36 @@ def test_parallel_cells_give_the_same_table_as_serial(grid, tmp_path):
         assert a["speedup"] == pytest.approx(b["speedup"])
         assert {p: d["mean_e2e_s"] for p, d in a["policies"].items()} == pytest.approx(
             {p: d["mean_e2e_s"] for p, d in b["policies"].items()})
+
+
+def test_a_preset_cut_by_max_context_replays_the_roots_left_not_cycled_back_to_the_count(tmp_path):
+    """A generated preset draws ``num_workflows`` roots once; those over ``max_context`` are dropped and the
+    cell replays the rest, each once (it used to cycle the file back up to the count: repeats ``~1``)."""
+    from vllm_mars.experiment.grid import run_experiment
+    from vllm_mars.experiment.spec import load_experiment
+
+    exp = load_experiment(write(tmp_path, f"""
+name = "cut"
+description = "ILR-1 / 32, roots over 500 tokens dropped"
+backend = "sim"
+profile = "{PROFILE}"
+arrival = "fixed"
+num_workflows = 4
+policies = ["fcfs"]
+
+[[workloads]]
+name = "S"
+preset = "ILR-1"
+scale = 32.0
+max_context = 500
+rps = [1]
+"""))
+    record = run_experiment(exp, tmp_path / "out", progress=False)
+    (cell,) = record["cells"]
+    assert 0 < cell["roots"] < 4 and cell["roots"] + cell["dropped_over_context"] == 4
+    run = tmp_path / "out" / "runs" / "S" / "rps1" / "seed0" / "fcfs"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["workflows"] == s["completed"] == cell["roots"] and s["errors"] == 0
+    assert json.loads((run / "run_config.json").read_text())["num_workflows"] == cell["roots"]
+    assert "~1" not in (run / "events.jsonl").read_text()  # no root replayed twice
+    assert s["engine"]["leak_check"] == "ok" and s["engine"]["free_blocks"] == s["engine"]["num_blocks"]

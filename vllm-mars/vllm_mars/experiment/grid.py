@@ -101,10 +101,13 @@ def cell_dir(out: Path, cell: Cell) -> Path:
     return out / "runs" / cell.workload.name / f"rps{cell.rps:g}" / f"seed{cell.seed}"
 
 
-def cell_config(exp: Experiment, cell: Cell, workload_path: str) -> ReplayConfig:
+def cell_config(exp: Experiment, cell: Cell, mat: Materialized) -> ReplayConfig:
+    """The cell's replay. A generated preset is replayed whole: its ``num_workflows`` roots were drawn
+    once, and those left after ``max_context`` are the cell's (not cycled back up to the count)."""
     w = cell.workload
-    return replace(exp.base, workload=workload_path, seed=cell.seed, arrival=w.arrival or exp.base.arrival,
-                   num_workflows=exp.num_workflows(w), progress=False)
+    n = mat.roots if w.preset else exp.num_workflows(w)
+    return replace(exp.base, workload=mat.path, seed=cell.seed, arrival=w.arrival or exp.base.arrival,
+                   num_workflows=n, progress=False)
 
 
 def finished_policies(exp: Experiment, out: Path, cell: Cell) -> list[str]:
@@ -251,7 +254,7 @@ def run_experiment(exp: Experiment, out: str | Path, only: Sequence[str] | None 
         key = (cell.workload.name, cell.seed)
         if key not in mats:
             mats[key] = materialize(cell.workload, cell.seed, exp.num_workflows(cell.workload), out)
-        cfg = cell_config(exp, cell, mats[key].path)
+        cfg = cell_config(exp, cell, mats[key])
         kept = (recorded.get(cell.key) or {}).get("policies") or {}
         run = [p for p in exp.policies_for(cell.workload) if (policies is None or p in policies) and p not in kept]
         done = finished_policies(exp, out, cell)
