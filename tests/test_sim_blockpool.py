@@ -31,7 +31,14 @@ from vllm_mars.engine.rig import (
 )
 from vllm_mars.sim import blockpool
 from vllm_mars.sim import engine as sim_engine
-from vllm_mars.sim.blockpool import SimBlockPool, SimFullAttentionManager, SimKVCacheManager, cached_tokens
+from vllm_mars.sim.blockpool import (
+    KeyedHashes,
+    SimBlockPool,
+    SimFullAttentionManager,
+    SimKVCacheManager,
+    cached_tokens,
+    key_hashes,
+)
 
 BS = 16
 
@@ -102,7 +109,9 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
     pair = _Pair(num_blocks, events)
     families = [[rng.randrange(3, 4000) for _ in range(40 * BS)] for _ in range(4)]
     owners: list[dict] = []  # per live request: its Request, its blocks in each pool, blocks cached
-    seen = {"hits": 0, "evictions": 0, "duplicates": 0, "partial": 0, "resets": 0, "refused": 0, "estimated": 0}
+    seen = {"hits": 0, "evictions": 0, "duplicates": 0, "partial": 0, "resets": 0, "refused": 0, "estimated": 0,
+            "keys_taken_over": 0}
+    last: dict[int, KeyedHashes] = {}  # per family: the last request's keyed hashes
     for step in range(steps):
         for o in owners:  # each live request's cached-token estimate, as vLLM's max over its blocks
             vllms = max((b.block_hash_num_tokens or 0 for b in o["blocks"][0]), default=0)
@@ -115,6 +124,20 @@ def _random_run(seed: int, events: bool, num_blocks: int = 96, steps: int = 400)
             tokens = fam[:cut] + [rng.randrange(3, 4000) for _ in range(rng.randrange(0, 3 * BS))]
             req = make_request(f"r{step}", prompt_token_ids=tokens, max_tokens=4, block_size=BS)
             group = 0 if rng.random() < 0.85 else 1
+            if rng.random() < 0.6:
+                # the sim's keyed hashes (both pools see the same list: vLLM's reads it as a list),
+                # keyed for group 0 or 1, taking over an earlier request's keys for the hashes that
+                # are its very objects (as the sim's hasher hands a turn the previous turn's)
+                fam_id = families.index(fam)
+                before = last.get(fam_id)
+                if before is not None and rng.random() < 0.7:
+                    same = 0
+                    while same < min(len(before), len(req.block_hashes)) and before[same] == req.block_hashes[same]:
+                        same += 1
+                    req.block_hashes[:same] = before[:same]
+                key_hashes(req, rng.choice((0, 0, 1)), before)
+                seen["keys_taken_over"] += len(req.block_hashes._keys)
+                last[fam_id] = req.block_hashes
             hits = pair.both(_lookup, Each((FullAttentionManager, SimFullAttentionManager)), req, group)
             (stock_hit, stock_len), (sim_hit, sim_len) = hits[0][1], hits[1][1]
             assert [_ids(g) for g in sim_hit] == [_ids(g) for g in stock_hit] and sim_len == stock_len
@@ -191,6 +214,42 @@ def test_random_operations_match_vllms_pool(seed, events):
     # the sequences reach the cases that matter: prefix hits, evictions of cached blocks, a hash
     # held by two blocks, blocks under a second hash, refusals, resets
     assert seen["hits"] and seen["evictions"] and seen["duplicates"] and seen["partial"] and seen["estimated"], seen
+    assert seen["keys_taken_over"], seen
+
+
+def test_keyed_hashes_are_vllms_keys_and_only_appends_keep_them():
+    """``KeyedHashes`` holds vLLM's own hash-map keys (its packing of hash and group id) for its
+    hashes; appending keeps them, any other change drops them (they are made again from the
+    hashes), and a later request takes over the keys of exactly the leading hashes it shares as
+    the same objects."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    req = make_request("a", prompt_token_ids=list(range(3, 3 + 10 * BS)), block_size=BS)
+    key_hashes(req, 1)
+    hashes = req.block_hashes
+    assert type(hashes) is KeyedHashes and list(hashes) == make_request(
+        "a", prompt_token_ids=list(range(3, 3 + 10 * BS)), block_size=BS).block_hashes
+    suffix = make_block_hash_with_group_id(b"", 1)
+    assert hashes.keys(make_block_hash_with_group_id(b"", 0), 4) is None  # another group's: not these
+    assert hashes.keys(suffix, 4)[:4] == [make_block_hash_with_group_id(h, 1) for h in hashes[:4]]
+    assert hashes.keys(suffix, 99) == [make_block_hash_with_group_id(h, 1) for h in hashes]
+    hashes.extend([b"x" * 32])  # vLLM's growth: the keys stay, the new one is made when asked
+    assert len(hashes._keys) == 10 and hashes.keys(suffix, 11)[-1] == b"x" * 32 + suffix
+    for change in (lambda h: h.__setitem__(2, b"y" * 32), lambda h: h.__delitem__(slice(5, None)),
+                   lambda h: h.pop(), lambda h: h.insert(0, b"z" * 32), lambda h: h.clear(), lambda h: h.reverse(),
+                   lambda h: h.sort(), lambda h: h.remove(h[0]), lambda h: h.__imul__(1)):
+        h = KeyedHashes(hashes, suffix, hashes.keys(suffix, len(hashes)))
+        assert len(h._keys) == len(h)
+        change(h)
+        assert h._keys == [] and h.keys(suffix, len(h)) == [x + suffix for x in h]
+    # a next turn: its first 6 hashes are the same objects, the 7th an equal copy, then its own
+    nxt = make_request("b", prompt_token_ids=list(range(3, 3 + 12 * BS)), block_size=BS)
+    nxt.block_hashes[:6] = hashes[:6]
+    assert nxt.block_hashes[6] == hashes[6] and nxt.block_hashes[6] is not hashes[6]
+    key_hashes(nxt, 1, hashes)
+    assert nxt.block_hashes._keys == hashes._keys[:6] and all(
+        a is b for a, b in zip(nxt.block_hashes._keys, hashes._keys))
+    assert nxt.block_hashes.keys(suffix, 12) == [x + suffix for x in nxt.block_hashes]
 
 
 def test_random_operations_cover_refusals_and_resets():
@@ -218,7 +277,10 @@ def test_a_scheduler_with_the_sim_classes_decides_as_vllms():
             ids = list(rng.choice(prefixes)) + [rng.randrange(3, 4000) for _ in range(rng.randint(1, 150))]
             kwargs = {"request_id": f"r{n}", "prompt_token_ids": ids, "max_tokens": rng.randint(1, 60)}
             for s in (stock, ours):
-                s.add_request(make_request(**kwargs, block_size=BS))
+                req = make_request(**kwargs, block_size=BS)
+                if s is ours:
+                    key_hashes(req)  # as the sim engine keys its requests' hashes
+                s.add_request(req)
         if rng.random() < 0.03 and stock.requests:
             rid = rng.choice(sorted(stock.requests))
             for s in (stock, ours):

@@ -72,18 +72,24 @@ def grouped(stats: pstats.Stats) -> dict[str, float]:
 class _Timed:
     """CPU time inside chosen methods while installed (outermost call counted once), for ``--floor``."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: cProfile.Profile | None = None) -> None:
         self.cpu: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._undo: list = []
+        #: profiles the timed calls only (``--floor-cprofile``)
+        self.profile = profile
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
         """Time ``owner.name`` (a class's method or a module's function) under ``label``."""
         own = name in vars(owner)
         f = vars(owner)[name] if own else getattr(owner, name)
+        binder = None
+        if isinstance(f, (classmethod, staticmethod)):
+            binder, f = type(f), f.__func__
         self.cpu[label], self.calls[label] = 0.0, 0
         depth = [0]
         cpu, calls = self.cpu, self.calls
+        prof = self.profile
 
         @functools.wraps(f)
         def timed(*a, **k):
@@ -91,15 +97,19 @@ class _Timed:
                 return f(*a, **k)
             depth[0] = 1
             t = time.process_time()
+            if prof is not None:
+                prof.enable()
             try:
                 return f(*a, **k)
             finally:
+                if prof is not None:
+                    prof.disable()
                 depth[0] = 0
                 cpu[label] += time.process_time() - t
                 calls[label] += 1
 
-        setattr(owner, name, timed)
-        self._undo.append((owner, name, f if own else None))
+        setattr(owner, name, timed if binder is None else binder(timed))
+        self._undo.append((owner, name, (f if binder is None else binder(f)) if own else None))
 
     def undo(self) -> None:
         for owner, name, f in reversed(self._undo):
@@ -133,7 +143,8 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
         return await start(self)
 
     SimBackend.start = recording_start
-    timed = _Timed() if args.floor else None
+    inner = cProfile.Profile() if args.floor_cprofile else None
+    timed = _Timed(inner) if args.floor or inner else None
     if timed is not None:
         # the full path: vLLM's schedule() (with the policy's end of step) and update_from_output()
         timed.wrap(MarsSchedulerMixin, "_mars_schedule_begun", "full_path_schedule")
@@ -170,13 +181,24 @@ def run_one(args, workflows: int, fast: bool, tmp: Path) -> tuple[dict, Path]:
                 if hasattr(run, k)})
     if timed is not None:
         full = timed.cpu["full_path_schedule"] + timed.cpu["full_path_update"]
+        # schedule()/update_from_output() run on every full-path step and every empty step (nothing
+        # scheduled: the engine idles) of every engine of the run: the replay's and the driver's
+        # calibration engines (a few short calls on a fresh engine each)
+        others = [b for b in backends if b is not run]
         rec["floor"] = {
-            "full_path_steps": run.steps - run.ff_steps,
+            "full_path_steps": run.steps - run.ff_steps, "idle_steps": run.idle_steps,
+            "calibration_engines": len(others),
+            "calibration_full_path_steps": sum(b.steps - b.ff_steps + b.idle_steps for b in others),
             **{f"{k}_cpu_s": round(v, 2) for k, v in timed.cpu.items()},
             "full_path_schedule_calls": timed.calls["full_path_schedule"],
+            "full_path_update_calls": timed.calls["full_path_update"],
             "full_path_cpu_s": round(full, 2), "full_path_share": round(full / cpu, 3),
             "floor_virtual_per_cpu": round(virtual / full, 1) if full else None,
         }
+    if inner is not None:
+        inner.dump_stats(f"{args.floor_cprofile}.{workflows}")
+        print(f"full-path steps' profile: {args.floor_cprofile}.{workflows}")
+        pstats.Stats(inner).sort_stats("tottime").print_stats(40)
     if prof:
         stats = pstats.Stats(prof)
         rec["cprofile_own_s"] = {k: round(v, 2) for k, v in grouped(stats).items()}
@@ -202,6 +224,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="also report where the time goes (slower)")
     ap.add_argument("--floor", action="store_true",
                     help="also time vLLM's schedule()/update_from_output() on the full-path steps (the floor)")
+    ap.add_argument("--floor-cprofile", default="", metavar="FILE",
+                    help="--floor with cProfile inside those calls only; pstats to FILE.<workflows>")
     ap.add_argument("--record", action="store_true", help="write results/sim_speed.json")
     ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.json"))
     args = ap.parse_args()

@@ -19,8 +19,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_mars.policies import CallView
 
 _RUNNING = RequestStatus.RUNNING
-#: (a block's hash key is non-empty bytes or None: truthiness is ``is not None``)
-_HASH, _NULL = attrgetter("block_hash"), attrgetter("is_null")
+#: (a block's hash key is non-empty bytes or None: truthiness is ``is not None``); the field behind
+#: vLLM's ``block_hash`` property, read at C speed (a finished context is thousands of blocks)
+_HASH, _NULL = attrgetter("_block_hash"), attrgetter("is_null")
 
 
 def retain_finished(sched: Any, request: Request, call: CallView) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat, takewhile
-from operator import add, attrgetter, is_not
+from operator import add, attrgetter, is_, is_not
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -52,9 +52,100 @@ _IS_NULL = attrgetter("is_null")
 _HASH_TOKENS = attrgetter("_block_hash_num_tokens")
 
 
+_SUFFIXES: dict[int, bytes] = {}
+
+
 def _group_suffix(group_id: int) -> bytes:
     """What vLLM appends to a block hash to key it by KV cache group (its own packing)."""
-    return make_block_hash_with_group_id(b"", group_id)
+    suffix = _SUFFIXES.get(group_id)
+    if suffix is None:
+        suffix = _SUFFIXES[group_id] = make_block_hash_with_group_id(b"", group_id)
+    return suffix
+
+
+class KeyedHashes(list):
+    """A request's block hashes (vLLM's list: the same values in the same order) that also keeps
+    each one joined with a KV cache group's suffix: the key vLLM's hash map holds the block under.
+
+    vLLM joins them again on every prefix lookup (a waiting call's lookup walks thousands of blocks,
+    once per attempt) and on every caching of full blocks, and a new ``bytes`` key also computes its
+    hash again. Here each key is made once per request (:meth:`keys`, on first use) and the next
+    turn's request takes over the keys of the blocks it shares with the previous one
+    (:func:`key_hashes`), so the walks and the caching look up ready keys whose hash is cached. Only
+    appends keep the keys (vLLM only extends a request's hashes); any other change of the list
+    drops them, and they are made again from the hashes when next asked for.
+    """
+
+    __slots__ = ("_keys", "_suffix")
+
+    def __init__(self, hashes: Iterable = (), suffix: bytes = b"", keys: Sequence[bytes] = ()) -> None:
+        super().__init__(hashes)
+        self._suffix = suffix
+        self._keys: list[bytes] = list(keys[:len(self)])
+
+    def keys(self, suffix: bytes, n: int) -> list[bytes] | None:
+        """The keys of at least the first ``n`` hashes (fewer when the list is shorter) under
+        ``suffix``; None for another suffix than the list's."""
+        if suffix != self._suffix:
+            return None
+        keys = self._keys
+        have = len(keys)
+        if have < n:
+            keys.extend(map(add, self[have:n], repeat(suffix)))
+        return keys
+
+    def _changed(self) -> None:
+        self._keys = []
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._changed()
+
+    def __delitem__(self, index: Any) -> None:
+        super().__delitem__(index)
+        self._changed()
+
+    def __imul__(self, n: Any) -> KeyedHashes:
+        super().__imul__(n)
+        self._changed()
+        return self
+
+    def insert(self, index: Any, value: Any) -> None:
+        super().insert(index, value)
+        self._changed()
+
+    def pop(self, index: Any = -1) -> Any:
+        value = super().pop(index)
+        self._changed()
+        return value
+
+    def remove(self, value: Any) -> None:
+        super().remove(value)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        super().sort(*args, **kwargs)
+        self._changed()
+
+    def reverse(self) -> None:
+        super().reverse()
+        self._changed()
+
+
+def key_hashes(request: Any, group_id: int = 0, before: Any = None) -> None:
+    """Turn ``request``'s block hashes into :class:`KeyedHashes` (keyed for ``group_id``), taking
+    over the keys of ``before`` (an earlier request's hashes) for the leading hashes the two share
+    as the same objects (the sim's block hasher hands a turn the previous turn's hashes)."""
+    hashes = request.block_hashes
+    suffix = _group_suffix(group_id)
+    keys: list[bytes] = []
+    if type(before) is KeyedHashes and before._suffix == suffix and before._keys and hashes:
+        keys = before._keys[:len(list(takewhile(bool, map(is_, hashes, before))))]
+    request.block_hashes = KeyedHashes(hashes, suffix, keys)
 
 
 def _packing_is_concatenation() -> bool:
@@ -109,12 +200,13 @@ class SimBlockPool(BlockPool):
         suffix = _group_suffix(kv_cache_group_id)
         cache = self.cached_block_hash_to_block._cache
         num_tokens = num_cached_blocks * block_size
-        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks],
-                                     hashes[num_cached_blocks:num_full_blocks]):
+        ready = hashes.keys(suffix, num_full_blocks) if type(hashes) is KeyedHashes else None
+        keys = (ready[num_cached_blocks:num_full_blocks] if ready is not None
+                else map(add, hashes[num_cached_blocks:num_full_blocks], repeat(suffix)))
+        for block, key in zip(blocks[num_cached_blocks:num_full_blocks], keys):
             num_tokens += block_size
             if block.is_null:
                 continue
-            key = block_hash + suffix
             if block._block_hash is None and key not in cache:  # a new hash on an unhashed block
                 cache[key] = block
                 block._block_hash = key
@@ -188,7 +280,11 @@ class SimFullAttentionManager(FullAttentionManager):
                 alignment_tokens, dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
         # The longest run of cached blocks from the start (vLLM stops at the first miss too); a
         # hash held by several blocks answers its first, as vLLM's get_one_block does.
-        keys = map(add, islice(block_hashes, max_length // block_size), repeat(_group_suffix(kv_cache_group_ids[0])))
+        n = max_length // block_size
+        suffix = _group_suffix(kv_cache_group_ids[0])
+        ready = block_hashes.keys(suffix, n) if type(block_hashes) is KeyedHashes else None
+        keys = islice(ready, min(n, len(block_hashes))) if ready is not None else map(
+            add, islice(block_hashes, n), repeat(suffix))
         held = list(takewhile(_FOUND, map(block_pool.cached_block_hash_to_block._cache.get, keys)))
         if not set(map(type, held)) <= {KVCacheBlock}:
             held = [h if isinstance(h, KVCacheBlock) else next(iter(h.values())) for h in held]

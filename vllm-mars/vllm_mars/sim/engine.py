@@ -360,6 +360,8 @@ class SimBackend:
         #: starts with them, so vLLM's block hashes of that prefix are reused, not recomputed
         self._prefix: dict[str, tuple[Any, list]] = {}
         self._hasher: Any = None
+        #: whether new requests' block hashes are sim_blockpool.KeyedHashes (set at start)
+        self._keyed = False
         self._wake = asyncio.Event()
         self._stats: dict[str, Any] = {}
         self._error: BaseException | None = None
@@ -423,7 +425,9 @@ class SimBackend:
 
             self._xfer = transfers_of(self.scheduler)
         if sim_blockpool.ENABLED:  # vLLM's pool with leaner per-block loops, same results (sim/blockpool.py)
-            sim_blockpool.install(self.scheduler)
+            # with one KV cache group, requests carry their hash-map keys (sim_blockpool.KeyedHashes)
+            self._keyed = (sim_blockpool.install(self.scheduler)
+                           and len(self.scheduler.kv_cache_config.kv_cache_groups) == 1)
         # KV block removals are counted where vLLM would emit them as events, without the events
         self.scheduler.count_block_removals()
         enable_engine_core_env_cache()
@@ -462,6 +466,8 @@ class SimBackend:
             s._get_local_prefix_cache_hit = recording_lookup
         xfer = self._xfer  # the CPU offload tier's transfers (None: no tier; vllm_mars.sim.offload)
         trace = self._trace  # --step-trace
+        keyed = self._keyed
+        from vllm_mars.sim.blockpool import key_hashes
         try:
             while True:
                 if self._aborts or self._incoming:
@@ -488,6 +494,8 @@ class SimBackend:
                         call.request = make_request(rid, prompt_token_ids=ids, max_tokens=max_tokens,
                                                     extra_args=extra, block_size=block_size, arrival_time=now,
                                                     ignore_eos=ignore_eos, block_hasher=hasher, copy_prompt=False)
+                        if keyed:
+                            key_hashes(call.request, 0, known[1] if known is not None else None)
                         s.add_request(call.request)
                     self._incoming = held
                 if not s.has_requests():
