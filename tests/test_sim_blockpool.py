@@ -242,14 +242,21 @@ def test_keyed_hashes_are_vllms_keys_and_only_appends_keep_them():
         assert len(h._keys) == len(h)
         change(h)
         assert h._keys == [] and h.keys(suffix, len(h)) == [x + suffix for x in h]
-    # a next turn: its first 6 hashes are the same objects, the 7th an equal copy, then its own
-    nxt = make_request("b", prompt_token_ids=list(range(3, 3 + 12 * BS)), block_size=BS)
-    nxt.block_hashes[:6] = hashes[:6]
-    assert nxt.block_hashes[6] == hashes[6] and nxt.block_hashes[6] is not hashes[6]
-    key_hashes(nxt, 1, hashes)
-    assert nxt.block_hashes._keys == hashes._keys[:6] and all(
-        a is b for a, b in zip(nxt.block_hashes._keys, hashes._keys))
-    assert nxt.block_hashes.keys(suffix, 12) == [x + suffix for x in nxt.block_hashes]
+    # a next turn whose tokens part at block 8: it takes over the keys of its first 8 hashes
+    tokens = list(range(3, 3 + 8 * BS)) + [7] * (4 * BS)
+    for shared in (True, False):  # its first hashes the very objects (the sim's hasher) or equal copies
+        nxt = make_request("b", prompt_token_ids=tokens, block_size=BS)
+        if shared:
+            nxt.block_hashes[:8] = hashes[:8]
+        assert nxt.block_hashes[:8] == hashes[:8] and nxt.block_hashes[8] != hashes[8]
+        key_hashes(nxt, 1, hashes)
+        assert len(nxt.block_hashes._keys) == 8 and all(a is b for a, b in zip(nxt.block_hashes._keys, hashes._keys))
+        assert nxt.block_hashes.keys(suffix, 12) == [x + suffix for x in nxt.block_hashes]
+    nxt = make_request("c", prompt_token_ids=list(range(3, 3 + 12 * BS)), block_size=BS)
+    key_hashes(nxt, 1, hashes)  # all 10 keyed hashes equal (the 11th, appended above, is not)
+    assert nxt.block_hashes._keys == hashes._keys[:10]
+    key_hashes(nxt, 0, hashes)  # another group: nothing taken over
+    assert nxt.block_hashes._keys == []
 
 
 def test_random_operations_cover_refusals_and_resets():

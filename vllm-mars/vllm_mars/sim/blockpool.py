@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat, takewhile
-from operator import add, attrgetter, is_, is_not
+from operator import add, attrgetter, eq, is_not
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -138,13 +138,17 @@ class KeyedHashes(list):
 
 def key_hashes(request: Any, group_id: int = 0, before: Any = None) -> None:
     """Turn ``request``'s block hashes into :class:`KeyedHashes` (keyed for ``group_id``), taking
-    over the keys of ``before`` (an earlier request's hashes) for the leading hashes the two share
-    as the same objects (the sim's block hasher hands a turn the previous turn's hashes)."""
+    over the keys of ``before`` (an earlier request's hashes: the previous turn's) for the leading
+    hashes the two have equal (equal hashes, equal keys)."""
     hashes = request.block_hashes
     suffix = _group_suffix(group_id)
     keys: list[bytes] = []
     if type(before) is KeyedHashes and before._suffix == suffix and before._keys and hashes:
-        keys = before._keys[:len(list(takewhile(bool, map(is_, hashes, before))))]
+        n = min(len(hashes), len(before._keys))
+        if hashes[:n] == before[:n]:  # the common case, compared at C speed
+            keys = before._keys[:n]
+        else:
+            keys = before._keys[:len(list(takewhile(bool, map(eq, hashes, before))))]
     request.block_hashes = KeyedHashes(hashes, suffix, keys)
 
 
