@@ -174,3 +174,32 @@ def test_the_yardstick_is_known_by_name_exactly_where_the_driver_runs_the_static
     assert {n for n in names if resolve_policy(n).controller == "cap"} == {n for n in names if is_yardstick(n)} \
         == {"fcfs-cap", "mars-cap"}
     assert not is_baseline("fcfs-cap") and is_baseline("fcfs")
+
+
+def test_red_speedup_compares_the_seeds_both_policies_ran(tmp_path, monkeypatch):
+    """fcfs and the ablation ran seed 0 only, mars and continuum seeds 0-2: a seed-mean ratio would
+    divide fcfs's seed 0 (8 s) by mars's three-seed mean (6.67 s) = 1.20x; per seed over the
+    baselines that ran it it is (8/10 + 20/5 + 20/5) / 3 = 2.93x, table.md's over-seeds speedup."""
+    from types import SimpleNamespace
+
+    from vllm_mars.experiment import figures
+    from vllm_mars.metrics.report import _plt
+
+    e2e = {0: {"mars": 10.0, "fcfs": 8.0, "continuum": 12.0, "mars-no-admission": 15.0},
+           1: {"mars": 5.0, "continuum": 20.0}, 2: {"mars": 5.0, "continuum": 20.0}}
+    cells = [{"workload": "w", "rps": 0.5, "seed": s, "policies": {
+        p: {"mean_e2e_s": v, "p90_e2e_s": 2 * v, "p95_e2e_s": 3 * v} for p, v in by.items()}}
+        for s, by in e2e.items()]
+    exp = SimpleNamespace(policies=["mars", "fcfs", "continuum", "mars-no-admission"], variants={},
+                          workloads=[SimpleNamespace(name="w")])
+    for stat in ("mean", "p90", "p95"):
+        assert figures.seed_speedup(exp, cells, "w", 0.5, figures._e2e(stat)) == pytest.approx(8.8 / 3)
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path, plt: drawn.append(
+        ([t.get_text() for ax in fig.axes for t in ax.texts],
+         [b.get_height() for ax in fig.axes for b in ax.patches if b.get_height()])) or plt.close(fig))
+    plt = _plt()
+    figures.fig_e2e(plt, exp, cells, tmp_path / "e2e.png")
+    figures.fig_ablations(plt, exp, cells, tmp_path / "abl.png")
+    assert drawn[0][0] == ["2.93x", "2.93x", "2.93x"]
+    assert drawn[1][1] == [pytest.approx(1.5)]  # the ablation ran seed 0 only: 15 / 10, not 15 / 6.67

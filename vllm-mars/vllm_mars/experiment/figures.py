@@ -11,7 +11,8 @@ name                      paper       what
 ========================  ==========  =================================================================
 ``e2e``                   7, 9, 10    mean / P90 / P95 E2E against load per workload, every policy; in
                                       red over each load, mars's speedup over the fastest baseline of
-                                      that statistic
+                                      that statistic (:func:`seed_speedup`: per seed, over the
+                                      baselines that ran it; lines are all seeds' means)
 ``throughput_goodput``    2           computed-token throughput (prefill not served from the prefix
                                       cache + recomputed + decoded tokens per second) and goodput
                                       against load: the engine stays busy while goodput collapses
@@ -22,6 +23,7 @@ name                      paper       what
 ``inputs``                6           input length (prompt tokens per call) and T_ideal per workflow,
                                       as CDFs per workload
 ``ablations``             13          each mars variant's mean E2E over mars's, per workload and load
+                                      (the mean of per-seed ratios, over the seeds both ran)
 ========================  ==========  =================================================================
 
 ``kv_removals`` counts, per LLM call after a workflow's first, the full blocks of the previous call's
@@ -39,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.metrics.compare import is_baseline, is_mars, is_yardstick
+from vllm_mars.metrics.compare import cell_speedup, is_baseline, is_mars, is_yardstick
 from vllm_mars.metrics.report import _plt, _save
 from vllm_mars.metrics.summary import GOODPUT
 
@@ -153,6 +155,25 @@ def _seed_mean(cells: Sequence[Mapping], workload: str, rps: float, policy: str,
     return statistics.fmean(vals) if vals else None
 
 
+def seed_speedup(exp: Any, cells: Sequence[Mapping], workload: str, rps: float, get) -> float | None:
+    """mars's speedup over the fastest baseline of one statistic (``get`` of a policy's record) at
+    one load, the way ``table.md`` averages speedups over seeds: per seed cell
+    :func:`~vllm_mars.metrics.compare.cell_speedup` over the baselines that ran that seed, then
+    the mean over the seeds with a speedup. Seed means of unequal seed sets are never divided (a
+    policy that ran seed 0 only is compared on seed 0 only)."""
+    cands = [p for p in exp.policies if is_baseline(p, _driver(exp, p))]
+    sp = []
+    for c in cells:
+        if c["workload"] != workload or c["rps"] != rps:
+            continue
+        summ = {p: {"policy": "mars" if p == "mars" else _driver(exp, p), "e2e_s": {"mean": v}}
+                for p in ["mars", *cands] for v in [get(c["policies"].get(p) or {})] if v is not None}
+        s = cell_speedup(summ)["speedup"]
+        if s is not None:
+            sp.append(s)
+    return statistics.fmean(sp) if sp else None
+
+
 def _e2e(stat: str):
     key = f"{stat}_e2e_s"
     return lambda d: d.get(key)
@@ -209,11 +230,9 @@ def fig_e2e(plt, exp: Any, cells: Sequence[Mapping], path: Path) -> int:
                 _line(ax, xs, ys, p)
                 series += i == 0 and j == 0 and any(y is not None for y in ys)
             for r in xs:  # mars's speedup over the fastest baseline of this statistic, in red
-                m = _seed_mean(cells, w.name, r, "mars", get)
-                base = [v for p in exp.policies if is_baseline(p, _driver(exp, p))
-                        for v in [_seed_mean(cells, w.name, r, p, get)] if v is not None]
-                if m and base:
-                    ax.annotate(f"{min(base) / m:.2f}x", (r, m), textcoords="offset points", xytext=(0, 7),
+                m, sp = _seed_mean(cells, w.name, r, "mars", get), seed_speedup(exp, cells, w.name, r, get)
+                if m and sp is not None:
+                    ax.annotate(f"{sp:.2f}x", (r, m), textcoords="offset points", xytext=(0, 7),
                                 ha="center", fontsize=7, color="red", fontweight="bold")
             _logx(ax, xs)
             ax.set_xlabel("arrival rate (roots/s)")
@@ -222,7 +241,8 @@ def fig_e2e(plt, exp: Any, cells: Sequence[Mapping], path: Path) -> int:
             if i == 0:
                 ax.set_title(w.name)
     axes[0][-1].legend(fontsize="xx-small", loc="best")
-    fig.suptitle("E2E vs load (red: mars's speedup\nover the fastest baseline)", fontsize=9)
+    fig.suptitle("E2E vs load, seed means (red: mars's speedup over the fastest\n"
+                 "baseline, per seed over the baselines that ran it, mean over seeds)", fontsize=9)
     _save(fig, path, plt)
     return series
 
@@ -348,9 +368,11 @@ def fig_ablations(plt, exp: Any, cells: Sequence[Mapping], path: Path) -> int:
         for a, p in enumerate(abl):
             ratios = []
             for r in xs:
-                m = _seed_mean(cells, w.name, r, "mars", lambda d: d.get("mean_e2e_s"))
-                v = _seed_mean(cells, w.name, r, p, lambda d: d.get("mean_e2e_s"))
-                ratios.append(v / m if m and v else 0.0)
+                # per seed that both ran, then the mean over those seeds (as seed_speedup)
+                per = [v / m for c in cells if c["workload"] == w.name and c["rps"] == r
+                       for m, v in [((c["policies"].get("mars") or {}).get("mean_e2e_s"),
+                                     (c["policies"].get(p) or {}).get("mean_e2e_s"))] if m and v]
+                ratios.append(statistics.fmean(per) if per else 0.0)
             ax.bar([i + a * width - 0.4 + width / 2 for i in range(len(xs))], ratios, width, label=p)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(xs)), [f"{r:g}" for r in xs])
