@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat, takewhile
 from operator import add, attrgetter, eq, is_not
-from typing import Any
+from typing import Any, Self
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -108,7 +108,7 @@ class KeyedHashes(list):
         super().__delitem__(index)
         self._changed()
 
-    def __imul__(self, n: Any) -> KeyedHashes:
+    def __imul__(self, n: Any) -> Self:
         super().__imul__(n)
         self._changed()
         return self
