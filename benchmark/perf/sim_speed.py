@@ -32,6 +32,11 @@ the sim runs vLLM's real scheduler on those steps (``floor_virtual_per_cpu``).
 
     .venv/bin/python benchmark/perf/sim_speed.py --workflows 400 --floor
 
+The record also counts the replay engine's empty steps and the calibration engine's steps, which
+call ``schedule()`` too. ``--floor-cprofile FILE`` profiles only those calls (pstats in
+``FILE.<workflows>``; cProfile's per-call cost overstates call-heavy code: ``sim_costs.py`` gives
+the split).
+
 ``--kv-scale`` runs on a pool that many times the profile's (the step times stay the profile's): the
 cost of a huge pool (``max_rss_mb`` is the process's peak resident memory, vLLM's import included).
 """

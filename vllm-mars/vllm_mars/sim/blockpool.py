@@ -13,7 +13,10 @@ method and property calls (``get_new_blocks`` -> ``_maybe_evict_cached_block`` -
 directly; :class:`SimFullAttentionManager` answers the full-attention prefix lookup with one walk of
 the hash map at C speed (``map``/``takewhile``) and counts a hit's free blocks the same way; and
 :class:`SimKVCacheManager` reads a request's cached-token estimate (its prefill stats, once per
-request) from its last cached blocks. The result is vLLM's, exactly: the same blocks
+request) from its last cached blocks. The sim engine hands requests whose block-hash list also
+keeps each hash's key in vLLM's hash map (:class:`KeyedHashes`: hash + group suffix, made once per
+request and taken over by the next turn), which the lookup and the caching of full blocks read
+instead of joining them again. The result is vLLM's, exactly: the same blocks
 handed out, the same free-queue (LRU eviction) order, the same hash map contents and order, the same
 removals reported through ``_emit_block_removed_events`` (in one call per operation instead of one
 per block: the same hashes in the same order, so the same KV events and the same removal count).
@@ -34,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat, takewhile
 from operator import add, attrgetter, eq, is_not
-from typing import Any
+from typing import Any, Self
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -105,7 +108,7 @@ class KeyedHashes(list):
         super().__delitem__(index)
         self._changed()
 
-    def __imul__(self, n: Any) -> KeyedHashes:
+    def __imul__(self, n: Any) -> Self:
         super().__imul__(n)
         self._changed()
         return self
