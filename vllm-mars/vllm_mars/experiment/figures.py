@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_mars.metrics.compare import cell_speedup, is_baseline, is_mars, is_yardstick
+from vllm_mars.metrics.compare import is_baseline, is_mars, is_yardstick, record_speedup
 from vllm_mars.metrics.report import _plt, _save
 from vllm_mars.metrics.summary import GOODPUT
 
@@ -158,7 +158,7 @@ def _seed_mean(cells: Sequence[Mapping], workload: str, rps: float, policy: str,
 def seed_speedup(exp: Any, cells: Sequence[Mapping], workload: str, rps: float, get) -> float | None:
     """mars's speedup over the fastest baseline of one statistic (``get`` of a policy's record) at
     one load, the way ``table.md`` averages speedups over seeds: per seed cell
-    :func:`~vllm_mars.metrics.compare.cell_speedup` over the baselines that ran that seed, then
+    :func:`~vllm_mars.metrics.compare.record_speedup` over the baselines that ran that seed, then
     the mean over the seeds with a speedup. Seed means of unequal seed sets are never divided (a
     policy that ran seed 0 only is compared on seed 0 only)."""
     cands = [p for p in exp.policies if is_baseline(p, _driver(exp, p))]
@@ -166,9 +166,8 @@ def seed_speedup(exp: Any, cells: Sequence[Mapping], workload: str, rps: float, 
     for c in cells:
         if c["workload"] != workload or c["rps"] != rps:
             continue
-        summ = {p: {"policy": "mars" if p == "mars" else _driver(exp, p), "e2e_s": {"mean": v}}
-                for p in ["mars", *cands] for v in [get(c["policies"].get(p) or {})] if v is not None}
-        s = cell_speedup(summ)["speedup"]
+        rows = {p: c["policies"][p] for p in ["mars", *cands] if p in c["policies"]}
+        s = record_speedup(rows, lambda p: _driver(exp, p), get)["speedup"]
         if s is not None:
             sp.append(s)
     return statistics.fmean(sp) if sp else None

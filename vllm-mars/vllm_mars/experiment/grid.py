@@ -33,7 +33,7 @@ from vllm_mars.driver.runner import ReplayConfig
 from vllm_mars.experiment.figures import run_figure_data, workload_stats
 from vllm_mars.experiment.results import redraw_results, write_results
 from vllm_mars.experiment.spec import Cell, Experiment, WorkloadSpec
-from vllm_mars.metrics.compare import cell_speedup, compare_record
+from vllm_mars.metrics.compare import compare_record, record_speedup
 from vllm_mars.metrics.ideal import CostModel
 from vllm_mars.workload.ilr import generate, load_preset
 from vllm_mars.workload.schema import load_workload, write_workload
@@ -202,12 +202,10 @@ def _with_recorded(exp: Experiment, cell: Cell, rec: dict[str, Any] | None,
     runs = {**recorded["policies"], **((rec or {}).get("policies") or {})}
     labels = exp.policies_for(cell.workload)
     runs = {q: runs[q] for q in labels if q in runs}
-    means = {q: {"e2e_s": {"mean": d.get("mean_e2e_s")}, "policy": (exp.variants.get(q) or {}).get("policy", q)}
-             for q, d in runs.items()}
     carried = recorded.get("carried_wall_s", recorded.get("wall_s") or 0.0)
     out = {**recorded, **(rec or {}), "policies": runs,
            "speedup": None, "baseline": None, "baseline_mean_e2e_s": None, "mars_mean_e2e_s": None}
-    out.update(cell_speedup(means))
+    out.update(record_speedup(runs, lambda q: (exp.variants.get(q) or {}).get("policy", q)))
     out["wall_s"] = round(((rec or {}).get("wall_s") or 0.0) + carried, 3)
     out["carried_wall_s"] = carried
     return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,15 @@ def cell_speedup(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     best = min(base, key=lambda p: base[p]["e2e_s"]["mean"])
     return {"speedup": base[best]["e2e_s"]["mean"] / mars["e2e_s"]["mean"], "baseline": best,
             "baseline_mean_e2e_s": base[best]["e2e_s"]["mean"], "mars_mean_e2e_s": mars["e2e_s"]["mean"]}
+
+
+def record_speedup(policies: Mapping[str, Mapping[str, Any]], driver: Callable[[str], str | None],
+                   get: Callable[[Mapping[str, Any]], float | None] = lambda d: d.get("mean_e2e_s")) -> dict[str, Any]:
+    """:func:`cell_speedup` over a results record's per-policy rows (:func:`compare_record`'s
+    ``policies``): ``get`` reads the statistic (mean E2E by default), ``driver(label)`` the policy
+    behind a label (a variant's driver)."""
+    return cell_speedup({p: {"policy": driver(p), "e2e_s": {"mean": v}}
+                         for p, d in policies.items() for v in [get(d)] if v is not None})
 
 
 def compare_record(workload: str, cells: Mapping[float, Mapping[str, Mapping[str, Any]]],
