@@ -221,6 +221,24 @@ def test_report_without_run_dirs_redraws_the_table_from_results_json(grid, tmp_p
     assert "results of experiment 'other', not of" in capsys.readouterr().err
 
 
+def test_results_name_repo_files_by_repo_relative_paths(grid, tmp_path):
+    """results.json and table.md are committed: an experiment file, workload or profile inside the
+    repository is recorded relative to it, whatever path it was given by; one outside stays as given."""
+    from vllm_mars.experiment.results import shown_path, write_results
+    from vllm_mars.experiment.spec import load_experiment
+
+    exp, _, record = grid  # its file is in a temporary dir, its workload in the repository
+    assert record["config"]["file"] == str(exp.path)
+    assert record["config"]["workloads"][0]["path"] == "benchmark/workloads/compact.jsonl"
+    seeds = load_experiment(REPO / "experiments" / "studies" / "cpu_default_seeds.toml")
+    rec = write_results(seeds, tmp_path, [], None)
+    assert rec["config"]["file"] == "experiments/studies/cpu_default_seeds.toml"
+    assert [w["path"] for w in rec["config"]["workloads"]] == ["benchmark/workloads/compact.jsonl"]
+    text = (tmp_path / "results.json").read_text() + (tmp_path / "table.md").read_text()
+    assert str(REPO) not in text and "- file: `experiments/studies/cpu_default_seeds.toml`" in text
+    assert shown_path("fcfs") == "fcfs" and shown_path("/nonexistent/x.toml") == "/nonexistent/x.toml"
+
+
 def test_run_cpu_time_is_the_runs_own_and_old_records_still_report(grid, tmp_path, monkeypatch):
     """usage.json counts the CPU a run took in this process and in the children it waited for, not
     its wall time; cells and results.json written before it existed still load and report."""

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_mars.driver.config import REPO_ROOT
 from vllm_mars.experiment.figures import draw_figures
 from vllm_mars.experiment.limit import format_limit, limit_rows, load_limit
 from vllm_mars.experiment.spec import Experiment
@@ -27,10 +28,26 @@ from vllm_mars.metrics.summary import DEFAULT_ALPHA, GOODPUT
 
 
 def experiment_config(exp: Experiment) -> dict[str, Any]:
-    """What results.json records of the experiment's settings."""
-    return {"file": str(exp.path), "policies": list(exp.policies), "variants": exp.variants,
-            "seeds": list(exp.seeds), "workloads": [asdict(w) for w in exp.workloads],
-            "replay": {k: v for k, v in asdict(exp.base).items() if k not in ("workload", "out", "progress")}}
+    """What results.json records of the experiment's settings (paths as :func:`shown_path` gives them)."""
+    return {"file": shown_path(exp.path), "policies": list(exp.policies), "variants": exp.variants,
+            "seeds": list(exp.seeds),
+            "workloads": [{k: shown_path(v) if isinstance(v, str) else v for k, v in asdict(w).items()}
+                          for w in exp.workloads],
+            "replay": {k: shown_path(v) if isinstance(v, str) else v for k, v in asdict(exp.base).items()
+                       if k not in ("workload", "out", "progress")}}
+
+
+def shown_path(p: str | Path) -> str:
+    """An absolute path inside the repository (or else the working directory) made relative to it;
+    any other value as given. results.json and table.md are committed: no machine-local paths."""
+    q = Path(p)
+    if q.is_absolute():
+        for root in (REPO_ROOT, Path.cwd()):
+            try:
+                return q.resolve().relative_to(root.resolve()).as_posix()
+            except ValueError:
+                continue
+    return str(p)
 
 
 def write_results(exp: Experiment, out: Path, cells: Sequence[Mapping[str, Any]],
@@ -168,7 +185,7 @@ def format_results(exp: Experiment, record: Mapping[str, Any], plots: Sequence[s
     a = record["alpha"]
     cfg = record["config"]["replay"]
     lines = [f"# Experiment `{exp.name}`", "", exp.description.strip(), "",
-             (f"- file: `{exp.path}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
+             (f"- file: `{shown_path(exp.path)}`; cells run: {len(cells)} of {len(cells) + len(record['missing'])}; "
              f"wall time of the cells, summed: {record['wall_s']:.0f} s; {_cpu_line(record)}"),
              f"- backend: {cfg.get('backend')}" + (f", profile: {cfg.get('profile')}" if cfg.get("profile") else "")
              + f", arrival: {cfg.get('arrival')}, policies: {', '.join(pols)}",
