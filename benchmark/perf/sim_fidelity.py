@@ -319,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         profile = str(fit_grid_profile(out, args.grid, args.grid_repeats))
     if args.real_only:
         return 0
+    # another profile's grid-fit sims go to their own folders (a rerun reuses finished runs by folder)
+    tag = "" if Path(profile) == grid_fit else f"-{Path(profile).stem}"
     result: dict = {}
     for w, src in workloads.items():
         base = ReplayConfig(workload=workload_file(src, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
                             progress=False, plots=False, backend="sim")
-        grid_profile = shaped(profile, base, out / w / "profile-grid.toml")
+        grid_profile = shaped(profile, base, out / w / f"profile-grid{tag}.toml")
         res = result[w] = {}
         for pol in policies:
             runs = real[w][pol]
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof = shaped(str(fit), base, fit)
                 own += ensemble(replace(base, policy=pol), prof, d.with_name(d.name.replace("real", "simown")))
             # 4. the grid fit
-            ens = ensemble(replace(base, policy=pol), grid_profile, out / w / f"simgrid-{pol}")
+            ens = ensemble(replace(base, policy=pol), grid_profile, out / w / f"simgrid{tag}-{pol}")
             grid = {**median(ens), "completed": ens[0]["completed"]}
             for d, m in runs:  # how slowly the engine ran in this run against the grid fit, batch for batch
                 m["step_speed_vs_grid"] = round(step_speed(load_profile(str(grid_profile)),
