@@ -1,7 +1,7 @@
 """Sim fidelity: the same workloads through the real CPU engine (tiny model, wall time) and through the
 sim (virtual time), per policy, repeated; errors of the sim's medians against the real runs' medians.
 
-    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py                   # fit a grid profile now
+    PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py                   # real runs, grid fit, sims
     PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py --policies fcfs --workloads compact --repeats 2
 
 Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engine, generated from
@@ -16,8 +16,10 @@ Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engi
    any difference is the sim's mechanism (event order, scheduling, KV sizing, an admission
    controller's choices), not its step-time model or the real driver's latencies;
 3. the sim with a profile fitted to each real run's own steps (``mars profile --from-steps``);
-4. the sim with the ``cpu`` grid fit of ``mars profile`` (its steps timed in the same serving loop as
-   the real runs'; a grid timed on a loaded machine describes its load at that moment).
+4. the sim with the ``cpu`` grid fit of ``mars profile``, fitted right after the real runs (also under
+   ``--real-only``; ``--profile`` gives another): its steps are timed in the same serving loop as the
+   real runs', and a grid timed at another time or on another machine describes that box's state,
+   not the runs' (q10: a grid fitted hours before on another load put all six grid errors +6 to +19 %).
 
 3 and 4 are medians over deterministic runs with the profile's step times scaled by each of
 ``--scales`` (default 0.98-1.02): the preemptions of one run are one draw of a quantity chaotic in
@@ -117,6 +119,53 @@ def pooled_bias(paths: list[str]) -> dict:
     return {w: {p: {k: per_run_bias(v) for k, v in ks.items()} for p, ks in ps.items()} for w, ps in out.items()}
 
 
+def table(doc: dict) -> str:
+    """A results file as Markdown: errors of the medians in % (E2E in bold where within its target:
+    5 % own-run fit, 15 % grid fit; counts target 20 %), each run against its own fit's sims (mean log
+    ratio +- standard error, %), and the winners."""
+    def pct(x, nd=0):
+        return "-" if x is None else f"{x * 100:+.{nd}f}"
+
+    def e2e(x, target):
+        return pct(x, 1) if x is None or abs(x) > target else f"**{pct(x, 1)}**"
+
+    def bias(b):
+        return "-" if b["mean_log_ratio"] is None else f"{b['mean_log_ratio'] * 100:+.1f} +- {(b['stderr'] or 0) * 100:.1f}"
+
+    rows = ["| workload, policy | real: preempt., recomp., E2E | spread: E2E, preempt., recomp. | own-run fit: "
+            "preempt. / recomp. / E2E | grid fit: preempt. / recomp. / E2E | trace |", "|---|---|---|---|---|---|"]
+    per_run = ["| workload, policy | preempt. | recomp. | E2E |", "|---|---|---|---|"]
+    wins = []
+    for w, res in doc.items():
+        if w.startswith("_"):
+            continue
+        for pol, r in res.items():
+            if pol.startswith("_"):
+                continue
+            re_, sp, o, g = r["real"], r["real"]["spread"], r["own_run_fit"], r["grid_fit"]
+            rows.append(f"| {w} {pol} | {re_['preemptions']:g}, {re_['recomputed_tokens']:g}, {re_['mean_e2e_s']:.2f} s "
+                        f"| {sp['mean_e2e_s'] * 100:.0f} %, {sp['preemptions'] * 100:.0f} %, "
+                        f"{sp['recomputed_tokens'] * 100:.0f} % | {pct(o['preemptions_err'])} / "
+                        f"{pct(o['recomputed_tokens_err'])} / {e2e(o['mean_e2e_err'], 0.05)} | "
+                        f"{pct(g['preemptions_err'])} / {pct(g['recomputed_tokens_err'])} / "
+                        f"{e2e(g['mean_e2e_err'], 0.15)} | {r['trace']['exact']} of {r['trace']['of']} |")
+            pr = o.get("per_run") or {}
+            per_run.append(f"| {w} {pol} | " + " | ".join(bias(pr[k]) if k in pr else "-" for k in
+                                                          ("preemptions", "recomputed_tokens", "mean_e2e_s")) + " |")
+        wn = res.get("_winner") or {}
+        if wn:
+            gap = wn.get("real_paired_gap") or {}
+            gap_s = "" if gap.get("mean_log_ratio") is None else (
+                f"; the real runner-up behind it, repeat by repeat, {bias(gap)} %")
+            m = wn["margin"]
+            wins.append(f"- {w}: real {wn['real']} (margin {m['real'] * 100:.1f} %, its runs' E2E spread "
+                        f"{wn['real_spread_of_best'] * 100:.0f} %{gap_s}), own-run fit {wn['own_run_fit']} "
+                        f"({m['own_run_fit'] * 100:.1f} %), grid fit {wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): "
+                        + ("same" if wn["same"] else "not the same"))
+    return "\n".join([*rows, "", "Each run against its own fit's sims, mean log ratio sim / real +- standard error "
+                      "(%):", "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
+
+
 def margin(e2e: dict[str, float]) -> float | None:
     """Relative gap between the best and the second-best policy's mean E2E (None: one policy)."""
     v = sorted(e2e.values())
@@ -151,6 +200,11 @@ def shaped(profile: str, cfg, dest: Path) -> Path:
     return p.write(dest)
 
 
+def workload_name(arg: str) -> str:
+    """A workload's folder in the work dir and key in the results: compact, ilr3, or a path's stem."""
+    return arg if arg in ("compact", "ilr3") else Path(arg).stem
+
+
 def workload_file(name: str, out: Path) -> str:
     if name == "compact":
         return str(ROOT / "benchmark" / "workloads" / "compact.jsonl")
@@ -173,22 +227,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rps", type=float, default=4.0)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: fit one)")
+    ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: the grid "
+                    "fit in --out, fitted right after the real runs)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
     ap.add_argument("--grid-repeats", type=int, default=None)
     ap.add_argument("--scales", default="0.98,0.99,1,1.01,1.02",
                     help="step-time scales of each fitted profile's sim runs (own-run and grid fit), comma-separated; "
                          "the table takes their median (preemptions are chaotic in step time: one run is one draw; "
                          "'1': a single run each)")
-    ap.add_argument("--real-only", action="store_true", help="only the real runs (a later run adds the sims)")
+    ap.add_argument("--real-only", action="store_true", help="only the real runs and the grid fit after them "
+                    "(a later run with --no-new-real adds the sims)")
     ap.add_argument("--no-new-real", action="store_true", help="use the real runs already in --out (at most "
                     "--repeats each), start none")
     ap.add_argument("--out", default=None, help="work dir (default runs/sim_fidelity_<stamp>); a rerun with the same "
                     "dir reuses its finished real runs and grid fit")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results file ('' = do not write)")
+    ap.add_argument("--table", metavar="JSON", default=None, help="print a results file as Markdown tables (no runs)")
     ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
                     help="print the per-run count bias pooled over these results files (no runs)")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
     if args.pool:
         print(json.dumps(pooled_bias(args.pool), indent=2))
         return 0
@@ -209,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--scales {args.scales!r}: comma-separated positive numbers expected")
     if not scales or not all(0 < f < 10 for f in scales):
         ap.error(f"--scales {args.scales!r}: comma-separated numbers in (0, 10) expected")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    # name (the work dir's folder and the results' key) -> compact, ilr3 or a JSONL path
+    workloads = {workload_name(w.strip()): w.strip() for w in args.workloads.split(",") if w.strip()}
 
     def run(cfg) -> dict:
         d = Path(cfg.out)
@@ -230,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the real runs, interleaved over policies (a load change hits every policy alike)
     real: dict = {}
-    for w in workloads:
-        base = ReplayConfig(workload=workload_file(w, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
+    for w, src in workloads.items():
+        base = ReplayConfig(workload=workload_file(src, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
                             progress=False, plots=False)
         for i in range(args.repeats):
             for pol in policies:
@@ -241,16 +302,30 @@ def main(argv: list[str] | None = None) -> int:
                 s = run(replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d)))
                 real.setdefault(w, {}).setdefault(pol, []).append((d, metrics(s)))
                 print(f"real {w} {pol} r{i}: {metrics(s)}", file=sys.stderr)
+    missing = [f"{w} {p}" for w in workloads for p in policies if not real.get(w, {}).get(p)]
+    if missing:
+        ap.error(f"no finished real runs (summary.json and steps.jsonl) in {out} for: {', '.join(missing)}")
+    # the grid fit right after the real runs, so both describe the box in one state (a grid fitted
+    # hours earlier, or on another machine, moved every grid-fit error the same way: q10, +6 to +19 %)
+    grid_fit = out / "cpu-tiny-grid.toml"
+    if args.profile:
+        profile = args.profile
+    elif grid_fit.exists():
+        profile = str(grid_fit)
+    elif args.no_new_real:
+        ap.error(f"--no-new-real: no grid fit {grid_fit} beside the real runs; give --profile, or run without "
+                 "--no-new-real to fit one now")
+    else:
+        profile = str(fit_grid_profile(out, args.grid, args.grid_repeats))
     if args.real_only:
         return 0
-    grid_fit = out / "cpu-tiny-grid.toml"
-    profile = args.profile or (str(grid_fit) if grid_fit.exists() else str(fit_grid_profile(out, args.grid,
-                                                                                             args.grid_repeats)))
+    # another profile's grid-fit sims go to their own folders (a rerun reuses finished runs by folder)
+    tag = "" if Path(profile) == grid_fit else f"-{Path(profile).stem}"
     result: dict = {}
-    for w in workloads:
-        base = ReplayConfig(workload=workload_file(w, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
+    for w, src in workloads.items():
+        base = ReplayConfig(workload=workload_file(src, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
                             progress=False, plots=False, backend="sim")
-        grid_profile = shaped(profile, base, out / w / "profile-grid.toml")
+        grid_profile = shaped(profile, base, out / w / f"profile-grid{tag}.toml")
         res = result[w] = {}
         for pol in policies:
             runs = real[w][pol]
@@ -267,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof = shaped(str(fit), base, fit)
                 own += ensemble(replace(base, policy=pol), prof, d.with_name(d.name.replace("real", "simown")))
             # 4. the grid fit
-            ens = ensemble(replace(base, policy=pol), grid_profile, out / w / f"simgrid-{pol}")
+            ens = ensemble(replace(base, policy=pol), grid_profile, out / w / f"simgrid{tag}-{pol}")
             grid = {**median(ens), "completed": ens[0]["completed"]}
             for d, m in runs:  # how slowly the engine ran in this run against the grid fit, batch for batch
                 m["step_speed_vs_grid"] = round(step_speed(load_profile(str(grid_profile)),
@@ -275,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             rm = median([m for _, m in runs])
             k = len(scales)  # each real run's own-fit sims: its count against the median of its sims
             pairs = {key: [(m[key], statistics.median(o[key] for o in own[i * k:(i + 1) * k]))
-                           for i, (_, m) in enumerate(runs)] for key in ("preemptions", "recomputed_tokens")}
+                           for i, (_, m) in enumerate(runs)] for key in ("preemptions", "recomputed_tokens", "mean_e2e_s")}
             res[pol] = {
                 "real": {**rm, "runs": [m for _, m in runs], "spread": spread([m for _, m in runs])},
                 # exact: every recorded step's batch was the sim's, so the same preemptions
@@ -291,10 +366,17 @@ def main(argv: list[str] | None = None) -> int:
                "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in policies},
                "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in policies}}
         best = {k: min(v, key=v.get) for k, v in e2e.items()}
-        # the margin of the best policy over the next, against the real runs' own E2E spread
+        # the margin of the best policy over the next, against the real runs' own E2E spread and
+        # against the noise of the real gap itself: repeat i of each policy ran back to back (the same
+        # load), so the per-repeat log ratio second / best has a standard error
+        order = sorted(policies, key=e2e["real"].get)
+        paired = (per_run_bias([(a["mean_e2e_s"], b["mean_e2e_s"]) for (_, a), (_, b)
+                                in zip(real[w][order[0]], real[w][order[1]])])
+                  if len(order) > 1 else None)
         res["_winner"] = {**best, "same": len(set(best.values())) == 1,
                           "margin": {k: margin(v) for k, v in e2e.items()},
-                          "real_spread_of_best": res[best["real"]]["real"]["spread"]["mean_e2e_s"]}
+                          "real_spread_of_best": res[best["real"]]["real"]["spread"]["mean_e2e_s"],
+                          "real_paired_gap": paired}
     epochs = [json.loads((d / "events.jsonl").open().readline()).get("epoch") or 0 for w in workloads
               for p in policies for d, _ in real[w][p]]
     epochs = [e for e in epochs if e]
@@ -303,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
         "loadavg_start": [round(x, 1) for x in load0], "loadavg_end": [round(x, 1) for x in os.getloadavg()],
         "command": "PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py " + " ".join(argv or sys.argv[1:]),
-        "workloads": workloads, "policies": policies,
+        "workloads": list(workloads), "policies": policies,
         "real_runs": {w: {p: len(real[w][p]) for p in policies} for w in workloads},
         "real_runs_utc": [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) for t in (min(epochs), max(epochs))]
         if epochs else None, "rps": args.rps,

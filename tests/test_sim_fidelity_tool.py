@@ -1,0 +1,69 @@
+"""benchmark/perf/sim_fidelity.py end to end on a small workload: the real CPU engine, the grid fit
+right after the real runs (also under --real-only, so the grid and the runs share the box's state),
+then the sims on those runs with --no-new-real; and its one-line errors on a work dir that lacks them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_sim_fidelity import _workload
+from vllm_mars.sim.profile import load_profile
+
+TOOL = Path(__file__).resolve().parents[1] / "benchmark" / "perf" / "sim_fidelity.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("sim_fidelity", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_grid_fit_follows_the_real_runs_then_the_sims_use_it(tmp_path, tiny_model, capsys):
+    sf = _tool()
+    wl = str(_workload(tmp_path / "wl.jsonl", n=4))
+    out = tmp_path / "fid"
+    common = ["--policies", "fcfs", "--workloads", wl, "--repeats", "1", "--out", str(out)]
+    assert sf.main([*common, "--real-only", "--grid", "tiny", "--grid-repeats", "1", "--results", ""]) == 0
+    real = out / "wl" / "real-fcfs-r0"
+    grid = out / "cpu-tiny-grid.toml"
+    assert (real / "steps.jsonl").exists() and grid.exists() and (out / "grid_steps.jsonl").exists()
+    # fitted after the real run, in this process: not a file from another time
+    assert grid.stat().st_mtime > (real / "summary.json").stat().st_mtime
+    assert "fitted by `mars profile`" in load_profile(str(grid)).efficiency.source
+
+    # the sims on those runs: the grid fit beside them is the grid profile, no new engine run
+    res = tmp_path / "res.json"
+    assert sf.main([*common, "--no-new-real", "--scales", "1", "--results", str(res)]) == 0
+    doc = json.loads(res.read_text())
+    assert doc["_meta"]["profile"] == str(grid) and doc["_meta"]["real_runs"] == {"wl": {"fcfs": 1}}
+    r = doc["wl"]["fcfs"]
+    assert r["real"]["runs"][0]["completed"] == 4
+    assert r["trace"]["exact"] == 1  # the trace replay: this very run, batch for batch
+    for key in ("own_run_fit", "grid_fit"):
+        assert r[key]["mean_e2e_err"] is not None and abs(r[key]["mean_e2e_err"]) < 0.75, (key, r[key])
+    # leak checks: the real engine ended with every KV block free and nothing retained; every sim run
+    # closed with its own (the sim backend raises on a leak)
+    for d in (out / "wl").iterdir():
+        if d.is_dir():
+            end = json.loads((d / "events.jsonl").read_text().splitlines()[-1])
+            assert end["event"] == "run_end", d
+            eng = end["engine"]
+            assert eng["free_blocks"] == eng["num_blocks"] and eng["retained_blocks"] == 0, (d, eng)
+            assert d.name.startswith("real") or eng["leak_check"] == "ok", (d, eng)
+
+    # a work dir without the grid fit: --no-new-real will not fit one after the fact
+    bare = tmp_path / "bare"
+    shutil.copytree(out / "wl", bare / "wl")
+    with pytest.raises(SystemExit) as e:
+        sf.main([*common[:-1], str(bare), "--no-new-real", "--results", ""])
+    assert e.value.code == 2 and "no grid fit" in capsys.readouterr().err
+    # ... nor run without the real runs
+    with pytest.raises(SystemExit) as e:
+        sf.main([*common[:-1], str(tmp_path / "empty"), "--no-new-real", "--results", ""])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no finished real runs" in err and "wl fcfs" in err, err
