@@ -177,6 +177,47 @@ def test_async_scheduling_overlaps_the_cpu_work_with_the_kernels(tmp_path):
         load_profile(str(tmp_path / "bad.json"))
 
 
+def test_async_scheduling_delays_a_call_that_arrives_during_a_step_by_one_step():
+    # vLLM's async engine core schedules step k+1 while step k runs: a call that arrives during a step
+    # misses the step already scheduled behind it; one that arrives while the engine idles does not
+    import asyncio
+    from dataclasses import replace
+
+    from vllm_mars.sim.engine import SimBackend
+    from vllm_mars.sim.loop import run_virtual
+
+    shipped = load_profile("h100-llama-3.1-8b-kernels")
+    # the same step prices either way (the overlapped CPU time never exceeds a step's kernels)
+    sync = shipped.with_efficiency(replace(shipped.efficiency, overlapped_step_s=0.0, overlapped_per_seq_s=0.0))
+    asyn = shipped.with_efficiency(replace(shipped.efficiency, overlapped_step_s=1e-9, overlapped_per_seq_s=0.0))
+    assert asyn.step_seconds([], [520]) == sync.step_seconds([], [520])
+    t_b = 1.5 * sync.step_seconds([(512, 0)], [])  # during A's decode steps
+
+    def run(p):
+        async def main():
+            loop = asyncio.get_running_loop()
+            backend = SimBackend(p, loop.time, policy="fcfs")
+            await backend.start()
+
+            async def later(rid, at, n, out):
+                await asyncio.sleep(at)
+                res = await backend.generate(rid, [ord(rid)] * n, out, {})  # no prefix shared between calls
+                return res.first_token_ts - at
+
+            got = await asyncio.gather(later("a", 0.0, 512, 40), later("b", t_b, 256, 2), later("c", 10.0, 256, 2))
+            await backend.close()  # raises on a leak (requests, KV blocks, retention)
+            return got
+
+        return run_virtual(main())
+
+    (a_sync, b_sync, c_sync), (a_async, b_async, c_async) = run(sync), run(asyn)
+    # arrivals while idle: the prompt's step only, either way
+    assert a_sync == a_async == pytest.approx(sync.step_seconds([(512, 0)], []), rel=1e-9)
+    assert c_sync == c_async == pytest.approx(sync.step_seconds([(256, 0)], []), rel=1e-9)
+    # an arrival during a step: one more of A's decode steps before its prefill under async scheduling
+    assert b_async - b_sync == pytest.approx(sync.step_seconds([], [520]), rel=0.01)
+
+
 # -- against published end-to-end figures (reads the installed aiconfigurator-core data, no network) ----
 aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (aiconfigurator-core) is not installed")
 sys.path.insert(0, str(ROOT / "benchmark" / "perf"))
