@@ -268,6 +268,23 @@ def test_covered_rows_carry_their_benchmark_protocol_and_scheduling():
     qwen = [r for r in rows if r.model == "qwen3-32b"]
     assert qwen and all(r.protocol == "aic-gap" and r.vllm == "0.12.0" and r.scheduling == "sync" for r in qwen)
     assert gpu_validation.PROTOCOLS["inferencex"].range_ratio == 0.8
+    # the server's step token budget: InferenceX's config.yaml, and vllm serve's H100 default for NVIDIA's rows
+    assert {p.max_num_batched_tokens for p in gpu_validation.PROTOCOLS.values()} == {8192}
+
+
+def test_the_protocols_token_budget_decides_how_many_prompts_one_step_prefills():
+    from dataclasses import replace
+
+    prof = load_profile("h100-qwen3-32b-kernels")
+    wide = gpu_validation.PROTOCOLS["aic-gap"]
+    narrow = replace(wide, max_num_batched_tokens=1024)
+    one_step = prof.step_seconds([(1024, 0)] * 4, []) * 1e3
+    # fixed lengths, C 4, one prompt each: 8192 tokens prefill all four in one step; 1024, one per step
+    got = gpu_validation.emulate(prof, 1024, 2, 4, wide, prompts_per_client=1)
+    assert got["ttft_ms"] == pytest.approx(one_step, rel=1e-9)
+    # 1024: one prompt a step, the first token of the k-th after about k steps of a quarter of that (2.5 on average)
+    ttft = gpu_validation.emulate(prof, 1024, 2, 4, narrow, prompts_per_client=1)["ttft_ms"]
+    assert 0.5 * one_step < ttft < 0.75 * one_step
 
 
 def test_rows_outside_the_limit_name_their_reason_and_unexplained_ones_say_so():
