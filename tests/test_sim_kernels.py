@@ -177,6 +177,47 @@ def test_async_scheduling_overlaps_the_cpu_work_with_the_kernels(tmp_path):
         load_profile(str(tmp_path / "bad.json"))
 
 
+def test_async_scheduling_delays_a_call_that_arrives_during_a_step_by_one_step():
+    # vLLM's async engine core schedules step k+1 while step k runs: a call that arrives during a step
+    # misses the step already scheduled behind it; one that arrives while the engine idles does not
+    import asyncio
+    from dataclasses import replace
+
+    from vllm_mars.sim.engine import SimBackend
+    from vllm_mars.sim.loop import run_virtual
+
+    shipped = load_profile("h100-llama-3.1-8b-kernels")
+    # the same step prices either way (the overlapped CPU time never exceeds a step's kernels)
+    sync = shipped.with_efficiency(replace(shipped.efficiency, overlapped_step_s=0.0, overlapped_per_seq_s=0.0))
+    asyn = shipped.with_efficiency(replace(shipped.efficiency, overlapped_step_s=1e-9, overlapped_per_seq_s=0.0))
+    assert asyn.step_seconds([], [520]) == sync.step_seconds([], [520])
+    t_b = 1.5 * sync.step_seconds([(512, 0)], [])  # during A's decode steps
+
+    def run(p):
+        async def main():
+            loop = asyncio.get_running_loop()
+            backend = SimBackend(p, loop.time, policy="fcfs")
+            await backend.start()
+
+            async def later(rid, at, n, out):
+                await asyncio.sleep(at)
+                res = await backend.generate(rid, [ord(rid)] * n, out, {})  # no prefix shared between calls
+                return res.first_token_ts - at
+
+            got = await asyncio.gather(later("a", 0.0, 512, 40), later("b", t_b, 256, 2), later("c", 10.0, 256, 2))
+            await backend.close()  # raises on a leak (requests, KV blocks, retention)
+            return got
+
+        return run_virtual(main())
+
+    (a_sync, b_sync, c_sync), (a_async, b_async, c_async) = run(sync), run(asyn)
+    # arrivals while idle: the prompt's step only, either way
+    assert a_sync == a_async == pytest.approx(sync.step_seconds([(512, 0)], []), rel=1e-9)
+    assert c_sync == c_async == pytest.approx(sync.step_seconds([(256, 0)], []), rel=1e-9)
+    # an arrival during a step: one more of A's decode steps before its prefill under async scheduling
+    assert b_async - b_sync == pytest.approx(sync.step_seconds([], [520]), rel=0.01)
+
+
 # -- against published end-to-end figures (reads the installed aiconfigurator-core data, no network) ----
 aic = pytest.importorskip("aiconfigurator_core", reason="the 'kernels' extra (aiconfigurator-core) is not installed")
 sys.path.insert(0, str(ROOT / "benchmark" / "perf"))
@@ -227,6 +268,23 @@ def test_covered_rows_carry_their_benchmark_protocol_and_scheduling():
     qwen = [r for r in rows if r.model == "qwen3-32b"]
     assert qwen and all(r.protocol == "aic-gap" and r.vllm == "0.12.0" and r.scheduling == "sync" for r in qwen)
     assert gpu_validation.PROTOCOLS["inferencex"].range_ratio == 0.8
+    # the server's step token budget: InferenceX's config.yaml, and vllm serve's H100 default for NVIDIA's rows
+    assert {p.max_num_batched_tokens for p in gpu_validation.PROTOCOLS.values()} == {8192}
+
+
+def test_the_protocols_token_budget_decides_how_many_prompts_one_step_prefills():
+    from dataclasses import replace
+
+    prof = load_profile("h100-qwen3-32b-kernels")
+    wide = gpu_validation.PROTOCOLS["aic-gap"]
+    narrow = replace(wide, max_num_batched_tokens=1024)
+    one_step = prof.step_seconds([(1024, 0)] * 4, []) * 1e3
+    # fixed lengths, C 4, one prompt each: 8192 tokens prefill all four in one step; 1024, one per step
+    got = gpu_validation.emulate(prof, 1024, 2, 4, wide, prompts_per_client=1)
+    assert got["ttft_ms"] == pytest.approx(one_step, rel=1e-9)
+    # 1024: one prompt a step, the first token of the k-th after about k steps of a quarter of that (2.5 on average)
+    ttft = gpu_validation.emulate(prof, 1024, 2, 4, narrow, prompts_per_client=1)["ttft_ms"]
+    assert 0.5 * one_step < ttft < 0.75 * one_step
 
 
 def test_rows_outside_the_limit_name_their_reason_and_unexplained_ones_say_so():

@@ -9,7 +9,8 @@ profile's KV pool and step times) on the virtual-time loop, then mean TTFT over 
 TPOT (per request ``(e2e - ttft) / (output tokens - 1)``, then the mean), as the benchmark reports them.
 The protocol (:data:`PROTOCOLS`) is the benchmark's: C x 10 prompts queued at once (``--request-rate
 inf``) behind a semaphore of C, so the first C start together and each later one as a slot frees;
-input and output lengths drawn uniformly from ``[ratio x L, L]``. The benchmark's warm-up requests
+input and output lengths drawn uniformly from ``[ratio x L, L]``; the server's step token budget
+(``--max-num-batched-tokens``). The benchmark's warm-up requests
 (InferenceX: 2 x C, completed before the timed run) leave a real server warm but a sim's engine just
 idle, so they are not replayed. Repeated published runs of one configuration are taken at their median.
 
@@ -20,7 +21,8 @@ Qwen3-32B vLLM 0.12 rows. Rows of FP8 checkpoints are not covered (our profiles 
 older gpt-oss rows (vLLM 0.11 and unlabelled 2025 runs, under an earlier InferenceX protocol).
 
 Each row's vLLM decides how steps are priced (:data:`SCHEDULING`): vLLM 0.12 schedules synchronously
-(CPU overheads between steps), vLLM 0.18 asynchronously (that CPU work overlaps the kernels).
+(CPU overheads between steps), vLLM 0.18 asynchronously (that CPU work overlaps the kernels, and a
+request that arrives while a step runs first runs one step later: ``vllm_mars.sim.engine``).
 
     python benchmark/perf/gpu_validation.py --out benchmark/perf/results/gpu_validation.json
     python benchmark/perf/gpu_validation.py --fit-overheads                     # sim/kernels.py STEP_OVERHEAD_S
@@ -67,6 +69,8 @@ class Protocol:
     prompts_per_client: int
     #: input and output lengths uniform in ``[int(ratio x L), L]`` (1.0: every request exactly L)
     range_ratio: float
+    #: the server's token budget per step (``--max-num-batched-tokens``): how many prompts one step prefills
+    max_num_batched_tokens: int
     #: where the protocol comes from
     source: str
 
@@ -75,7 +79,7 @@ PROTOCOLS = {
     # The gpt-oss rows' ``measured=2026-03-27T08:01:51Z`` is the sweep InferenceX's PR #960 (commit
     # cec542a9a, 2026-03-27 08:01:48 UTC: "update gptoss H100 & H200 vLLM image to v0.18.0") triggered.
     "inferencex": Protocol(
-        "inferencex", 10, 0.8,
+        "inferencex", 10, 0.8, 8192,
         "SemiAnalysisAI/InferenceX at cec542a9a: benchmarks/single_node/gptoss_fp4_h{100,200}.sh (vllm serve "
         "--max-num-seqs C, max-num-batched-tokens 8192, no prefix caching; run_benchmark_serving --num-prompts "
         "C x 10 --max-concurrency C), benchmarks/benchmark_lib.sh (utils/bench_serving/benchmark_serving.py "
@@ -83,13 +87,16 @@ PROTOCOLS = {
         ".github/workflows/benchmark-tmpl.yml (RANDOM_RANGE_RATIO 0.8: lengths uniform in [0.8 L, L])"),
     # Not published: the rows name an NVIDIA-internal file (aic-auto-gap-analysis/.../Qwen_Qwen3-32B.csv)
     # and the concurrency only. Assumed: the closed loop NVIDIA's own replay of these rows uses
-    # (ai-dynamo/aiconfigurator docs/blogs/digital-twin-simulation/scripts/h100_qwen3_counterpart:
-    # "Synthetic closed-loop replay with request_count=10*concurrency"), fixed lengths.
+    # (ai-dynamo/dynamo docs/blogs/digital-twin-simulation/scripts/h100_qwen3_counterpart/README.md:
+    # "Synthetic closed-loop replay with request_count=10*concurrency"), fixed lengths, and `vllm serve`'s
+    # token budget on an H100 (8192: vLLM's EngineArgs.get_batch_defaults). That replay ran 2048
+    # (its "Replay config"); one budget must fit the ISL 1024 and 4096 rows alike, and 2048 does not
+    # (docs/sim-validation.md, "What was checked"; --max-num-batched-tokens)
     "aic-gap": Protocol(
-        "aic-gap", 10, 1.0,
-        "not published; assumed as in ai-dynamo/aiconfigurator's replay of these rows "
-        "(docs/blogs/digital-twin-simulation, h100_qwen3_counterpart): closed loop, 10 x C requests, "
-        "fixed ISL/OSL"),
+        "aic-gap", 10, 1.0, 8192,
+        "not published; assumed as in NVIDIA's replay of these rows (ai-dynamo/dynamo "
+        "docs/blogs/digital-twin-simulation/scripts/h100_qwen3_counterpart): closed loop, 10 x C requests, "
+        "fixed ISL/OSL; vllm serve's 8192 batched tokens"),
 }
 
 #: vLLM version of a row -> how its steps are scheduled. 0.12: synchronous (the overheads were fitted
@@ -166,10 +173,13 @@ def emulate(profile: Profile, isl: int, osl: int, concurrency: int, protocol: Pr
             seed: int = 0, prompts_per_client: int | None = None) -> dict[str, float]:
     """Mean TTFT and TPOT (ms) of ``protocol``'s benchmark (:data:`PROTOCOLS`) over the sim backend:
     C x ``prompts_per_client`` prompts (default the protocol's) queued at once behind a semaphore of
-    ``concurrency``, lengths uniform in ``[ratio x L, L]``."""
+    ``concurrency``, lengths uniform in ``[ratio x L, L]``, the server's token budget per step the
+    protocol's."""
     import numpy as np
 
     proto = PROTOCOLS[protocol] if isinstance(protocol, str) else protocol
+    if profile.max_num_batched_tokens != proto.max_num_batched_tokens:
+        profile = profile.with_efficiency(profile.efficiency, max_num_batched_tokens=proto.max_num_batched_tokens)
     n = concurrency * (prompts_per_client or proto.prompts_per_client)
     rng = np.random.default_rng(seed)
 
@@ -454,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--range-ratio", type=float, default=None,
                     help="replace every row's protocol's length ratio (lengths uniform in [ratio x L, L]): a "
                          "sensitivity run for rows whose protocol is not published")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="replace every row's protocol's step token budget: a sensitivity run for rows whose "
+                         "server configuration is not published")
     ap.add_argument("--fit-overheads", action="store_true",
                     help="fit the non-overlapped per-step and per-request overheads of --scheduling on its fit set "
                          f"({', '.join(f'{k}: {g} x {m}' for k, (g, m) in FIT_SETS.items())}) and print them")
@@ -499,6 +512,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, proto in list(PROTOCOLS.items()):
             PROTOCOLS[name] = replace(proto, range_ratio=args.range_ratio,
                                       source=f"{proto.source}; lengths in [{args.range_ratio} L, L] (--range-ratio)")
+    if args.max_num_batched_tokens is not None:
+        if args.max_num_batched_tokens < 1:
+            ap.error(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be a positive integer")
+        from dataclasses import replace
+
+        for name, proto in list(PROTOCOLS.items()):
+            PROTOCOLS[name] = replace(proto, max_num_batched_tokens=args.max_num_batched_tokens,
+                                      source=f"{proto.source}; {args.max_num_batched_tokens} batched tokens "
+                                             "(--max-num-batched-tokens)")
     if args.stride > 1:
         by_pair: dict[tuple, list[Row]] = defaultdict(list)
         for r in rows:

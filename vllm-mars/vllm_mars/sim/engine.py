@@ -70,6 +70,15 @@ questions; the computed tokens, the policy's end of step, the step's time (the b
 the call its first token as the full path does (vLLM's prefill stats, stamped at the step's end), and
 the engine then starts over.
 
+Async scheduling (a profile with overlapped CPU time, ``Efficiency.overlapped_*``: vLLM's
+``--async-scheduling``). vLLM's engine core then schedules step k+1 while step k runs (a batch queue of
+two: ``EngineCore.step_with_batch_queue``) and drains its input queue between the two, so a call that
+arrives while a step runs misses the step already scheduled behind it and first runs in the one after
+(one step more to its first token than under synchronous scheduling). Here: a call submitted while
+the engine is in a step waits out one more step before it is added, when the scheduler holds other
+requests (with none, the step behind was empty and vLLM schedules the call at once); a call submitted
+while the engine idles is added at once.
+
 The engine is one coroutine on the same loop as the driver (``vllm_mars.sim.loop``), so arrivals,
 tools and the admission loop interleave with steps exactly in virtual time, and the scheduler's
 injected clock is the loop's clock. The sim knows vLLM only through ``vllm_mars.engine``.
@@ -394,6 +403,11 @@ class SimBackend:
         self.cost_model: Any = None
         #: --step-trace (``vllm_mars.sim.step_trace.StepTrace``, the profile): set at start
         self._trace: Any = None
+        #: async scheduling (module docstring): whether a call that arrives during a step waits one more
+        #: (set at start, from the profile); the calls that arrived during a step; whether the engine idles
+        self._lag = False
+        self._lagged: set[str] = set()
+        self._idle = True
 
     async def start(self) -> None:
         from vllm_mars.engine.rig import PrefixReusingHasher, enable_engine_core_env_cache, make_scheduler
@@ -438,6 +452,8 @@ class SimBackend:
         self._hasher = PrefixReusingHasher(p.block_size)
         self._loop = loop
         self._stats = self.scheduler.mars_stats()
+        eff = getattr(p, "efficiency", None)  # overlapped CPU time = vLLM's async scheduling (module docstring)
+        self._lag = bool(eff is not None and (eff.overlapped_step_s or eff.overlapped_per_seq_s))
         if hasattr(p, "trace_stats"):  # --step-trace: the recorded run's readings and control ticks
             self._trace = p
             p.attach(self)
@@ -488,6 +504,11 @@ class SimBackend:
                         keep = trace.held([c[0] for c in incoming], s.has_requests())
                         held = [c for c in incoming if c[0] in keep]
                         incoming = sorted((c for c in incoming if c[0] not in keep), key=lambda c: trace.order(c[0]))
+                    if self._lagged:  # async: calls that arrived during the last step miss the step behind it
+                        late, self._lagged = self._lagged, set()
+                        if s.has_requests():
+                            held += [c for c in incoming if c[0] in late]
+                            incoming = [c for c in incoming if c[0] not in late]
                     for rid, ids, max_tokens, extra, ignore_eos in incoming:
                         if trace is not None:
                             trace.took(rid)
@@ -507,7 +528,9 @@ class SimBackend:
                     if trace is not None and self._incoming:  # calls held for the recorded intake order
                         await trace.before_step(self._wake)
                     else:
+                        self._idle = True
                         await self._wake.wait()
+                        self._idle = False
                     continue
                 if trace is not None and await trace.before_step(self._wake):  # what the real engine waited for
                     continue
@@ -548,10 +571,12 @@ class SimBackend:
                     self._wake.clear()
                     if xfer is not None:  # sleep until the next transfer ends, not a whole idle step
                         idle = xfer.idle_s(loop.time(), IDLE_STEP_S)
+                    self._idle = True  # an empty step: vLLM's engine core takes a new call at once
                     try:
                         await asyncio.wait_for(self._wake.wait(), idle)
                     except TimeoutError:
                         pass
+                    self._idle = False
                 now = self.clock()  # the run clock: the driver stamps submits with it (0 = run start)
                 for o in step_outputs(outs):
                     self._deliver(o, now)
@@ -1063,6 +1088,8 @@ class SimBackend:
         self._calls[request_id] = _Call(fut, len(prompt_ids), wf if isinstance(wf, str) else None,
                                         bool(extra_args.get("mars_last_step")))
         self._incoming.append((request_id, list(prompt_ids), int(max_tokens), dict(extra_args), bool(ignore_eos)))
+        if self._lag and not self._idle:
+            self._lagged.add(request_id)
         self._wake.set()
         try:
             return await fut
@@ -1072,6 +1099,7 @@ class SimBackend:
             if self._calls.pop(request_id, None) is not None:
                 self._aborts.append(request_id)
                 self._incoming = [c for c in self._incoming if c[0] != request_id]
+                self._lagged.discard(request_id)
                 self._wake.set()
             raise
 
