@@ -281,12 +281,16 @@ def test_step_trace_errors(tmp_path):
                      + json.dumps({"prefill": [], "decode": [40], "seconds": 0.01, "ticks": [[0.01, -1]]}) + "\n")
     with pytest.raises(ValueError, match=r"steps\.jsonl:2: field 'ticks' must be a list of \[at, age\] pairs"):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
+    steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01, "seen": [["a:t0"]]}) + "\n")
+    with pytest.raises(ValueError, match=r"steps\.jsonl:1: field 'seen' must be a list of \[request id, seconds"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
 
 
 def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_path):
     """write_steps files each control tick, as its run-clock time and its reading's age, under the first
     run step that ended after it: the reading it read showed the steps before (none: the run's
-    start). A tick after the last step is not filed; calibration steps carry none."""
+    start). A tick after the last step is not filed; calibration steps carry none. Each finished
+    call's output, as the time the driver saw it, is filed under the step that finished it."""
     from vllm_mars.driver.runner import write_steps
     from vllm_mars.sim.profile import load_profile
     from vllm_mars.sim.step_trace import StepTrace
@@ -298,14 +302,18 @@ def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_pat
              (2, 0.52, 0.01),
              (4, 0.7, 0.09)]      # after the last step
     path = tmp_path / "steps.jsonl"
-    write_steps(path, steps, first_run_step=1, ticks=ticks)
+    seen = [(0, "cal", 0.0105), (3, "a:t0", 0.5381234567)]
+    write_steps(path, steps, first_run_step=1, ticks=ticks, seen=seen)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert lines[0]["calibration"] is True and "ticks" not in lines[0]
+    assert lines[0]["calibration"] is True and "ticks" not in lines[0] and "seen" not in lines[0]
     assert lines[1]["ticks"] == [[0.001, 0.0]]
     assert lines[2]["ticks"] == [[0.513, 0.003], [0.52, 0.01]]
     assert "ticks" not in lines[3] and len(lines) == 4
-    st = StepTrace(load_profile("h200-llama-3.1-8b"), str(path)).trace_stats()
+    assert lines[3]["seen"] == [["a:t0", 0.5381235]] and all("seen" not in x for x in lines[:3])
+    trace = StepTrace(load_profile("h200-llama-3.1-8b"), str(path))
+    st = trace.trace_stats()
     assert st["recorded_ticks"] == 3 and st["recorded_steps"] == 3
+    assert trace._seen == {"a:t0": 0.5381235}
 
 
 def _admissions(run_dir: Path) -> list[tuple[str, str]]:
