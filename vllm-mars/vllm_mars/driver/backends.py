@@ -79,7 +79,8 @@ class InProcessBackend:
         self.step_starts: list[float] = []
         self.step_outputs: list[float] = []
         #: with record_steps: (step of ``step_times``, request id, run-clock time) of each finished call's
-        #: output as the driver saw it (its hand-off to the asyncio thread: later than the step's end)
+        #: output as the driver saw it (the hand-off to the asyncio thread and the caller's wake-up: later
+        #: than the step's output stamp, by milliseconds on a loaded machine)
         self.outputs_seen: list[tuple[int, str, float]] = []
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
@@ -209,8 +210,6 @@ class InProcessBackend:
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float, step: int = -1) -> None:
-        if out.finished and self.step_times is not None:
-            self.outputs_seen.append((step, out.request_id, self.clock()))
         entry = self._pending.get(out.request_id)
         if entry is None:
             return
@@ -227,6 +226,9 @@ class InProcessBackend:
             if not fut.done():
                 fut.set_result(CallResult(acc["ids"], acc["prompt"], acc["cached"],
                                           acc["first"], now, comp.finish_reason if comp else None))
+                if self.step_times is not None:  # stamped right after the caller's wake-up ran
+                    rid = out.request_id
+                    fut.add_done_callback(lambda _, rid=rid: self.outputs_seen.append((step, rid, self.clock())))
 
     def _fail_all(self, e: BaseException) -> None:
         for fut, _ in self._pending.values():

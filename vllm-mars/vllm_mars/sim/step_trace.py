@@ -246,8 +246,8 @@ class StepTrace:
         """Of the calls that reached the engine now (``arrived``), those it keeps back: all of them
         until the next step's recorded start (``t``: the real engine took its calls in at the end of
         the step before, or on waking, right before it; a policy stamps a call's arrival, and
-        releases expired retention, then); the calls the real engine took in before a later step
-        than the next one (:meth:`hold`); and the calls the real engine took in before
+        releases expired retention, then); on a busy engine, the calls the real engine took in
+        before a later step than the next one (:meth:`hold`); and the calls the real engine took in before
         the next step behind a call that is not here yet, until the step's wait for it ends. vLLM's
         waiting queue keeps the order calls are added in, so two calls whose tools end within a
         step of each other in another order than the real run's would otherwise be scheduled the
@@ -261,9 +261,7 @@ class StepTrace:
         t = self._t[i]
         if t is not None and self._clock is not None and t - self._clock() > START_SLACK_S:
             return here
-        # (an idle engine holds them while the next step has calls to take in: it runs once they are)
-        out = ({r for r in arrived if self.hold(r)} if busy or any(r not in self._taken for r in self._added[i])
-               else set())
+        out = {r for r in arrived if self.hold(r)} if busy else set()
         behind = False
         for r in self._added[i]:
             if r in self._taken:
