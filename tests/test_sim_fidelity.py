@@ -557,9 +557,9 @@ def test_step_trace_hands_each_output_over_when_the_recorded_driver_saw_it(tmp_p
     a, b = (json.loads((d / "summary.json").read_text()) for d in (rec, out))
     st = b["engine"]["step_trace"]
     assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
-    assert st["outputs_late"] == 1 and st["outputs_late_max_s"] == pytest.approx(0.015), st
     kinds = ("call_submit", "call_end", "tool_start", "tool_end", "workflow_done")
     assert _events(out, *kinds) == _events(rec, *kinds)
+    assert st["outputs_late"] == 1 and st["outputs_late_max_s"] == pytest.approx(0.015), st
     for key in ("e2e_s", "ttft_s", "makespan_s"):
         assert b[key] == a[key], key
     # without the recorded hand-off the tool starts at the step's end: 15 ms early

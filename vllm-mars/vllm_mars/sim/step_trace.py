@@ -25,6 +25,15 @@ machine), and a policy that reads the clock (mars's MLFQ levels) decides by it: 
 before its recorded start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other
 as the recorded ones did.
 
+Outputs follow the recording too. A recorded step's ``seconds`` is its whole cycle in the real stepper
+loop (the engine step, then the snapshot, the output hand-off and the next calls' intake); ``t_out`` is
+when its outputs were stamped, and ``seen`` when the driver saw each call it finished (milliseconds
+later on a loaded machine). The replay charges a step up to its ``t_out`` and takes the next step's
+calls in at that step's ``t``, so calls end and arrive on the policy's clock when the real ones did
+(gap samples, retention expiry), and hands each output to the driver at its ``seen``
+(:meth:`StepTrace.hand_over`), so a tool starts, and a finished root frees its admission, when the
+real driver's did. Recordings without them charge whole cycles and hand outputs over at a step's end.
+
 The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
 the sim's 1.200 s): a cost rule or window that compares waits with prices then decides at another
@@ -223,8 +232,9 @@ class StepTrace:
 
     def _started(self, i: int, dt: float) -> None:
         """Sim step ``i`` starts now and takes ``dt``: its window for the control ticks, and a loop timer
-        at its end when the next recorded step takes in a call that is not here yet (a fast-forward
-        run stops at a timer, so that step is not run before the wait :meth:`awaits` asks for)."""
+        at its end when the next recorded step takes in a call that is not here yet or starts later
+        than that end (a fast-forward run stops at a timer, so that step is not run before the wait
+        :meth:`before_step` asks for)."""
         loop = self._loop
         if loop is None:
             return
