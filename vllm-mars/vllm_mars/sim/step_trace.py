@@ -108,10 +108,10 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
 def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[float | None],
                                          list[tuple[int, float, float]], dict[str, float]]:
     """Per recorded run step (calibration steps left out): the calls the engine took in before it
-    (``added``), its run-clock start (``t``) and output stamp (``t_out``; None: not recorded); (run step, at, age) of every
-    recorded control tick (``ticks``, see ``driver.runner.write_steps``); and the run-clock time the
-    driver saw each finished call's output (``seen``). ValueError naming the file, line and field
-    (``load_samples`` validated the rest of the file)."""
+    (``added``), its run-clock start (``t``) and output stamp (``t_out``; None: not recorded); (run
+    step, at, age) of every recorded control tick (``ticks``, see ``driver.runner.write_steps``); and
+    the run-clock time the driver saw each finished call's output (``seen``). ValueError naming the
+    file, line and field (``load_samples`` validated the rest of the file)."""
     added: list[list[str]] = []
     starts: list[float | None] = []
     outs: list[float | None] = []
@@ -241,9 +241,11 @@ class StepTrace:
         now = loop.time()
         self._ends.append(now + dt)
         nxt = i + 1
-        if nxt < len(self._added) and (any(r not in self._taken for r in self._added[nxt])
-                                       or self._t[nxt] is not None and self._t[nxt] > self._clock() + dt + START_SLACK_S):
-            loop.call_at(now + dt, _noop)
+        if nxt < len(self._added):
+            start = self._t[nxt]
+            if (any(r not in self._taken for r in self._added[nxt])
+                    or start is not None and start > self._clock() + dt + START_SLACK_S):
+                loop.call_at(now + dt, _noop)
         if self._tick is not None:
             self._arm()
 
@@ -257,11 +259,11 @@ class StepTrace:
         until the next step's recorded start (``t``: the real engine took its calls in at the end of
         the step before, or on waking, right before it; a policy stamps a call's arrival, and
         releases expired retention, then); on a busy engine, the calls the real engine took in
-        before a later step than the next one (:meth:`hold`); and the calls the real engine took in before
-        the next step behind a call that is not here yet, until the step's wait for it ends. vLLM's
-        waiting queue keeps the order calls are added in, so two calls whose tools end within a
-        step of each other in another order than the real run's would otherwise be scheduled the
-        other way round (a chunk budget split the other way)."""
+        before a later step than the next one (:meth:`hold`); and the calls the real engine took in
+        before the next step behind a call that is not here yet, until the step's wait for it ends
+        (:meth:`awaits`). vLLM's waiting queue keeps the order calls are added in, so two calls whose
+        tools end within a step of each other in another order than the real run's would otherwise
+        be scheduled the other way round (a chunk budget split the other way)."""
         i = self._next
         self._here = here = set(arrived)
         if i >= len(self._added):
