@@ -281,12 +281,16 @@ def test_step_trace_errors(tmp_path):
                      + json.dumps({"prefill": [], "decode": [40], "seconds": 0.01, "ticks": [[0.01, -1]]}) + "\n")
     with pytest.raises(ValueError, match=r"steps\.jsonl:2: field 'ticks' must be a list of \[at, age\] pairs"):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
+    steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01, "seen": [["a:t0"]]}) + "\n")
+    with pytest.raises(ValueError, match=r"steps\.jsonl:1: field 'seen' must be a list of \[request id, seconds"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
 
 
 def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_path):
     """write_steps files each control tick, as its run-clock time and its reading's age, under the first
     run step that ended after it: the reading it read showed the steps before (none: the run's
-    start). A tick after the last step is not filed; calibration steps carry none."""
+    start). A tick after the last step is not filed; calibration steps carry none. Each finished
+    call's output, as the time the driver saw it, is filed under the step that finished it."""
     from vllm_mars.driver.runner import write_steps
     from vllm_mars.sim.profile import load_profile
     from vllm_mars.sim.step_trace import StepTrace
@@ -298,20 +302,30 @@ def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_pat
              (2, 0.52, 0.01),
              (4, 0.7, 0.09)]      # after the last step
     path = tmp_path / "steps.jsonl"
-    write_steps(path, steps, first_run_step=1, ticks=ticks)
+    seen = [(0, "cal", 0.0105), (3, "a:t0", 0.5381234567)]
+    write_steps(path, steps, first_run_step=1, ticks=ticks, seen=seen)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert lines[0]["calibration"] is True and "ticks" not in lines[0]
+    assert lines[0]["calibration"] is True and "ticks" not in lines[0] and "seen" not in lines[0]
     assert lines[1]["ticks"] == [[0.001, 0.0]]
     assert lines[2]["ticks"] == [[0.513, 0.003], [0.52, 0.01]]
     assert "ticks" not in lines[3] and len(lines) == 4
-    st = StepTrace(load_profile("h200-llama-3.1-8b"), str(path)).trace_stats()
+    assert lines[3]["seen"] == [["a:t0", 0.5381235]] and all("seen" not in x for x in lines[:3])
+    trace = StepTrace(load_profile("h200-llama-3.1-8b"), str(path))
+    st = trace.trace_stats()
     assert st["recorded_ticks"] == 3 and st["recorded_steps"] == 3
+    assert trace._seen == {"a:t0": 0.5381235}
 
 
 def _admissions(run_dir: Path) -> list[tuple[str, str]]:
     """(workflow, mode) of every admission_admit event, in order."""
     rows = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     return [(r["workflow"], r["mode"]) for r in rows if r.get("event") == "admission_admit"]
+
+
+def _events(run_dir: Path, *kinds: str) -> list[tuple]:
+    rows = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [(r["event"], r.get("request_id") or r.get("workflow"), r.get("turn"), r["ts"]) for r in rows
+            if r["event"] in kinds]
 
 
 def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
@@ -350,15 +364,25 @@ def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
     assert _admissions(tmp_path / "trace") == _admissions(tmp_path / "real")
     for key in ("preemptions", "recomputed_tokens", "completed"):
         assert trace_s[key] == real_s[key], key
+    # each step charged up to its recorded output stamp (t_out), each output handed over when the real
+    # driver saw it (seen): every call ends, and every tool starts, when it did in the real run
+    for kind in ("call_end", "tool_start"):
+        real_ts, trace_ts = (sorted(e[1:] for e in _events(tmp_path / d, kind)) for d in ("real", "trace"))
+        assert [e[:2] for e in trace_ts] == [e[:2] for e in real_ts]
+        # (a tool starts in the driver's wake-up, which the recording stamps as it ends: tens of us)
+        assert max(abs(a[2] - b[2]) for a, b in zip(real_ts, trace_ts)) < (3e-6 if kind == "call_end" else 1e-3), kind
     assert trace_s["e2e_s"]["mean"] == pytest.approx(real_s["e2e_s"]["mean"], rel=0.05)
     assert trace_s["engine"]["leak_check"] == "ok"
     e = real_s["engine"]  # the real engine at close: every KV block free, nothing retained
     assert e["free_blocks"] == e["num_blocks"] and e["retained_blocks"] == 0 and not e["retained_workflows"]
 
 
-def _record_sim_run(monkeypatch, cfg):
+def _record_sim_run(monkeypatch, cfg, late=None):
     """Run ``cfg`` in the sim and return its steps as a real run's steps.jsonl lists them: each priced
-    step's batch and time, and the calls the engine took in before it (``added``)."""
+    step's batch and time, and the calls the engine took in before it (``added``). ``late`` ({request
+    id: seconds}): those calls' outputs reach the driver that much after their step's end (a real
+    run's hand-off to the driver's thread on a loaded machine), and every step lists when the driver
+    saw each call it finished (``seen``)."""
     from vllm_mars.driver.runner import run_replay
     from vllm_mars.sim.engine import SimBackend
 
@@ -392,6 +416,23 @@ def _record_sim_run(monkeypatch, cfg):
 
     monkeypatch.setattr(SimBackend, "__init__", lambda self, p, *a, **k: init(self, Recording(p), *a, **k))
     monkeypatch.setattr(SimBackend, "start", recording_start)
+    if late is not None:
+        deliver = SimBackend._deliver
+
+        def late_deliver(self, o, now):
+            call = self._calls.get(o.request_id)
+            if not (o.finished and call is not None):
+                return deliver(self, o, now)
+            delay = late.get(o.request_id, 0.0)
+            fut = call.future
+            if delay:
+                call.future = self._loop.create_future()  # resolved now, handed to the driver later
+            deliver(self, o, now)
+            steps[-1].setdefault("seen", []).append([o.request_id, now + delay])
+            if delay:
+                self._loop.call_later(delay, fut.set_result, call.future.result())
+
+        monkeypatch.setattr(SimBackend, "_deliver", late_deliver)
     out, _ = run_replay(cfg)
     monkeypatch.undo()
     return out, steps
@@ -483,6 +524,51 @@ def test_step_trace_takes_calls_in_in_the_recorded_order(tmp_path, monkeypatch):
     st = s["engine"]["step_trace"]
     assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
     assert s["engine"]["leak_check"] == "ok" and s["completed"] == 3
+
+
+def test_step_trace_hands_each_output_over_when_the_recorded_driver_saw_it(tmp_path, monkeypatch):
+    """A call's output reached the recorded run's driver 15 ms after its step ended (the hand-off to
+    the driver's thread on a loaded machine), so its tool started, and its next call was submitted,
+    that much later. The replay hands it over at the recorded time (steps.jsonl's ``seen``): the
+    run's whole timeline comes back (every call's submit, end and tool, every E2E); the same steps
+    without ``seen`` hand it over at the step's end, and the tool starts 15 ms early."""
+    from dataclasses import replace as dc_replace
+
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    rows = [{"schema": "mars_workload_v1", "workflow_id": "long", "prompt_tokens": 200,
+             "turns": [{"output_tokens": 300}]},
+            {"schema": "mars_workload_v1", "workflow_id": "tool", "prompt_tokens": 100,
+             "turns": [{"output_tokens": 4, "tool_s": 0.02, "tool": "t"}, {"append_tokens": 20, "output_tokens": 4}]}]
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prof = load_profile("h200-llama-3.1-8b")
+    shaped = prof.with_efficiency(prof.efficiency, num_blocks=64, max_model_len=1024).write(tmp_path / "p.toml")
+    cfg = ReplayConfig(workload=str(wl), rps=50, backend="sim", profile=str(shaped), calibrate=False,
+                       progress=False, plots=False, out=str(tmp_path / "rec"))
+    rec, steps = _record_sim_run(monkeypatch, cfg, late={"tool:t0": 0.015})
+    assert sum(len(s.get("seen", ())) for s in steps) == 3
+    traces = {}
+    for name, keep in (("seen", True), ("plain", False)):
+        traces[name] = tmp_path / f"{name}.jsonl"
+        traces[name].write_text("".join(json.dumps(s if keep else {k: v for k, v in s.items() if k != "seen"}) + "\n"
+                                        for s in steps))
+    out, _ = run_replay(dc_replace(cfg, step_trace=str(traces["seen"]), out=str(tmp_path / "replay")))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (rec, out))
+    st = b["engine"]["step_trace"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
+    kinds = ("call_submit", "call_end", "tool_start", "tool_end", "workflow_done")
+    assert _events(out, *kinds) == _events(rec, *kinds)
+    assert st["outputs_late"] == 1 and st["outputs_late_max_s"] == pytest.approx(0.015), st
+    for key in ("e2e_s", "ttft_s", "makespan_s"):
+        assert b[key] == a[key], key
+    # without the recorded hand-off the tool starts at the step's end: 15 ms early
+    old, _ = run_replay(dc_replace(cfg, step_trace=str(traces["plain"]), out=str(tmp_path / "plain")))
+    start = {e[1]: e[3] for e in _events(rec, "tool_start")}
+    moved = {e[1]: e[3] for e in _events(old, "tool_start")}
+    assert moved["tool"] == pytest.approx(start["tool"] - 0.015, abs=1e-6)
+    for d in (a, b):
+        assert d["engine"]["leak_check"] == "ok" and d["completed"] == 2
 
 
 def test_sim_fidelity_per_run_bias_and_winner_margin(tmp_path):

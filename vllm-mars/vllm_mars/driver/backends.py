@@ -74,8 +74,14 @@ class InProcessBackend:
         #: with record_steps: the driver's control-loop ticks, (steps recorded when the reading it read
         #: was taken, the tick's run-clock time, the reading's age)
         self.control_ticks: list[tuple[int, float, float]] = []
-        #: with record_steps: the run-clock time each step of ``step_times`` started
+        #: with record_steps: the run-clock time each step of ``step_times`` started, and the one its
+        #: outputs were stamped with (its ``engine.step()`` returned; the rest of its cycle follows)
         self.step_starts: list[float] = []
+        self.step_outputs: list[float] = []
+        #: with record_steps: (step of ``step_times``, request id, run-clock time) of each finished call's
+        #: output as the driver saw it (the hand-off to the asyncio thread and the caller's wake-up: later
+        #: than the step's output stamp, by milliseconds on a loaded machine)
+        self.outputs_seen: list[tuple[int, str, float]] = []
         self._recorder = None
         self.kwargs = dict(policy=policy, policy_options=dict(policy_options or {}), num_blocks=num_blocks,
                            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -186,9 +192,11 @@ class InProcessBackend:
                         added = []
                         self._seen += 1
                 now = self.clock()
+                if len(self.step_outputs) < len(self.step_starts):  # (record_steps: a recorded step)
+                    self.step_outputs.append(now)
                 self._snapshot(now)
                 for out in outs:
-                    self._loop.call_soon_threadsafe(self._on_output, out, now)
+                    self._loop.call_soon_threadsafe(self._on_output, out, now, self._seen - 1)
                 t_end = time.perf_counter()
             close(t_end)
         except BaseException as e:
@@ -201,7 +209,7 @@ class InProcessBackend:
         self._read = (sample, self._seen)
 
     # -- the asyncio side -------------------------------------------------------------------------
-    def _on_output(self, out: Any, now: float) -> None:
+    def _on_output(self, out: Any, now: float, step: int = -1) -> None:
         entry = self._pending.get(out.request_id)
         if entry is None:
             return
@@ -218,6 +226,9 @@ class InProcessBackend:
             if not fut.done():
                 fut.set_result(CallResult(acc["ids"], acc["prompt"], acc["cached"],
                                           acc["first"], now, comp.finish_reason if comp else None))
+                if self.step_times is not None:  # stamped right after the caller's wake-up ran
+                    rid = out.request_id
+                    fut.add_done_callback(lambda _, rid=rid: self.outputs_seen.append((step, rid, self.clock())))
 
     def _fail_all(self, e: BaseException) -> None:
         for fut, _ in self._pending.values():

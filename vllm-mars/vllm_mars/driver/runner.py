@@ -54,22 +54,31 @@ def default_out_dir(policy: str) -> Path:
     return out
 
 
-def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=()) -> None:
+def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=(), seen=(), outputs=()) -> None:
     """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds",
     "added": [request id, ...]}`` (added: the requests the engine took in before it); the steps before
     ``first_run_step`` (the calibration's) also carry ``"calibration": true``. ``starts``
-    (``InProcessBackend.step_starts``): each run step's ``"t"``, the run-clock time it started.
+    (``InProcessBackend.step_starts``): each run step's ``"t"``, the run-clock time it started;
+    ``outputs`` (``InProcessBackend.step_outputs``): its ``"t_out"``, the run-clock time its outputs were
+    stamped (``seconds`` goes on past it: the snapshot, the hand-off, the next calls' intake).
 
     ``ticks`` (``InProcessBackend.control_ticks``): the driver's control-loop ticks. Each run step's line
     lists under ``"ticks"`` those that ran after the step before it ended and before it ended itself
     (they read the engine as the step before left it; the first run step: as the run started), each
     as ``[at, age]``: the tick's run-clock time and the age of the engine reading it read. Ticks after
     the last step are not listed (no step is left for them to change). ``sim/step_trace.py`` replays
-    them."""
+    them.
+
+    ``seen`` (``InProcessBackend.outputs_seen``): each run step's line lists under ``"seen"`` the calls it
+    finished, each as ``[request id, run-clock time the driver saw the output]`` (later than the step's
+    end by the hand-off to the driver's thread; the replay hands each output over then)."""
     per_line: dict[int, list[list[float]]] = {}
-    for seen, now, age in ticks:
-        line = max(seen, first_run_step)  # the step after the last one the reading showed
+    for shown, now, age in ticks:
+        line = max(shown, first_run_step)  # the step after the last one the reading showed
         per_line.setdefault(line, []).append([round(now, 7), round(max(age, 0.0), 7)])
+    outs: dict[int, list[list]] = {}
+    for i, rid, at in seen:
+        outs.setdefault(i, []).append([rid, round(at, 7)])
     with open(path, "w") as f:
         for i, (pf, dc, dt, added) in enumerate(steps):
             rec = {"prefill": pf, "decode": dc, "seconds": round(dt, 7), "added": added}
@@ -78,8 +87,12 @@ def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=())
             else:
                 if i < len(starts):
                     rec["t"] = round(starts[i], 7)
+                if i < len(outputs):
+                    rec["t_out"] = round(outputs[i], 7)
                 if i in per_line:
                     rec["ticks"] = per_line[i]
+                if i in outs:
+                    rec["seen"] = outs[i]
             f.write(json.dumps(rec) + "\n")
 
 
@@ -159,7 +172,8 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
                 replay.events.close()
             if getattr(backend, "step_times", None):
                 write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0),
-                            getattr(backend, "control_ticks", ()), getattr(backend, "step_starts", ()))
+                            getattr(backend, "control_ticks", ()), getattr(backend, "step_starts", ()),
+                            getattr(backend, "outputs_seen", ()), getattr(backend, "step_outputs", ()))
     return out, cost
 
 

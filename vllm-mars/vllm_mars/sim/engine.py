@@ -1075,8 +1075,11 @@ class SimBackend:
                 else:
                     self._prefix[call.workflow] = self._hasher.prefix_of(call.request)
             if not call.future.done():
-                call.future.set_result(CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now,
-                                                  o.finish_reason))
+                res = CallResult(call.ids, call.prompt_tokens, call.cached, call.first, now, o.finish_reason)
+                if self._trace is not None:  # --step-trace: when the recorded run's driver saw it
+                    self._trace.hand_over(o.request_id, call.future, res)
+                else:
+                    call.future.set_result(res)
 
     # -- Backend protocol -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,

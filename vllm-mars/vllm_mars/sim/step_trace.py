@@ -25,6 +25,15 @@ machine), and a policy that reads the clock (mars's MLFQ levels) decides by it: 
 before its recorded start (``t``, :meth:`StepTrace.before_step`); a busy run's steps follow each other
 as the recorded ones did.
 
+Outputs follow the recording too. A recorded step's ``seconds`` is its whole cycle in the real stepper
+loop (the engine step, then the snapshot, the output hand-off and the next calls' intake); ``t_out`` is
+when its outputs were stamped, and ``seen`` when the driver saw each call it finished (milliseconds
+later on a loaded machine). The replay charges a step up to its ``t_out`` and takes the next step's
+calls in at that step's ``t``, so calls end and arrive on the policy's clock when the real ones did
+(gap samples, retention expiry), and hands each output to the driver at its ``seen``
+(:meth:`StepTrace.hand_over`), so a tool starts, and a finished root frees its admission, when the
+real driver's did. Recordings without them charge whole cycles and hand outputs over at a step's end.
+
 The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
 the sim's 1.200 s): a cost rule or window that compares waits with prices then decides at another
@@ -91,14 +100,23 @@ def _noop() -> None:
     pass
 
 
-def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[tuple[int, float, float]]]:
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if not future.done():  # (its caller may have given up)
+        future.set_result(result)
+
+
+def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[float | None],
+                                         list[tuple[int, float, float]], dict[str, float]]:
     """Per recorded run step (calibration steps left out): the calls the engine took in before it
-    (``added``), its run-clock start (``t``, None: not recorded); and (run step, at, age) of every
-    recorded control tick (``ticks``, see ``driver.runner.write_steps``). ValueError naming the file,
-    line and field (``load_samples`` validated the rest of the file)."""
+    (``added``), its run-clock start (``t``) and output stamp (``t_out``; None: not recorded); (run
+    step, at, age) of every recorded control tick (``ticks``, see ``driver.runner.write_steps``); and
+    the run-clock time the driver saw each finished call's output (``seen``). ValueError naming the
+    file, line and field (``load_samples`` validated the rest of the file)."""
     added: list[list[str]] = []
     starts: list[float | None] = []
+    outs: list[float | None] = []
     ticks_out: list[tuple[int, float, float]] = []
+    seen_out: dict[str, float] = {}
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -110,6 +128,8 @@ def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], li
             added.append([str(r) for r in d.get("added") or ()])
             t = d.get("t")
             starts.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
+            t = d.get("t_out")
+            outs.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
             ticks = d.get("ticks")
             if ticks is not None:
                 try:
@@ -121,7 +141,17 @@ def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], li
                     raise ValueError(f"{path}:{n}: field 'ticks' must be a list of [at, age] pairs of "
                                      f"seconds >= 0, got {ticks!r}")
                 ticks_out += [(i, a, b) for a, b in pairs]
-    return added, starts, ticks_out
+            seen = d.get("seen")
+            if seen is not None:
+                try:
+                    got = [(str(r), float(a)) for r, a in seen]
+                except (TypeError, ValueError):
+                    got = None
+                if got is None or not all(math.isfinite(a) and a >= 0 for _, a in got):
+                    raise ValueError(f"{path}:{n}: field 'seen' must be a list of [request id, seconds >= 0] "
+                                     f"pairs, got {seen!r}")
+                seen_out.update(got)
+    return added, starts, outs, ticks_out, seen_out
 
 
 class StepTrace:
@@ -142,9 +172,15 @@ class StepTrace:
         #: the calls the real engine took in before each recorded step, and where (step, position); the
         #: run-clock time each recorded step started (None: not recorded); the recorded control ticks
         #: (run step, at, age)
-        self._added, self._t, self._ticks = _read_run_fields(path)
+        self._added, self._t, t_out, self._ticks, self._seen = _read_run_fields(path)
+        #: what each recorded step charges: up to its output stamp where recorded (``t_out``: the rest of
+        #: its cycle, the hand-off and the next calls' intake, passes before the next step's ``t``),
+        #: else its whole cycle (``seconds``)
+        self._charge = [s.seconds if t is None or o is None or not 0 < o - t <= s.seconds else o - t
+                        for s, t, o in zip(self._samples, self._t, t_out)]
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
+        self._here: set[str] = set()  # the calls that reached the engine and wait to be taken in
         self._waited = -1  # the step that waits for a late call, and until when
         self._wait_until = 0.0
         self.recorded_cost = recorded_cost_model(path)
@@ -164,6 +200,9 @@ class StepTrace:
         #: since (they are not in a real engine's reading until its next step)
         self._begun: Any = None
         self._taken_since = 0
+        #: outputs handed over after their step's end (at the recorded ``seen``), and the longest wait
+        self._outputs_late = 0
+        self._outputs_late_max = 0.0
 
     def cost_model(self) -> CostModel:
         """The cost model the recorded run's policies priced with, else the profile's."""
@@ -180,7 +219,8 @@ class StepTrace:
             self._started(i, dt)
             return dt
         s = self._samples[i]
-        self._started(i, s.seconds)
+        dt = self._charge[i]
+        self._started(i, dt)
         # the same batch: the same chunks and decodes, in any order (a step's time does not depend on it;
         # the decode fast-forward lists its decodes before a policy's step hook orders them)
         if sorted(tuple(p) for p in prefill) != sorted(s.prefill) or sorted(decode) != sorted(s.decode):
@@ -188,20 +228,24 @@ class StepTrace:
             if self._first_mismatch is None:
                 self._first_mismatch = {"step": i, "recorded": {"prefill": s.prefill, "decode": s.decode},
                                         "sim": {"prefill": [tuple(p) for p in prefill], "decode": list(decode)}}
-        return s.seconds
+        return dt
 
     def _started(self, i: int, dt: float) -> None:
         """Sim step ``i`` starts now and takes ``dt``: its window for the control ticks, and a loop timer
-        at its end when the next recorded step takes in a call that is not here yet (a fast-forward
-        run stops at a timer, so that step is not run before the wait :meth:`awaits` asks for)."""
+        at its end when the next recorded step takes in a call that is not here yet or starts later
+        than that end (a fast-forward run stops at a timer, so that step is not run before the wait
+        :meth:`before_step` asks for)."""
         loop = self._loop
         if loop is None:
             return
         now = loop.time()
         self._ends.append(now + dt)
         nxt = i + 1
-        if nxt < len(self._added) and any(r not in self._taken for r in self._added[nxt]):
-            loop.call_at(now + dt, _noop)
+        if nxt < len(self._added):
+            start = self._t[nxt]
+            if (any(r not in self._taken for r in self._added[nxt])
+                    or start is not None and start > self._clock() + dt + START_SLACK_S):
+                loop.call_at(now + dt, _noop)
         if self._tick is not None:
             self._arm()
 
@@ -211,19 +255,25 @@ class StepTrace:
         return where is not None and where[0] > self._next
 
     def held(self, arrived: list[str], busy: bool) -> set[str]:
-        """Of the calls that reached the engine now (``arrived``), those it keeps back: on a busy
-        engine, the calls the real engine took in before a later step than the next one
-        (:meth:`hold`); on any engine, the calls the real engine took in before the next step behind
-        a call that is not here yet, until the step's wait for it ends (:meth:`awaits`). vLLM's
-        waiting queue keeps the order calls are added in, so two calls whose tools end within a
-        step of each other in another order than the real run's would otherwise be scheduled the
-        other way round (a chunk budget split the other way)."""
-        out = {r for r in arrived if self.hold(r)} if busy else set()
+        """Of the calls that reached the engine now (``arrived``), those it keeps back: all of them
+        until the next step's recorded start (``t``: the real engine took its calls in at the end of
+        the step before, or on waking, right before it; a policy stamps a call's arrival, and
+        releases expired retention, then); on a busy engine, the calls the real engine took in
+        before a later step than the next one (:meth:`hold`); and the calls the real engine took in
+        before the next step behind a call that is not here yet, until the step's wait for it ends
+        (:meth:`awaits`). vLLM's waiting queue keeps the order calls are added in, so two calls whose
+        tools end within a step of each other in another order than the real run's would otherwise
+        be scheduled the other way round (a chunk budget split the other way)."""
         i = self._next
-        if i >= len(self._added) or (self._waited == i and self._loop is not None
-                                     and self._loop.time() >= self._wait_until):
-            return out
-        here = set(arrived)
+        self._here = here = set(arrived)
+        if i >= len(self._added):
+            return set()
+        if self._waited == i and self._loop is not None and self._loop.time() >= self._wait_until:
+            return {r for r in arrived if self.hold(r)} if busy else set()  # the wait is over
+        t = self._t[i]
+        if t is not None and self._clock is not None and t - self._clock() > START_SLACK_S:
+            return here
+        out = {r for r in arrived if self.hold(r)} if busy else set()
         behind = False
         for r in self._added[i]:
             if r in self._taken:
@@ -274,12 +324,30 @@ class StepTrace:
         before it that has not arrived here: until ``ARRIVAL_WAIT_S`` after the step first waited
         (other calls arriving meanwhile do not end the wait), then it runs without it (0)."""
         i = self._next
-        if i >= len(self._added) or all(r in self._taken for r in self._added[i]):
+        if i >= len(self._added) or all(r in self._taken or r in self._here for r in self._added[i]):
             return 0.0
         now = self._loop.time() if self._loop is not None else 0.0
         if self._waited != i:
             self._waited, self._wait_until = i, now + self.arrival_wait_s
         return max(0.0, self._wait_until - now)
+
+    def hand_over(self, request_id: str, future: asyncio.Future, result: Any) -> None:
+        """A finished call's result, handed to the driver when the recorded run's driver saw it
+        (``seen``: its output's hand-off to the driver's thread, a little after its step's end, more on
+        a loaded machine), else now. What the driver does then (a tool's start, a workflow's end and
+        the admission it frees) happens at the recorded moment: against the control ticks and the
+        next steps, as in the recorded run."""
+        at = self._seen.get(request_id)
+        loop = self._loop
+        if at is not None and loop is not None:
+            when = loop.time() - self._clock() + at
+            late = when - loop.time()
+            if late > 0:
+                self._outputs_late += 1
+                self._outputs_late_max = max(self._outputs_late_max, late)
+                loop.call_at(when, _resolve, future, result)
+                return
+        _resolve(future, result)
 
     # -- the control loop's ticks ---------------------------------------------------------------------
     def attach(self, backend: Any) -> None:
@@ -369,7 +437,8 @@ class StepTrace:
                 "mismatched_steps": self._mismatches, "first_mismatch": self._first_mismatch,
                 "cost_model": "recorded" if self.recorded_cost is not None else "profile",
                 "recorded_ticks": len(self._ticks), "ticks_run": self._ticks_run,
-                "ticks_moved": self._ticks_moved, "ticks_moved_max_s": round(self._ticks_moved_max, 6)}
+                "ticks_moved": self._ticks_moved, "ticks_moved_max_s": round(self._ticks_moved_max, 6),
+                "outputs_late": self._outputs_late, "outputs_late_max_s": round(self._outputs_late_max, 6)}
 
 
 def recorded_cost_model(steps_path: str) -> CostModel | None:
