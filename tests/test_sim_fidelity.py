@@ -338,7 +338,7 @@ def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
     from vllm_mars.cli import main as mars
     from vllm_mars.sim.step_trace import StepTrace, recorded_cost_model
 
-    wl = _workload(tmp_path / "wl.jsonl", n=5)
+    wl = _workload(tmp_path / "wl.jsonl", n=8)  # a run of 1-3 s: several 0.2 s control ticks on a fast machine too
     common = ["--workload", str(wl), "--policy", "mars", "--rps", "20", "--no-progress"]
     assert mars(["replay", *common, "--backend", "inprocess", "--num-blocks", "40", "--max-model-len", "1248",
                  "--record-steps", "--out", str(tmp_path / "real")]) == 0
@@ -359,7 +359,7 @@ def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
     # profile and, without the recording, prices with the profile's fit)
     assert st["cost_model"] == "recorded" and trace_s["engine"]["cost_model"] == real_s["engine"]["cost_model"]
     # every control tick of the real run ran, at its place in the step sequence, and every batch agreed
-    assert st["recorded_ticks"] > 5 and st["ticks_run"] == st["recorded_ticks"], st
+    assert st["recorded_ticks"] >= 3 and st["ticks_run"] == st["recorded_ticks"], st
     assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"], st
     assert _admissions(tmp_path / "trace") == _admissions(tmp_path / "real")
     for key in ("preemptions", "recomputed_tokens", "completed"):
