@@ -107,6 +107,12 @@ def per_run_bias(pairs: list[tuple[float, float]]) -> dict:
             "stderr": None if se is None else round(se, 4)}
 
 
+def paired_gap(best: list[dict], other: list[dict]) -> dict:
+    """Another policy's mean E2E against the best's, repeat by repeat (repeat i of each policy ran back
+    to back, under the same load): :func:`per_run_bias` of the pairs (best, other)."""
+    return per_run_bias([(a["mean_e2e_s"], b["mean_e2e_s"]) for a, b in zip(best, other)])
+
+
 def pooled_bias(paths: list[str], runs: slice = slice(None)) -> dict:
     """:func:`per_run_bias` of each workload, policy and count over the runs of several results files
     (``runs``: those repeats of each file only, e.g. its first or second half, a held-out check)."""
@@ -125,7 +131,8 @@ def pooled_bias(paths: list[str], runs: slice = slice(None)) -> dict:
 def table(doc: dict) -> str:
     """A results file as Markdown: errors of the medians in % (E2E in bold where within its target:
     5 % own-run fit, 15 % grid fit; counts target 20 %), each run against its own fit's sims (mean log
-    ratio +- standard error, %), and the winners."""
+    ratio +- standard error, %), and the winners: each other policy behind the real one repeat by repeat,
+    and every policy's mean E2E against the best in the real runs and both fits."""
     def pct(x, nd=0):
         return "-" if x is None else f"{x * 100:+.{nd}f}"
 
@@ -157,14 +164,22 @@ def table(doc: dict) -> str:
                                                           ("preemptions", "recomputed_tokens", "mean_e2e_s")) + " |")
         wn = res.get("_winner") or {}
         if wn:
-            gap = wn.get("real_paired_gap") or {}
-            gap_s = "" if gap.get("mean_log_ratio") is None else (
-                f"; the real runner-up behind it, repeat by repeat, {bias(gap)} %")
+            pols = [p for p in res if not p.startswith("_")]
+            best = res[wn["real"]]["real"]["runs"]
+            gaps = [(p, paired_gap(best, res[p]["real"]["runs"])) for p in pols if p != wn["real"]]
+            gap_s = ", ".join(f"{p} {bias(g)} %" for p, g in gaps if g["mean_log_ratio"] is not None)
+            col = {"real": {p: res[p]["real"]["mean_e2e_s"] for p in pols},
+                   "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in pols},
+                   "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in pols}}
+            behind = "; ".join(f"{p} " + " / ".join(f"{(v[p] / min(v.values()) - 1) * 100:+.1f}" for v in col.values())
+                               + " %" for p in pols)
             m = wn["margin"]
             wins.append(f"- {w}: real {wn['real']} (margin {m['real'] * 100:.1f} %, its runs' E2E spread "
-                        f"{wn['real_spread_of_best'] * 100:.0f} %{gap_s}), own-run fit {wn['own_run_fit']} "
-                        f"({m['own_run_fit'] * 100:.1f} %), grid fit {wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): "
-                        + ("same" if wn["same"] else "not the same"))
+                        f"{wn['real_spread_of_best'] * 100:.0f} %" + (f"; the others behind it, repeat by repeat: {gap_s}"
+                                                                        if gap_s else "")
+                        + f"), own-run fit {wn['own_run_fit']} ({m['own_run_fit'] * 100:.1f} %), grid fit "
+                        f"{wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): " + ("same" if wn["same"] else "not the same")
+                        + f". Mean E2E against the best, real / own-run fit / grid fit: {behind}")
     return "\n".join([*rows, "", "Each run against its own fit's sims, mean log ratio sim / real +- standard error "
                       "(%):", "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
 
@@ -422,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         # against the noise of the real gap itself: repeat i of each policy ran back to back (the same
         # load), so the per-repeat log ratio second / best has a standard error
         order = sorted(policies, key=e2e["real"].get)
-        paired = (per_run_bias([(a["mean_e2e_s"], b["mean_e2e_s"]) for (_, a), (_, b)
-                                in zip(real[w][order[0]], real[w][order[1]])])
+        paired = (paired_gap([m for _, m in real[w][order[0]]], [m for _, m in real[w][order[1]]])
                   if len(order) > 1 else None)
         res["_winner"] = {**best, "same": len(set(best.values())) == 1,
                           "margin": {k: margin(v) for k, v in e2e.items()},
