@@ -71,7 +71,8 @@ def test_grid_fit_follows_the_real_runs_then_the_sims_use_it(tmp_path, tiny_mode
 
 def test_a_stretched_workload_by_name_and_its_errors(tmp_path, capsys):
     """compact:K is compact with its clock x K (cpu_default_rounds' stretch, under the name of the file that
-    writes); --pool --runs takes a half of each file's repeats. No engine: bad values stop before any run."""
+    writes); --pool --runs takes a half of each file's repeats; --table names every policy behind the winner.
+    No engine: bad values stop before any run."""
     sf = _tool()
     assert sf.workload_name("compact:0.2") == "compact_s0.2" and sf.workload_name("ilr3:2") == "ilr3_s2"
     assert sf.workload_name("compact") == "compact" and sf.workload_name("a/b:c.jsonl") == "b:c"
@@ -109,3 +110,11 @@ def test_a_stretched_workload_by_name_and_its_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sf.main(["--pool", str(tmp_path / "r.json"), "--runs", "3"])
     assert e.value.code == 2 and "A:B expected" in capsys.readouterr().err
+
+    # --table's winners on the stored s02 results: every other policy behind the real winner, repeat by repeat
+    s02 = json.loads((TOOL.parent / "results" / "sim_fidelity_s02.json").read_text())
+    runs = {p: [r["mean_e2e_s"] for r in s02["compact_s0.2"][p]["real"]["runs"]] for p in ("mars", "fcfs")}
+    gap = sf.paired_gap(*[[{"mean_e2e_s": x} for x in runs[p]] for p in ("mars", "fcfs")])
+    assert gap["runs"] == 10 and gap["mean_log_ratio"] > 2 * gap["stderr"] > 0  # fcfs behind mars, beyond noise
+    text = sf.table(s02)
+    assert f"fcfs {gap['mean_log_ratio'] * 100:+.1f} +- {gap['stderr'] * 100:.1f} %" in text and "continuum +" in text
