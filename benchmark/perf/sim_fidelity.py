@@ -142,8 +142,8 @@ def table(doc: dict) -> str:
     def bias(b):
         return "-" if b["mean_log_ratio"] is None else f"{b['mean_log_ratio'] * 100:+.1f} +- {(b['stderr'] or 0) * 100:.1f}"
 
-    rows = ["| workload, policy | real: preempt., recomp., E2E | spread: E2E, preempt., recomp. | own-run fit: "
-            "preempt. / recomp. / E2E | grid fit: preempt. / recomp. / E2E | trace |", "|---|---|---|---|---|---|"]
+    rows = [("| workload, policy | real: preempt., recomp., E2E | spread: E2E, preempt., recomp. | own-run fit: "
+             "preempt. / recomp. / E2E | grid fit: preempt. / recomp. / E2E | trace |"), "|---|---|---|---|---|---|"]
     per_run = ["| workload, policy | preempt. | recomp. | E2E |", "|---|---|---|---|"]
     wins = []
     for w, res in doc.items():
@@ -180,8 +180,8 @@ def table(doc: dict) -> str:
                         + f"), own-run fit {wn['own_run_fit']} ({m['own_run_fit'] * 100:.1f} %), grid fit "
                         f"{wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): " + ("same" if wn["same"] else "not the same")
                         + f". Mean E2E against the best, real / own-run fit / grid fit: {behind}")
-    return "\n".join([*rows, "", "Each run against its own fit's sims, mean log ratio sim / real +- standard error "
-                      "(%):", "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
+    return "\n".join([*rows, "", ("Each run against its own fit's sims, mean log ratio sim / real +- standard error "
+                                   "(%):"), "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
 
 
 def margin(e2e: dict[str, float]) -> float | None:
