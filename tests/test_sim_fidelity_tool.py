@@ -67,3 +67,54 @@ def test_grid_fit_follows_the_real_runs_then_the_sims_use_it(tmp_path, tiny_mode
         sf.main([*common[:-1], str(tmp_path / "empty"), "--no-new-real", "--results", ""])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "no finished real runs" in err and "wl fcfs" in err, err
+
+
+def test_a_stretched_workload_by_name_and_its_errors(tmp_path, capsys):
+    """compact:K is compact with its clock x K (cpu_default_rounds' stretch, under the name of the file that
+    writes); --pool --runs takes a half of each file's repeats; --table names every policy behind the winner.
+    No engine: bad values stop before any run."""
+    sf = _tool()
+    assert sf.workload_name("compact:0.2") == "compact_s0.2" and sf.workload_name("ilr3:2") == "ilr3_s2"
+    assert sf.workload_name("compact") == "compact" and sf.workload_name("a/b:c.jsonl") == "b:c"
+    path = Path(sf.workload_file("compact:0.2", tmp_path))
+    assert path == tmp_path / "compact_s0.2.jsonl"
+    src = [json.loads(x) for x in Path(sf.workload_file("compact", tmp_path)).read_text().splitlines() if x.strip()]
+    got = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(got) == len(src) > 0
+    for a, b in zip(src, got):
+        assert [t.get("output_tokens") for t in a["turns"]] == [t.get("output_tokens") for t in b["turns"]]
+        assert [t.get("tool_s") and round(t["tool_s"] * 0.2, 6) for t in a["turns"]] == \
+            [t.get("tool_s") for t in b["turns"]]
+        assert (a.get("arrival_s") is None) == (b.get("arrival_s") is None)
+    assert any(t.get("tool_s") for wf in got for t in wf["turns"])
+
+    for bad, msg in (("compact:x", "got 'x'"), ("compact:0.05", "[0.1, 100]"), ("ilr3:", "ilr3:K"),
+                     (str(tmp_path / "none.jsonl"), "no file")):
+        with pytest.raises(SystemExit) as e:
+            sf.main(["--workloads", bad, "--out", str(tmp_path / "w"), "--results", ""])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1], (bad, err)
+    assert not (tmp_path / "w").exists()  # stopped before the work dir, let alone a run
+
+    # --pool --runs: the per-run bias of repeats A to B-1 only
+    doc = {"w": {"fcfs": {"own_run_fit": {"per_run": {"preemptions": {"pairs": [[4, 8], [4, 8], [8, 4], [8, 4]]}}}}}}
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    halves = []
+    for runs in ("0:2", "2:", ""):
+        argv = ["--pool", str(tmp_path / "r.json")] + (["--runs", runs] if runs else [])
+        assert sf.main(argv) == 0
+        halves.append(json.loads(capsys.readouterr().out)["w"]["fcfs"]["preemptions"])
+    assert [h["runs"] for h in halves] == [2, 2, 4]
+    assert halves[0]["mean_log_ratio"] == 0.6931 and halves[1]["mean_log_ratio"] == -0.6931
+    assert halves[2]["mean_log_ratio"] == 0.0
+    with pytest.raises(SystemExit) as e:
+        sf.main(["--pool", str(tmp_path / "r.json"), "--runs", "3"])
+    assert e.value.code == 2 and "A:B expected" in capsys.readouterr().err
+
+    # --table's winners on the stored s02 results: every other policy behind the real winner, repeat by repeat
+    s02 = json.loads((TOOL.parent / "results" / "sim_fidelity_s02.json").read_text())
+    runs = {p: [r["mean_e2e_s"] for r in s02["compact_s0.2"][p]["real"]["runs"]] for p in ("mars", "fcfs")}
+    gap = sf.paired_gap(*[[{"mean_e2e_s": x} for x in runs[p]] for p in ("mars", "fcfs")])
+    assert gap["runs"] == 10 and gap["mean_log_ratio"] > 2 * gap["stderr"] > 0  # fcfs behind mars, beyond noise
+    text = sf.table(s02)
+    assert f"fcfs {gap['mean_log_ratio'] * 100:+.1f} +- {gap['stderr'] * 100:.1f} %" in text and "continuum +" in text

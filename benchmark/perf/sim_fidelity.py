@@ -5,7 +5,9 @@ sim (virtual time), per policy, repeated; errors of the sim's medians against th
     PYTHONPATH=vllm-mars python benchmark/perf/sim_fidelity.py --policies fcfs --workloads compact --repeats 2
 
 Per workload (``compact``: the bundled default; ``ilr3``: ILR-3 cut to this engine, generated from
-``sim_fidelity_ilr3.toml`` at ``--scale 80``; or a path) and policy:
+``sim_fidelity_ilr3.toml`` at ``--scale 80``; ``compact:K`` or ``ilr3:K``: that workload with its clock
+stretched K times, every tool time and arrival gap x K, as ``cpu_default_rounds.py --stretch K``, so
+``compact:0.2 --rps 20`` is compact on an engine 5x slower against its tools; or a path) and policy:
 
 1. ``--repeats`` real runs (``mars replay --backend inprocess --record-steps``); their spread is the
    noise floor (a shared machine's changing load moves a real run's timing, and with it where KV
@@ -105,8 +107,15 @@ def per_run_bias(pairs: list[tuple[float, float]]) -> dict:
             "stderr": None if se is None else round(se, 4)}
 
 
-def pooled_bias(paths: list[str]) -> dict:
-    """:func:`per_run_bias` of each workload, policy and count over the runs of several results files."""
+def paired_gap(best: list[dict], other: list[dict]) -> dict:
+    """Another policy's mean E2E against the best's, repeat by repeat (repeat i of each policy ran back
+    to back, under the same load): :func:`per_run_bias` of the pairs (best, other)."""
+    return per_run_bias([(a["mean_e2e_s"], b["mean_e2e_s"]) for a, b in zip(best, other)])
+
+
+def pooled_bias(paths: list[str], runs: slice = slice(None)) -> dict:
+    """:func:`per_run_bias` of each workload, policy and count over the runs of several results files
+    (``runs``: those repeats of each file only, e.g. its first or second half, a held-out check)."""
     out: dict = {}
     for path in paths:
         for w, res in json.loads(Path(path).read_text()).items():
@@ -115,14 +124,15 @@ def pooled_bias(paths: list[str]) -> dict:
             for pol, r in res.items():
                 per_run = {} if pol.startswith("_") else r["own_run_fit"].get("per_run") or {}
                 for key, v in per_run.items():
-                    out.setdefault(w, {}).setdefault(pol, {}).setdefault(key, []).extend(map(tuple, v["pairs"]))
+                    out.setdefault(w, {}).setdefault(pol, {}).setdefault(key, []).extend(map(tuple, v["pairs"][runs]))
     return {w: {p: {k: per_run_bias(v) for k, v in ks.items()} for p, ks in ps.items()} for w, ps in out.items()}
 
 
 def table(doc: dict) -> str:
     """A results file as Markdown: errors of the medians in % (E2E in bold where within its target:
     5 % own-run fit, 15 % grid fit; counts target 20 %), each run against its own fit's sims (mean log
-    ratio +- standard error, %), and the winners."""
+    ratio +- standard error, %), and the winners: each other policy behind the real one repeat by repeat,
+    and every policy's mean E2E against the best in the real runs and both fits."""
     def pct(x, nd=0):
         return "-" if x is None else f"{x * 100:+.{nd}f}"
 
@@ -132,8 +142,8 @@ def table(doc: dict) -> str:
     def bias(b):
         return "-" if b["mean_log_ratio"] is None else f"{b['mean_log_ratio'] * 100:+.1f} +- {(b['stderr'] or 0) * 100:.1f}"
 
-    rows = ["| workload, policy | real: preempt., recomp., E2E | spread: E2E, preempt., recomp. | own-run fit: "
-            "preempt. / recomp. / E2E | grid fit: preempt. / recomp. / E2E | trace |", "|---|---|---|---|---|---|"]
+    rows = [("| workload, policy | real: preempt., recomp., E2E | spread: E2E, preempt., recomp. | own-run fit: "
+             "preempt. / recomp. / E2E | grid fit: preempt. / recomp. / E2E | trace |"), "|---|---|---|---|---|---|"]
     per_run = ["| workload, policy | preempt. | recomp. | E2E |", "|---|---|---|---|"]
     wins = []
     for w, res in doc.items():
@@ -154,16 +164,24 @@ def table(doc: dict) -> str:
                                                           ("preemptions", "recomputed_tokens", "mean_e2e_s")) + " |")
         wn = res.get("_winner") or {}
         if wn:
-            gap = wn.get("real_paired_gap") or {}
-            gap_s = "" if gap.get("mean_log_ratio") is None else (
-                f"; the real runner-up behind it, repeat by repeat, {bias(gap)} %")
+            pols = [p for p in res if not p.startswith("_")]
+            best = res[wn["real"]]["real"]["runs"]
+            gaps = [(p, paired_gap(best, res[p]["real"]["runs"])) for p in pols if p != wn["real"]]
+            gap_s = ", ".join(f"{p} {bias(g)} %" for p, g in gaps if g["mean_log_ratio"] is not None)
+            col = {"real": {p: res[p]["real"]["mean_e2e_s"] for p in pols},
+                   "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in pols},
+                   "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in pols}}
+            behind = "; ".join(f"{p} " + " / ".join(f"{(v[p] / min(v.values()) - 1) * 100:+.1f}" for v in col.values())
+                               + " %" for p in pols)
             m = wn["margin"]
             wins.append(f"- {w}: real {wn['real']} (margin {m['real'] * 100:.1f} %, its runs' E2E spread "
-                        f"{wn['real_spread_of_best'] * 100:.0f} %{gap_s}), own-run fit {wn['own_run_fit']} "
-                        f"({m['own_run_fit'] * 100:.1f} %), grid fit {wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): "
-                        + ("same" if wn["same"] else "not the same"))
-    return "\n".join([*rows, "", "Each run against its own fit's sims, mean log ratio sim / real +- standard error "
-                      "(%):", "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
+                        f"{wn['real_spread_of_best'] * 100:.0f} %" + (f"; the others behind it, repeat by repeat: {gap_s}"
+                                                                        if gap_s else "")
+                        + f"), own-run fit {wn['own_run_fit']} ({m['own_run_fit'] * 100:.1f} %), grid fit "
+                        f"{wn['grid_fit']} ({m['grid_fit'] * 100:.1f} %): " + ("same" if wn["same"] else "not the same")
+                        + f". Mean E2E against the best, real / own-run fit / grid fit: {behind}")
+    return "\n".join([*rows, "", ("Each run against its own fit's sims, mean log ratio sim / real +- standard error "
+                                   "(%):"), "", *per_run, "", "Winners (lowest mean E2E):", "", *wins])
 
 
 def margin(e2e: dict[str, float]) -> float | None:
@@ -200,12 +218,43 @@ def shaped(profile: str, cfg, dest: Path) -> Path:
     return p.write(dest)
 
 
+NAMED = ("compact", "ilr3")
+
+
+def stretch_of(arg: str) -> tuple[str, float] | None:
+    """``compact:K`` / ``ilr3:K`` -> (workload, K); None for a plain name or path. A bad K raises
+    ValueError with a one-line message."""
+    name, sep, k = arg.partition(":")
+    if not sep or name not in NAMED:
+        return None
+    try:
+        f = float(k)
+    except ValueError:
+        f = math.nan
+    if not 0.1 <= f <= 100:  # cpu_default_rounds.check_stretch's range
+        raise ValueError(f"--workloads {arg!r}: {name}:K needs a clock stretch K in [0.1, 100], got {k!r}")
+    return name, f
+
+
 def workload_name(arg: str) -> str:
-    """A workload's folder in the work dir and key in the results: compact, ilr3, or a path's stem."""
-    return arg if arg in ("compact", "ilr3") else Path(arg).stem
+    """A workload's folder in the work dir and key in the results: compact, ilr3, compact_s<K> for
+    compact:K (the stem of the file ``cpu_default_rounds.stretch_workload`` writes), or a path's stem."""
+    st = stretch_of(arg)
+    if st:
+        return f"{st[0]}_s{st[1]:g}"
+    return arg if arg in NAMED else Path(arg).stem
 
 
 def workload_file(name: str, out: Path) -> str:
+    st = stretch_of(name)
+    if st:
+        path = out / f"{workload_name(name)}.jsonl"
+        if not path.exists():
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from cpu_default_rounds import stretch_workload
+
+            stretch_workload(workload_file(st[0], out), path, st[1])
+        return str(path)
     if name == "compact":
         return str(ROOT / "benchmark" / "workloads" / "compact.jsonl")
     if name == "ilr3":
@@ -222,7 +271,8 @@ def workload_file(name: str, out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="fcfs,mars,continuum")
-    ap.add_argument("--workloads", default="compact,ilr3", help="compact, ilr3 or JSONL paths, comma-separated")
+    ap.add_argument("--workloads", default="compact,ilr3", help="compact, ilr3, compact:K / ilr3:K (the clock "
+                    "stretched K times: tool times and arrival gaps x K) or JSONL paths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="real runs per workload and policy (medians, spread)")
     ap.add_argument("--rps", type=float, default=4.0)
     ap.add_argument("--num-blocks", type=int, default=48)
@@ -245,13 +295,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", metavar="JSON", default=None, help="print a results file as Markdown tables (no runs)")
     ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
                     help="print the per-run count bias pooled over these results files (no runs)")
+    ap.add_argument("--runs", metavar="A:B", default=None, help="with --pool: only repeats A to B-1 of each file "
+                    "(e.g. 0:10 and 10:20, the halves of 20 repeats: does a bias on one hold on the other?)")
     args = ap.parse_args(argv)
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
     if args.pool:
-        print(json.dumps(pooled_bias(args.pool), indent=2))
+        runs = slice(None)
+        if args.runs:
+            a, sep, b = args.runs.partition(":")
+            try:
+                runs = slice(int(a) if a else None, int(b) if b else None)
+            except ValueError:
+                sep = ""
+            if not sep:
+                ap.error(f"--runs {args.runs!r}: A:B expected, repeats A to B-1 (integers, either may be empty)")
+        print(json.dumps(pooled_bias(args.pool, runs), indent=2))
         return 0
+    # name (the work dir's folder and the results' key) -> compact, ilr3, compact:K or a JSONL path
+    try:
+        workloads = {workload_name(w.strip()): w.strip() for w in args.workloads.split(",") if w.strip()}
+    except ValueError as e:
+        ap.error(str(e))
+    absent = [w for w in workloads.values() if w not in NAMED and not stretch_of(w) and not Path(w).is_file()]
+    if absent:
+        ap.error(f"--workloads: no file {absent[0]!r}; compact, ilr3, compact:K, ilr3:K or a JSONL path expected")
 
     from vllm_mars.cli import main as mars
     from vllm_mars.driver.runner import ReplayConfig, run_replay
@@ -269,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--scales {args.scales!r}: comma-separated positive numbers expected")
     if not scales or not all(0 < f < 10 for f in scales):
         ap.error(f"--scales {args.scales!r}: comma-separated numbers in (0, 10) expected")
-    # name (the work dir's folder and the results' key) -> compact, ilr3 or a JSONL path
-    workloads = {workload_name(w.strip()): w.strip() for w in args.workloads.split(",") if w.strip()}
 
     def run(cfg) -> dict:
         d = Path(cfg.out)
@@ -370,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         # against the noise of the real gap itself: repeat i of each policy ran back to back (the same
         # load), so the per-repeat log ratio second / best has a standard error
         order = sorted(policies, key=e2e["real"].get)
-        paired = (per_run_bias([(a["mean_e2e_s"], b["mean_e2e_s"]) for (_, a), (_, b)
-                                in zip(real[w][order[0]], real[w][order[1]])])
+        paired = (paired_gap([m for _, m in real[w][order[0]]], [m for _, m in real[w][order[1]]])
                   if len(order) > 1 else None)
         res["_winner"] = {**best, "same": len(set(best.values())) == 1,
                           "margin": {k: margin(v) for k, v in e2e.items()},
