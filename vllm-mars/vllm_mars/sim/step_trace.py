@@ -105,6 +105,22 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
+def _pairs(d: dict, field: str, first: Any, where: str, what: str) -> list[tuple[Any, float]] | None:
+    """``d[field]`` as a list of (``first(x)``, seconds) pairs, None when absent; every number finite and
+    >= 0, else a one-line error naming the place and the field."""
+    value = d.get(field)
+    if value is None:
+        return None
+    try:
+        got = [(first(x), float(b)) for x, b in value]
+    except (TypeError, ValueError):
+        got = None
+    if got is None or not all(math.isfinite(b) and b >= 0 and (first is not float or (math.isfinite(x) and x >= 0))
+                              for x, b in got):
+        raise ValueError(f"{where}: field {field!r} must be a list of {what}, got {value!r}")
+    return got
+
+
 def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[float | None],
                                          list[tuple[int, float, float]], dict[str, float]]:
     """Per recorded run step (calibration steps left out): the calls the engine took in before it
@@ -130,26 +146,11 @@ def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], li
             starts.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
             t = d.get("t_out")
             outs.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
-            ticks = d.get("ticks")
-            if ticks is not None:
-                try:
-                    pairs = [(float(a), float(b)) for a, b in ticks]
-                except (TypeError, ValueError):
-                    pairs = None
-                if pairs is None or not all(math.isfinite(a) and a >= 0 and math.isfinite(b) and b >= 0
-                                            for a, b in pairs):
-                    raise ValueError(f"{path}:{n}: field 'ticks' must be a list of [at, age] pairs of "
-                                     f"seconds >= 0, got {ticks!r}")
+            pairs = _pairs(d, "ticks", float, f"{path}:{n}", "[at, age] pairs of seconds >= 0")
+            if pairs is not None:
                 ticks_out += [(i, a, b) for a, b in pairs]
-            seen = d.get("seen")
-            if seen is not None:
-                try:
-                    got = [(str(r), float(a)) for r, a in seen]
-                except (TypeError, ValueError):
-                    got = None
-                if got is None or not all(math.isfinite(a) and a >= 0 for _, a in got):
-                    raise ValueError(f"{path}:{n}: field 'seen' must be a list of [request id, seconds >= 0] "
-                                     f"pairs, got {seen!r}")
+            got = _pairs(d, "seen", str, f"{path}:{n}", "[request id, seconds >= 0] pairs")
+            if got is not None:
                 seen_out.update(got)
     return added, starts, outs, ticks_out, seen_out
 
