@@ -146,10 +146,19 @@ def resolve_variants(ap: argparse.ArgumentParser, names: str, variants_from: str
     return labels, variants
 
 
+#: the clock stretches a workload may take (``--stretch``, ``sim_fidelity.py``'s ``compact:K``)
+STRETCH_RANGE = (0.1, 100.0)
+
+
+def stretch_in_range(k: float) -> bool:
+    """Whether ``k`` is a clock stretch in :data:`STRETCH_RANGE` (False for NaN)."""
+    return STRETCH_RANGE[0] <= k <= STRETCH_RANGE[1]
+
+
 def check_stretch(ap: argparse.ArgumentParser, k: float) -> None:
     """``--stretch``'s range, for this script and the sim rig's."""
-    if not 0.1 <= k <= 100:
-        ap.error(f"--stretch: must be in [0.1, 100], got {k:g}")
+    if not stretch_in_range(k):
+        ap.error(f"--stretch: must be in [{STRETCH_RANGE[0]:g}, {STRETCH_RANGE[1]:g}], got {k:g}")
 
 
 def stretch_workload(src: str, dest: Path, k: float) -> Path:

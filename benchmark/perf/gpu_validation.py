@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -236,8 +236,6 @@ def profile_for(row: Row, overheads: tuple[float, float] | None = None, scheduli
         _PROFILES[key] = Profile.from_kernels(row.gpu, row.model, tp=row.tp, scheduling=sched)
     p = _PROFILES[key]
     if overheads is not None:
-        from dataclasses import replace
-
         p = p.with_efficiency(replace(p.efficiency, step_overhead_s=overheads[0], per_seq_overhead_s=overheads[1]))
     return p
 
@@ -507,16 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.range_ratio is not None:
         if not 0 < args.range_ratio <= 1:
             ap.error(f"--range-ratio {args.range_ratio}: must be within (0, 1]")
-        from dataclasses import replace
-
         for name, proto in list(PROTOCOLS.items()):
             PROTOCOLS[name] = replace(proto, range_ratio=args.range_ratio,
                                       source=f"{proto.source}; lengths in [{args.range_ratio} L, L] (--range-ratio)")
     if args.max_num_batched_tokens is not None:
         if args.max_num_batched_tokens < 1:
             ap.error(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be a positive integer")
-        from dataclasses import replace
-
         for name, proto in list(PROTOCOLS.items()):
             PROTOCOLS[name] = replace(proto, max_num_batched_tokens=args.max_num_batched_tokens,
                                       source=f"{proto.source}; {args.max_num_batched_tokens} batched tokens "

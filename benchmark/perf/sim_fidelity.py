@@ -128,6 +128,13 @@ def pooled_bias(paths: list[str], runs: slice = slice(None)) -> dict:
     return {w: {p: {k: per_run_bias(v) for k, v in ks.items()} for p, ks in ps.items()} for w, ps in out.items()}
 
 
+def e2e_columns(res: dict, policies: list[str]) -> dict[str, dict[str, float]]:
+    """Each policy's mean E2E in the real runs (median) and in both fits' sims (their medians)."""
+    return {"real": {p: res[p]["real"]["mean_e2e_s"] for p in policies},
+            "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in policies},
+            "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in policies}}
+
+
 def table(doc: dict) -> str:
     """A results file as Markdown: errors of the medians in % (E2E in bold where within its target:
     5 % own-run fit, 15 % grid fit; counts target 20 %), each run against its own fit's sims (mean log
@@ -168,9 +175,7 @@ def table(doc: dict) -> str:
             best = res[wn["real"]]["real"]["runs"]
             gaps = [(p, paired_gap(best, res[p]["real"]["runs"])) for p in pols if p != wn["real"]]
             gap_s = ", ".join(f"{p} {bias(g)} %" for p, g in gaps if g["mean_log_ratio"] is not None)
-            col = {"real": {p: res[p]["real"]["mean_e2e_s"] for p in pols},
-                   "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in pols},
-                   "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in pols}}
+            col = e2e_columns(res, pols)
             behind = "; ".join(f"{p} " + " / ".join(f"{(v[p] / min(v.values()) - 1) * 100:+.1f}" for v in col.values())
                                + " %" for p in pols)
             m = wn["margin"]
@@ -231,9 +236,21 @@ def stretch_of(arg: str) -> tuple[str, float] | None:
         f = float(k)
     except ValueError:
         f = math.nan
-    if not 0.1 <= f <= 100:  # cpu_default_rounds.check_stretch's range
-        raise ValueError(f"--workloads {arg!r}: {name}:K needs a clock stretch K in [0.1, 100], got {k!r}")
+    rounds = _rounds()
+    if not rounds.stretch_in_range(f):
+        lo, hi = rounds.STRETCH_RANGE
+        raise ValueError(f"--workloads {arg!r}: {name}:K needs a clock stretch K in [{lo:g}, {hi:g}], got {k!r}")
     return name, f
+
+
+def _rounds():
+    """``cpu_default_rounds.py`` (beside this script): the clock stretch this tool's ``compact:K`` shares."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import cpu_default_rounds
+
+    return cpu_default_rounds
 
 
 def workload_name(arg: str) -> str:
@@ -250,10 +267,7 @@ def workload_file(name: str, out: Path) -> str:
     if st:
         path = out / f"{workload_name(name)}.jsonl"
         if not path.exists():
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from cpu_default_rounds import stretch_workload
-
-            stretch_workload(workload_file(st[0], out), path, st[1])
+            _rounds().stretch_workload(workload_file(st[0], out), path, st[1])
         return str(path)
     if name == "compact":
         return str(ROOT / "benchmark" / "workloads" / "compact.jsonl")
@@ -429,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "per_run": {key: {"pairs": v, **per_run_bias(v)} for key, v in pairs.items()}},
                 "grid_fit": {**errors(rm, grid), "sim": grid, "runs": ens},
             }
-        e2e = {"real": {p: res[p]["real"]["mean_e2e_s"] for p in policies},
-               "own_run_fit": {p: res[p]["own_run_fit"]["median"]["mean_e2e_s"] for p in policies},
-               "grid_fit": {p: res[p]["grid_fit"]["sim"]["mean_e2e_s"] for p in policies}}
+        e2e = e2e_columns(res, policies)
         best = {k: min(v, key=v.get) for k, v in e2e.items()}
         # the margin of the best policy over the next, against the real runs' own E2E spread and
         # against the noise of the real gap itself: repeat i of each policy ran back to back (the same

@@ -209,7 +209,7 @@ class InProcessBackend:
         self._read = (sample, self._seen)
 
     # -- the asyncio side -------------------------------------------------------------------------
-    def _on_output(self, out: Any, now: float, step: int = -1) -> None:
+    def _on_output(self, out: Any, now: float, step: int) -> None:
         entry = self._pending.get(out.request_id)
         if entry is None:
             return
