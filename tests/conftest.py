@@ -73,9 +73,10 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def openai_server(tiny_model, tmp_path_factory):
     """One shared server for the session: MarsScheduler with the ``mars`` policy (passed the way a
-    user passes it: ``--additional-config '{"mars": {"policy": "mars"}}'``), 256 blocks of 32 tokens."""
+    user passes it: ``--additional-config '{"mars": {"policy": "mars"}}'``), 256 blocks of 32 tokens;
+    vLLM's dev-mode routes on (test_disconnect pauses the engine with ``/pause``)."""
     server = ServerProcess(tiny_model, tmp_path_factory.mktemp("server"), policy="mars", num_blocks=256,
-                           max_model_len=2048, max_num_seqs=32)
+                           max_model_len=2048, max_num_seqs=32, env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         server.wait_ready()
         yield server
