@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
@@ -101,8 +102,8 @@ def test_client_disconnect_aborts_the_engine_request(openai_server, stream):
     cfg = SidecarConfig(backends=(openai_server.url,), controller="none", port=free_port(),
                         telemetry_interval_s=0.1)
     with SidecarThread(cfg) as sc:
-        for url, wf in ((openai_server.url, f"disc-direct-{stream}"), (sc.url, f"disc-sidecar-{stream}")):
-            path = "direct" if url == openai_server.url else "sidecar"
+        for path, url in (("direct", openai_server.url), ("sidecar", sc.url)):
+            wf = f"disc-{path}-{stream}-{uuid.uuid4().hex[:8]}"  # its own records, however often it runs
             kv_before = _engine(openai_server)["kv_cache_usage_perc"]
             with _paused(openai_server):
                 _go_away(openai_server, url, wf, stream)
