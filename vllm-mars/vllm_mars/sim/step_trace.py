@@ -38,8 +38,9 @@ The scheduler reads the clock the recorded one read. A real engine's scheduler r
 call's ``add_request()`` (its arrival, a little before the step's ``t``), in ``schedule()`` (a little after
 ``t``: the engine core's own work comes first) and in ``update_from_output()`` (a call's end, a retention's
 start: a little before ``t_out``); the replay's loop stands at the step's start and end there, tens of
-microseconds (milliseconds on a loaded machine) away, and a retention that expires, or an MLFQ level that
-ages, in between decides the step otherwise (a new prompt's first chunk cut to the free blocks, or not).
+microseconds (milliseconds on a loaded machine) away, and a decision on those readings (a retention's
+expiry, an MLFQ level's aging, the priced reserve's measured holds and recoveries) can come out otherwise
+(a new prompt's first chunk cut to the free blocks, or a call let in against the reserve, or not).
 ``--record-steps`` writes those readings (``t_added``, ``t_sched``, ``t_update``;
 :class:`vllm_mars.engine.steps.StepRecorder`) and the replay's scheduler reads them in the same places
 (:meth:`StepTrace.scheduler_now`); recordings without them replay on the loop's clock.
