@@ -17,9 +17,13 @@ from vllm_mars.sim.profile import load_profile
 
 def test_step_recorder_sees_chunks_and_decodes_of_the_real_scheduler():
     s = make_scheduler("fcfs", num_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
-    rec = StepRecorder(s)
+    ticks = iter(range(1, 1000))
+    rec = StepRecorder(s, clock=lambda: float(next(ticks)))  # (each reading one later)
     s.add_request(make_request("a", prompt_len=100, max_tokens=3))
     s.add_request(make_request("b", prompt_len=20, max_tokens=2))
+    assert (rec.added_at, rec.scheduled_at, rec.updated_at) == (2.0, None, None)
+    step(s)
+    assert (rec.scheduled_at, rec.updated_at) == (3.0, 4.0)  # where the scheduler reads its own clock
     while s.has_requests():
         step(s)
     batches = [b for b in rec.take() if b != ([], [])]   # (the last schedule() finds nothing to do)
@@ -284,6 +288,11 @@ def test_step_trace_errors(tmp_path):
     steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01, "seen": [["a:t0"]]}) + "\n")
     with pytest.raises(ValueError, match=r"steps\.jsonl:1: field 'seen' must be a list of \[request id, seconds"):
         ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
+    steps.write_text(json.dumps({"prefill": [[32, 0]], "decode": [], "seconds": 0.01, "added": ["a:t0"],
+                                 "t_added": [0.1, 0.2]}) + "\n")
+    with pytest.raises(ValueError, match=r"steps\.jsonl:1: field 't_added' must be a list of seconds >= 0, one per "
+                                         r"call of 'added' \(1\), got \[0\.1, 0\.2\]"):
+        ReplayConfig(backend="sim", profile="h200-llama-3.1-8b", step_trace=str(steps)).validate()
 
 
 def test_recorded_control_ticks_are_filed_under_the_step_they_ran_before(tmp_path):
@@ -328,13 +337,15 @@ def _events(run_dir: Path, *kinds: str) -> list[tuple]:
             if r["event"] in kinds]
 
 
-def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
+def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model, monkeypatch):
     """A real mars run replays batch for batch: its controller's cost rule and window run on a timer, and
     the run records where each control tick ran against the steps (after which step, how long after its
     start, on how old a reading: steps.jsonl's ``ticks``); the replay ticks there instead of on its own
     timer, so a loaded machine's drifting timer does not move an admission across a step. The replay
     also prices as the real run did: admission and rebuilds with the driver's solo-call calibration on
-    the engine (run_start.cost_model in events.jsonl), not the profile's fit."""
+    the engine (run_start.cost_model in events.jsonl), not the profile's fit. And its scheduler reads
+    the clock the real one read (t_sched, t_update, t_added): it stamps each call's arrival and end as
+    the real scheduler did, not at the replayed step's start and end."""
     from vllm_mars.cli import main as mars
     from vllm_mars.sim.step_trace import StepTrace, recorded_cost_model
 
@@ -351,8 +362,26 @@ def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
     shaped = o.with_efficiency(o.efficiency, num_blocks=40, max_model_len=1248).write(tmp_path / "shaped.toml")
     # the trace's cost model is the recorded run's, not the profile's fit
     assert StepTrace(load_profile(str(shaped)), str(steps)).cost_model() == cost != load_profile(str(shaped)).cost_model()
+    # where the real scheduler read its clock: each call's add_request() before its step's start, the
+    # step's schedule() after it, its update_from_output() before its outputs' stamp
+    run = [r for r in map(json.loads, steps.read_text().splitlines()) if not r.get("calibration")]
+    assert all(r["t"] <= r["t_sched"] <= r["t_update"] <= r["t_out"] and all(a <= r["t"] for a in r.get("t_added", ()))
+               for r in run)
+    added = {rid: t for r in run for rid, t in zip(r["added"], r.get("t_added", ()))}
+    ended = {rid: r["t_update"] for r in run for rid, _ in r.get("seen", ())}
+    assert len(added) == len(ended) == sum(len(r["added"]) for r in run) >= 8
+    monkeypatch.setenv("MARS_SCHED_LOG", str(tmp_path / "sched.jsonl"))
     assert mars(["replay", *common, "--backend", "sim", "--profile", str(shaped), "--step-trace", str(steps),
                  "--out", str(tmp_path / "trace")]) == 0
+    monkeypatch.delenv("MARS_SCHED_LOG")
+    # the replay's scheduler stamped each call's arrival and end with the real scheduler's readings
+    stamp = {(e["event"], e["request_id"]): e["ts"]
+             for e in map(json.loads, (tmp_path / "sched.jsonl").read_text().splitlines())}
+    first = min(added, key=added.get)
+    base = stamp[("arrive", first)] - added[first]  # the run's start on the sim's loop
+    for rid, t in added.items():
+        assert stamp[("arrive", rid)] - base == pytest.approx(t, abs=1e-9), rid
+        assert stamp[("end", rid)] - base == pytest.approx(ended[rid], abs=1e-9), rid
     real_s, trace_s = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "trace"))
     st = trace_s["engine"]["step_trace"]
     # the sim's policy and controller priced with the real run's calibration (a sim calibrates on the
@@ -377,16 +406,30 @@ def test_step_trace_replays_a_mars_run_exactly(tmp_path, tiny_model):
     assert e["free_blocks"] == e["num_blocks"] and e["retained_blocks"] == 0 and not e["retained_workflows"]
 
 
-def _record_sim_run(monkeypatch, cfg, late=None):
+class _LateClock:
+    """A scheduler clock ``late`` seconds after the loop's while ``late`` is set (a real engine core's
+    work before its scheduler reads the clock)."""
+
+    def __init__(self, loop):
+        self.loop, self.late = loop, 0.0
+
+    def now(self):
+        return self.loop.time() + self.late
+
+
+def _record_sim_run(monkeypatch, cfg, late=None, sched_late=None):
     """Run ``cfg`` in the sim and return its steps as a real run's steps.jsonl lists them: each priced
     step's batch and time, and the calls the engine took in before it (``added``). ``late`` ({request
     id: seconds}): those calls' outputs reach the driver that much after their step's end (a real
     run's hand-off to the driver's thread on a loaded machine), and every step lists when the driver
-    saw each call it finished (``seen``)."""
+    saw each call it finished (``seen``). ``sched_late`` (seconds): the scheduler reads its clock that
+    much after the step's start in every ``schedule()`` (the decode fast-forward is off, so every step
+    runs it), and every step lists its start (``t``) and the scheduler's readings (``t_sched``,
+    ``t_update``, ``t_added``: run clock)."""
     from vllm_mars.driver.runner import run_replay
     from vllm_mars.sim.engine import SimBackend
 
-    steps, added = [], []
+    steps, added, added_at, begun, priced = [], [], [], {}, [False]
 
     class Recording:  # the profile, writing down each step it prices and the calls taken in before it
         def __init__(self, p):
@@ -398,24 +441,52 @@ def _record_sim_run(monkeypatch, cfg, late=None):
         def step_seconds(self, prefill, decode):
             dt = self.p.step_seconds(prefill, decode)
             steps.append({"prefill": [list(x) for x in prefill], "decode": list(decode), "seconds": dt,
-                          "added": added[:]})
+                          "added": added[:], **begun})
+            if sched_late is not None and added:
+                steps[-1]["t_added"] = added_at[:]
             added.clear()
+            added_at.clear()
+            priced[0] = True
             return dt
 
     init, start = SimBackend.__init__, SimBackend.start
 
     async def recording_start(self):
         await start(self)
-        add = self.scheduler.add_request
+        s = self.scheduler
+        add = s.add_request
 
         def add_request(request):
             added.append(request.request_id)
+            added_at.append(self.clock())
             return add(request)
 
-        self.scheduler.add_request = add_request
+        s.add_request = add_request
+        if sched_late is None:
+            return
+        clock, schedule, update = _LateClock(self._loop), s.schedule, s.update_from_output
+        s.set_clock(clock)
+
+        def late_schedule(*args):
+            begun.update(t=self.clock(), t_sched=self.clock() + sched_late)
+            clock.late = sched_late
+            try:
+                return schedule(*args)
+            finally:
+                clock.late = 0.0
+
+        def update_from_output(so, out):
+            if priced[0]:
+                priced[0] = False
+                steps[-1]["t_update"] = self.clock()
+            return update(so, out)
+
+        s.schedule, s.update_from_output = late_schedule, update_from_output
 
     monkeypatch.setattr(SimBackend, "__init__", lambda self, p, *a, **k: init(self, Recording(p), *a, **k))
     monkeypatch.setattr(SimBackend, "start", recording_start)
+    if sched_late is not None:
+        monkeypatch.setattr(SimBackend, "fast_forward", False)
     if late is not None:
         deliver = SimBackend._deliver
 
@@ -569,6 +640,74 @@ def test_step_trace_hands_each_output_over_when_the_recorded_driver_saw_it(tmp_p
     assert moved["tool"] == pytest.approx(start["tool"] - 0.015, abs=1e-6)
     for d in (a, b):
         assert d["engine"]["leak_check"] == "ok" and d["completed"] == 2
+
+
+def test_step_trace_gives_the_scheduler_the_clock_readings_of_the_recorded_run(tmp_path, monkeypatch):
+    """A real engine's scheduler reads its clock a little after the step's recorded start in
+    ``schedule()`` (the engine core's own work before it) and a little before its end in
+    ``update_from_output()``: neither is on the replay's loop, whose scheduler read the step's start
+    and its end. A retention that expires in between was released before the step in the real run and
+    is still held in such a replay, so a new prompt's first chunk is cut to the free blocks (the real
+    ILR-3 mars departures: 160 tokens recorded, 729 replayed). Recorded from a sim whose scheduler reads
+    its clock 0.5 ms late in every ``schedule()``, with a's retention expiring 0.25 ms into b's first
+    step: replayed with the recorded readings (``t_sched``, ``t_update``, ``t_added``) every batch is the
+    recorded one (the scheduler's arrival and end of each call too); without them b's chunk is cut."""
+    from dataclasses import replace as dc_replace
+
+    from vllm_mars.driver.runner import ReplayConfig, run_replay
+
+    rows = [{"schema": "mars_workload_v1", "workflow_id": "a", "prompt_tokens": 320,
+             "turns": [{"output_tokens": 4, "tool_s": 1.0, "tool": "t"}, {"append_tokens": 8, "output_tokens": 4}]},
+            {"schema": "mars_workload_v1", "workflow_id": "b", "prompt_tokens": 400, "turns": [{"output_tokens": 4}]}]
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prof = load_profile("h200-llama-3.1-8b")
+    shaped = prof.with_efficiency(prof.efficiency, num_blocks=40, max_model_len=1024).write(tmp_path / "p.toml")
+    late = 5e-4
+
+    def cfg(tau: float, out: str) -> ReplayConfig:  # a's retention before any return gap is learned: tau
+        return ReplayConfig(workload=str(wl), rps=10, backend="sim", profile=str(shaped), calibrate=False,
+                            policy="mars-no-admission", policy_options={"cold_start_tau_s": tau},
+                            progress=False, plots=False, out=str(tmp_path / out))
+
+    first, _ = _record_sim_run(monkeypatch, cfg(2.0, "first"), sched_late=late)
+    ends = {e[1]: e[3] for e in _events(first, "call_end")}
+    b_in = next(e[3] for e in _events(first, "call_submit") if e[1] == "b:t0")
+    # a's blocks retained for tau * 1.05 + 1 ms after its end (MarsRetention.retention_s): until b's
+    # first step has begun, before its schedule() reads the clock
+    tau = (b_in + late / 2 - ends["a:t0"] - 1e-3) / 1.05
+    rec, steps = _record_sim_run(monkeypatch, cfg(tau, "rec"), sched_late=late)
+    k = next(i for i, s in enumerate(steps) if "b:t0" in s["added"])
+    assert steps[k]["prefill"] == [[400, 0]]  # a's blocks released: b's prompt whole
+    assert steps[k]["t"] == pytest.approx(b_in, abs=1e-6) and steps[k]["t_added"] == [pytest.approx(b_in, abs=1e-6)]
+    assert all(x["t"] < x["t_sched"] < x["t_update"] for x in steps)
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    monkeypatch.setenv("MARS_SCHED_LOG", str(tmp_path / "sched.jsonl"))
+    out, _ = run_replay(dc_replace(cfg(tau, "replay"), step_trace=str(trace)))
+    got = json.loads((out / "summary.json").read_text())
+    st = got["engine"]["step_trace"]
+    assert st["mismatched_steps"] == 0 and st["sim_steps"] == st["recorded_steps"] == len(steps), st
+    # the scheduler stamped each call's arrival and end with the recorded readings (on the loop's clock)
+    stamp = {(e["event"], e["request_id"]): e["ts"]
+             for e in map(json.loads, (tmp_path / "sched.jsonl").read_text().splitlines())}
+    base = stamp[("arrive", "a:t0")] - steps[0]["t_added"][0]
+    added = {rid: t for x in steps for rid, t in zip(x["added"], x.get("t_added", ()))}
+    assert len(added) == 3 and all(stamp[("arrive", rid)] - base == pytest.approx(t, abs=1e-9)
+                                   for rid, t in added.items()), (stamp, added)
+    rec_ends = {e[1]: e[3] for e in _events(rec, "call_end")}  # its update_from_output() (events: to 1 us)
+    assert {rid: stamp[("end", rid)] - base for rid in rec_ends} == pytest.approx(rec_ends, abs=1e-6)
+    assert got["preemptions"] == 0
+    for d in (got, json.loads((rec / "summary.json").read_text())):
+        assert d["engine"]["leak_check"] == "ok" and d["completed"] == 2
+    # without the readings the replay's scheduler reads the step's start: a is still retained, b is cut
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({f: v for f, v in x.items() if f not in ("t_sched", "t_update", "t_added")})
+                             + "\n" for x in steps))
+    monkeypatch.delenv("MARS_SCHED_LOG")
+    old, _ = run_replay(dc_replace(cfg(tau, "plain"), step_trace=str(plain)))
+    st = json.loads((old / "summary.json").read_text())["engine"]["step_trace"]
+    assert st["first_mismatch"]["step"] == k and st["first_mismatch"]["sim"]["prefill"][0][0] < 400, st
 
 
 def test_sim_fidelity_per_run_bias_and_winner_margin(tmp_path):

@@ -78,6 +78,10 @@ class InProcessBackend:
         #: outputs were stamped with (its ``engine.step()`` returned; the rest of its cycle follows)
         self.step_starts: list[float] = []
         self.step_outputs: list[float] = []
+        #: with record_steps: per step of ``step_times``, when the engine core entered the scheduler (run
+        #: clock; the scheduler reads its own clock there): its ``schedule()``, its ``update_from_output()``,
+        #: and each call's ``add_request()`` (in the order of the step's request ids added before it)
+        self.step_clock: list[tuple[float | None, float | None, list[float | None]]] = []
         #: with record_steps: (step of ``step_times``, request id, run-clock time) of each finished call's
         #: output as the driver saw it (the hand-off to the asyncio thread and the caller's wake-up: later
         #: than the step's output stamp, by milliseconds on a loaded machine)
@@ -121,7 +125,7 @@ class InProcessBackend:
         if self.step_times is not None:
             from vllm_mars.engine.steps import StepRecorder  # imports vllm (through engine.rig)
 
-            self._recorder = StepRecorder(self.scheduler)
+            self._recorder = StepRecorder(self.scheduler, clock=self.clock)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._snapshot()
         self._loop = asyncio.get_running_loop()
@@ -140,6 +144,7 @@ class InProcessBackend:
         # recorded step): where the real engine took each arrival, which a trace replay follows
         pending: tuple[list, list, float, list[str]] | None = None
         added: list[str] = []
+        added_at: list[float | None] = []
         t_end = 0.0
 
         def close(t: float) -> None:
@@ -174,6 +179,7 @@ class InProcessBackend:
                     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
                     if self._recorder is not None:
                         added.append(rid)
+                        added_at.append(self._recorder.added_at)
                 if not engine.has_unfinished_requests():
                     close(t_end)
                     self._wake.wait(0.05)
@@ -189,7 +195,9 @@ class InProcessBackend:
                     if len(batches) == 1 and (batches[0][0] or batches[0][1]):
                         pending = (*batches[0], t0, added)
                         self.step_starts.append(t0_run)
-                        added = []
+                        rec = self._recorder
+                        self.step_clock.append((rec.scheduled_at, rec.updated_at, added_at))
+                        added, added_at = [], []
                         self._seen += 1
                 now = self.clock()
                 if len(self.step_outputs) < len(self.step_starts):  # (record_steps: a recorded step)

@@ -54,7 +54,8 @@ def default_out_dir(policy: str) -> Path:
     return out
 
 
-def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=(), seen=(), outputs=()) -> None:
+def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=(), seen=(), outputs=(),
+                clock_reads=()) -> None:
     """One JSON line per engine step: ``{"prefill": [[chunk, context], ...], "decode": [context, ...], "seconds",
     "added": [request id, ...]}`` (added: the requests the engine took in before it); the steps before
     ``first_run_step`` (the calibration's) also carry ``"calibration": true``. ``starts``
@@ -71,7 +72,13 @@ def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=(),
 
     ``seen`` (``InProcessBackend.outputs_seen``): each run step's line lists under ``"seen"`` the calls it
     finished, each as ``[request id, run-clock time the driver saw the output]`` (later than the step's
-    end by the hand-off to the driver's thread; the replay hands each output over then)."""
+    end by the hand-off to the driver's thread; the replay hands each output over then).
+
+    ``clock_reads`` (``InProcessBackend.step_clock``): when the engine core entered the scheduler, where it
+    reads its own clock (run clock): ``"t_sched"`` its ``schedule()`` of the step (after ``t``: the engine's
+    own work before it), ``"t_update"`` its ``update_from_output()`` (before ``t_out``: the output processing
+    after it), and ``"t_added"`` each ``add_request()`` of ``added``, in that order (before ``t``). The replay
+    gives the sim's scheduler these readings."""
     per_line: dict[int, list[list[float]]] = {}
     for shown, now, age in ticks:
         line = max(shown, first_run_step)  # the step after the last one the reading showed
@@ -89,6 +96,14 @@ def write_steps(path: Path, steps, first_run_step: int = 0, ticks=(), starts=(),
                     rec["t"] = round(starts[i], 7)
                 if i < len(outputs):
                     rec["t_out"] = round(outputs[i], 7)
+                if i < len(clock_reads):
+                    sched, update, adds = clock_reads[i]
+                    if sched is not None:
+                        rec["t_sched"] = round(sched, 7)
+                    if update is not None:
+                        rec["t_update"] = round(update, 7)
+                    if added and len(adds) == len(added) and None not in adds:
+                        rec["t_added"] = [round(t, 7) for t in adds]
                 if i in per_line:
                     rec["ticks"] = per_line[i]
                 if i in outs:
@@ -173,7 +188,8 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
             if getattr(backend, "step_times", None):
                 write_steps(out / STEPS_FILE, backend.step_times, getattr(backend, "run_first_step", 0),
                             getattr(backend, "control_ticks", ()), getattr(backend, "step_starts", ()),
-                            getattr(backend, "outputs_seen", ()), getattr(backend, "step_outputs", ()))
+                            getattr(backend, "outputs_seen", ()), getattr(backend, "step_outputs", ()),
+                            getattr(backend, "step_clock", ()))
     return out, cost
 
 

@@ -672,7 +672,7 @@ class SimBackend:
             if new and len(new) > pool.get_num_free_blocks():
                 break  # an allocation could fail: vLLM preempts; the full path runs it
             decode = [r.num_computed_tokens for r in running]  # (in running order before the step hooks)
-            now = loop.time()
+            now = s.clock.now()  # the loop's time, or a recorded run's reading (sim/step_trace.py), as schedule()
             begin(now)
             if waits:
                 # the head as vLLM's loop will see it (it sorts the queue there, as here)
@@ -885,7 +885,7 @@ class SimBackend:
         handed = None
         scheduled: dict[str, int] = {}
         while done < horizon:
-            now = loop.time()
+            now = s.clock.now()  # (as in _fast_forward)
             begin(now)
             # The checks, on the order the hooks gave: upper bounds of each chunk and its blocks.
             budget = budget0

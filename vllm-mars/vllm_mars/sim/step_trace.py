@@ -34,6 +34,17 @@ calls in at that step's ``t``, so calls end and arrive on the policy's clock whe
 (:meth:`StepTrace.hand_over`), so a tool starts, and a finished root frees its admission, when the
 real driver's did. Recordings without them charge whole cycles and hand outputs over at a step's end.
 
+The scheduler reads the clock the recorded one read. A real engine's scheduler reads its own clock in a
+call's ``add_request()`` (its arrival, a little before the step's ``t``), in ``schedule()`` (a little after
+``t``: the engine core's own work comes first) and in ``update_from_output()`` (a call's end, a retention's
+start: a little before ``t_out``); the replay's loop stands at the step's start and end there, tens of
+microseconds (milliseconds on a loaded machine) away, and a decision on those readings (a retention's
+expiry, an MLFQ level's aging, the priced reserve's measured holds and recoveries) can come out otherwise
+(a new prompt's first chunk cut to the free blocks, or a call let in against the reserve, or not).
+``--record-steps`` writes those readings (``t_added``, ``t_sched``, ``t_update``;
+:class:`vllm_mars.engine.steps.StepRecorder`) and the replay's scheduler reads them in the same places
+(:meth:`StepTrace.scheduler_now`); recordings without them replay on the loop's clock.
+
 The driver's control loop ticks where the recorded run's ticked. A real run's loop sleeps
 ``interval_s`` between ticks, and on a loaded machine the sleeps overshoot (ticks at 1.236 s against
 the sim's 1.200 s): a cost rule or window that compares waits with prices then decides at another
@@ -65,7 +76,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +111,21 @@ def _noop() -> None:
     pass
 
 
+class _SchedulerClock:
+    """A replayed scheduler's clock (``Clock``): ``now()`` of :meth:`StepTrace.scheduler_now`, never
+    behind a reading it gave (a real monotonic clock's readings, in the order the real scheduler read them)."""
+
+    __slots__ = ("_last", "_read")
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+        self._last = -math.inf
+
+    def now(self) -> float:
+        self._last = t = max(self._read(), self._last)
+        return t
+
+
 def _resolve(future: asyncio.Future, result: Any) -> None:
     if not future.done():  # (its caller may have given up)
         future.set_result(result)
@@ -121,18 +147,34 @@ def _pairs(d: dict, field: str, first: Any, where: str, what: str) -> list[tuple
     return got
 
 
-def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], list[float | None],
-                                         list[tuple[int, float, float]], dict[str, float]]:
+def _seconds(t: Any) -> float | None:
+    """``t`` as a finite float, None when it is not one (not recorded)."""
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) else None
+
+
+@dataclass
+class _RunFields:
     """Per recorded run step (calibration steps left out): the calls the engine took in before it
-    (``added``), its run-clock start (``t``) and output stamp (``t_out``; None: not recorded); (run
-    step, at, age) of every recorded control tick (``ticks``, see ``driver.runner.write_steps``); and
-    the run-clock time the driver saw each finished call's output (``seen``). ValueError naming the
-    file, line and field (``load_samples`` validated the rest of the file)."""
-    added: list[list[str]] = []
-    starts: list[float | None] = []
-    outs: list[float | None] = []
-    ticks_out: list[tuple[int, float, float]] = []
-    seen_out: dict[str, float] = {}
+    (``added``); its run-clock start (``t``), output stamp (``t_out``) and the scheduler's clock readings
+    in its ``schedule()`` and ``update_from_output()`` (``t_sched``, ``t_update``; None: not recorded);
+    (run step, at, age) of every recorded control tick (``ticks``, see ``driver.runner.write_steps``);
+    the run-clock time the driver saw each finished call's output (``seen``), and the scheduler's
+    reading in each call's ``add_request()`` (``t_added``)."""
+
+    added: list[list[str]] = field(default_factory=list)
+    t: list[float | None] = field(default_factory=list)
+    t_out: list[float | None] = field(default_factory=list)
+    t_sched: list[float | None] = field(default_factory=list)
+    t_update: list[float | None] = field(default_factory=list)
+    ticks: list[tuple[int, float, float]] = field(default_factory=list)
+    seen: dict[str, float] = field(default_factory=dict)
+    t_added: dict[str, float] = field(default_factory=dict)
+
+
+def _read_run_fields(path: str) -> _RunFields:
+    """The recorded run steps' fields (:class:`_RunFields`). ValueError naming the file, line and field
+    (``load_samples`` validated the rest of the file)."""
+    out = _RunFields()
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -140,19 +182,25 @@ def _read_run_fields(path: str) -> tuple[list[list[str]], list[float | None], li
             d = json.loads(line)
             if d.get("calibration") is True:
                 continue
-            i = len(added)
-            added.append([str(r) for r in d.get("added") or ()])
-            t = d.get("t")
-            starts.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
-            t = d.get("t_out")
-            outs.append(float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)
+            i = len(out.added)
+            rids = [str(r) for r in d.get("added") or ()]
+            out.added.append(rids)
+            for name in ("t", "t_out", "t_sched", "t_update"):
+                getattr(out, name).append(_seconds(d.get(name)))
             pairs = _pairs(d, "ticks", float, f"{path}:{n}", "[at, age] pairs of seconds >= 0")
             if pairs is not None:
-                ticks_out += [(i, a, b) for a, b in pairs]
+                out.ticks += [(i, a, b) for a, b in pairs]
             got = _pairs(d, "seen", str, f"{path}:{n}", "[request id, seconds >= 0] pairs")
             if got is not None:
-                seen_out.update(got)
-    return added, starts, outs, ticks_out, seen_out
+                out.seen.update(got)
+            adds = d.get("t_added")
+            if adds is not None:
+                got = [_seconds(x) for x in adds] if isinstance(adds, list) else []
+                if len(got) != len(rids) or any(x is None or x < 0 for x in got):
+                    raise ValueError(f"{path}:{n}: field 't_added' must be a list of seconds >= 0, one per call "
+                                     f"of 'added' ({len(rids)}), got {adds!r}")
+                out.t_added.update(zip(rids, got))
+    return out
 
 
 class StepTrace:
@@ -173,12 +221,20 @@ class StepTrace:
         #: the calls the real engine took in before each recorded step, and where (step, position); the
         #: run-clock time each recorded step started (None: not recorded); the recorded control ticks
         #: (run step, at, age)
-        self._added, self._t, t_out, self._ticks, self._seen = _read_run_fields(path)
+        run = _read_run_fields(path)
+        self._added, self._t, self._ticks, self._seen = run.added, run.t, run.ticks, run.seen
         #: what each recorded step charges: up to its output stamp where recorded (``t_out``: the rest of
         #: its cycle, the hand-off and the next calls' intake, passes before the next step's ``t``),
         #: else its whole cycle (``seconds``)
         self._charge = [s.seconds if t is None or o is None or not 0 < o - t <= s.seconds else o - t
-                        for s, t, o in zip(self._samples, self._t, t_out)]
+                        for s, t, o in zip(self._samples, self._t, run.t_out)]
+        #: the real scheduler's clock readings (run clock): in each step's schedule() and
+        #: update_from_output(), in each call's add_request() (:meth:`scheduler_now`)
+        self._t_sched, self._t_update, self._t_added = run.t_sched, run.t_update, run.t_added
+        self.reads_clock = any(t is not None for t in run.t_sched)
+        self._fixed: float | None = None  # the reading of the add_request()/update_from_output() in progress
+        self._in_step: int | None = None  # the step whose policy hooks run (begun, not ended)
+        self._charged: int | None = None  # the step charged last, until its update_from_output()
         self._where = {rid: (i, k) for i, rids in enumerate(self._added) for k, rid in enumerate(rids)}
         self._taken: set[str] = set()
         self._here: set[str] = set()  # the calls that reached the engine and wait to be taken in
@@ -221,6 +277,7 @@ class StepTrace:
             return dt
         s = self._samples[i]
         dt = self._charge[i]
+        self._charged = i
         self._started(i, dt)
         # the same batch: the same chunks and decodes, in any order (a step's time does not depend on it;
         # the decode fast-forward lists its decodes before a policy's step hook orders them)
@@ -366,9 +423,59 @@ class StepTrace:
         def begin_step(now: float) -> None:
             self._begun = self._adjusted(scheduler_reading(s, self._clock()))
             self._taken_since = 0
+            self._in_step, self._charged = self._next, None
             begin(now)
 
         s._mars_begin_step = begin_step
+        if not self.reads_clock:
+            return
+        # the scheduler's clock reads what the real one read (scheduler_now): where, it learns here
+        end, add, update = s._mars_end_step, s.add_request, s.update_from_output
+
+        def end_step(out: Any, now: float) -> None:
+            try:
+                end(out, now)
+            finally:
+                self._in_step = None
+
+        def add_request(request: Any) -> None:
+            self._fixed = self._t_added.get(request.request_id)
+            try:
+                add(request)
+            finally:
+                self._fixed = None
+
+        def update_from_output(scheduler_output: Any, model_output: Any) -> Any:
+            i, self._charged = self._charged, None
+            self._fixed = self._t_update[i] if i is not None and i < len(self._t_update) else None
+            try:
+                return update(scheduler_output, model_output)
+            finally:
+                self._fixed = None
+
+        s._mars_end_step, s.add_request, s.update_from_output = end_step, add_request, update_from_output
+        s.set_clock(_SchedulerClock(self.scheduler_now))
+
+    def scheduler_now(self) -> float:
+        """The sim scheduler's clock (loop time) on a recording of the real scheduler's readings: in a
+        call's ``add_request()`` what the real one read there (``t_added``), in a step's
+        ``update_from_output()`` its ``t_update``, and otherwise, from the recorded start of the step
+        it is about to schedule or is scheduling (``t``), that step's ``t_sched``: the engine's own
+        work before ``schedule()`` and its output processing after ``update_from_output()`` (tens of
+        microseconds, milliseconds on a loaded machine) are not in the loop's step times, and a
+        retention that expires within them, or an MLFQ level's aging, decided by them. Elsewhere
+        (before a step's recorded start, past the recording) the loop's time."""
+        loop_now, run_now = self._loop.time(), self._clock()
+        r = self._fixed
+        if r is None:
+            i = self._next if self._in_step is None else self._in_step
+            r = self._t_sched[i] if i < len(self._t_sched) else None
+            if r is None:
+                return loop_now
+            t = self._t[i]
+            if t is not None and run_now < t - START_SLACK_S:
+                return loop_now
+        return loop_now - run_now + r
 
     def _adjusted(self, r: Any) -> Any:
         return replace(r, waiting=r.waiting - self._taken_since) if self._taken_since and r.waiting else r
