@@ -100,8 +100,8 @@ PROTOCOLS = {
 }
 
 #: vLLM version of a row -> how its steps are scheduled. 0.12: synchronous (the overheads were fitted
-#: on these rows, sync); 0.18: asynchronous, the default by then (vLLM PR #31998, 2026-01-08, extends
-#: the existing default to speculative decoding; InferenceX's scripts at cec542a9a do not set it)
+#: on these rows, sync: async became the default in v0.14.0, vLLM PR #27614); 0.18: asynchronous, the
+#: default by then (InferenceX's scripts at cec542a9a do not set it)
 SCHEDULING = {"0.12.0": "sync", "0.18.0": "async"}
 #: the overheads of each scheduling mode are fitted once, on these rows (the rest are out of sample)
 FIT_SETS = {"sync": ("h100", "qwen3-32b"), "async": ("h100", "gpt-oss-120b")}
