@@ -110,7 +110,13 @@ def main() -> None:
     variants = rec["config"]["variants"]
     cells = [c for c in rec["cells"] if any(fnmatch.fnmatchcase(c["key"], g) for g in args.only.split(","))]
     if args.before:
-        moves(json.loads(Path(args.before).read_text()), cells, variants)
+        try:
+            before = json.loads(Path(args.before).read_text())
+            if not isinstance(before, dict) or not isinstance(before.get("cells"), list):
+                raise ValueError("no 'cells' list: not an experiment results.json")
+        except (OSError, ValueError) as e:
+            ap.error(f"--before {args.before}: {e}")
+        moves(before, cells, variants)
         return
     print("| cell | seed | policy | mean / P90 / P95 E2E (s) | preemptions | recomputed tokens | context blocks "
           "rebuilt | KV use max / mean | admission wait (s) | makespan (s) | done |")
