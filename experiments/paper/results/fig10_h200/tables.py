@@ -34,12 +34,17 @@ def rebuilt(d: dict) -> int | None:
     return None if bins is None else int(sum(bins))
 
 
+def mars_and_baselines(c: dict, variants: dict) -> tuple[dict | None, dict]:
+    """A cell's mars run (None: not run) and its baselines' runs by policy."""
+    base = {p: d for p, d in c["policies"].items() if is_baseline(p, (variants.get(p) or {}).get("policy"))}
+    return c["policies"].get("mars"), base
+
+
 def speedups(cells: list[dict], variants: dict) -> dict[str, tuple[dict, dict]]:
     """Per cell key: (the fastest baseline per statistic, mars's speedup over it per statistic)."""
     out = {}
     for c in cells:
-        m = c["policies"].get("mars")
-        base = {p: d for p, d in c["policies"].items() if is_baseline(p, (variants.get(p) or {}).get("policy"))}
+        m, base = mars_and_baselines(c, variants)
         if m and base:
             best = {s: min(base, key=lambda p: base[p][s]) for s in STATS}
             out[c["key"]] = (best, {s: base[best[s]][s] / m[s] for s in STATS})
@@ -51,8 +56,7 @@ def seed_lines(cells: list[dict], variants: dict) -> dict[str, str]:
     every seed of the level; a baseline run on one seed only is in the per-seed rows, not here)."""
     by_level: dict[tuple[str, float], list[tuple[dict, dict]]] = defaultdict(list)
     for c in cells:
-        m = c["policies"].get("mars")
-        base = {p: d for p, d in c["policies"].items() if is_baseline(p, (variants.get(p) or {}).get("policy"))}
+        m, base = mars_and_baselines(c, variants)
         if m and base:
             by_level[(c["workload"], c["rps"])].append((m, base))
     out = {}
