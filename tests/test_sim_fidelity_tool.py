@@ -1,5 +1,5 @@
-"""benchmark/perf/sim_fidelity.py end to end on a small workload: the real CPU engine, the grid fit
-right after the real runs (also under --real-only, so the grid and the runs share the box's state),
+"""benchmark/perf/sim_fidelity.py end to end on a small workload: the real CPU engine, a pass over the
+grid after each repeat's real runs (also under --real-only, so the grid and the runs share the box's state),
 then the sims on those runs with --no-new-real; and its one-line errors on a work dir that lacks them."""
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def test_grid_fit_follows_the_real_runs_then_the_sims_use_it(tmp_path, tiny_mode
     assert sf.main([*common, "--real-only", "--grid", "tiny", "--grid-repeats", "1", "--results", ""]) == 0
     real = out / "wl" / "real-fcfs-r0"
     grid = out / "cpu-tiny-grid.toml"
-    assert (real / "steps.jsonl").exists() and grid.exists() and (out / "grid_steps.jsonl").exists()
-    # fitted after the real run, in this process: not a file from another time
-    assert grid.stat().st_mtime > (real / "summary.json").stat().st_mtime
-    assert "fitted by `mars profile`" in load_profile(str(grid)).efficiency.source
+    steps = out / "grid_steps-p0.jsonl"  # the pass over the grid after repeat 0
+    assert (real / "steps.jsonl").exists() and grid.exists() and steps.exists()
+    # timed after the real run, in this process: not a file from another time; the fit is of that pass
+    assert steps.stat().st_mtime > (real / "summary.json").stat().st_mtime
+    assert "fitted by `mars profile --from-steps` to 1 recorded" in load_profile(str(grid)).efficiency.source
+    assert load_profile(str(grid)).efficiency.source.endswith(f"over {len(steps.read_text().splitlines())} steps")
 
     # the sims on those runs: the grid fit beside them is the grid profile, no new engine run
     res = tmp_path / "res.json"
@@ -62,6 +64,12 @@ def test_grid_fit_follows_the_real_runs_then_the_sims_use_it(tmp_path, tiny_mode
     with pytest.raises(SystemExit) as e:
         sf.main([*common[:-1], str(bare), "--no-new-real", "--results", ""])
     assert e.value.code == 2 and "no grid fit" in capsys.readouterr().err
+    # ... but fits one from the passes kept beside the runs (no engine run)
+    shutil.copy(steps, bare / steps.name)
+    assert sf.main([*common[:-1], str(bare), "--no-new-real", "--real-only", "--results", ""]) == 0
+    coef = ("mfu", "attn_mfu", "bw_eff", "step_overhead_s", "per_seq_overhead_s")
+    refit, first = load_profile(str(bare / grid.name)).efficiency, load_profile(str(grid)).efficiency
+    assert [getattr(refit, k) for k in coef] == [getattr(first, k) for k in coef]
     # ... nor run without the real runs
     with pytest.raises(SystemExit) as e:
         sf.main([*common[:-1], str(tmp_path / "empty"), "--no-new-real", "--results", ""])

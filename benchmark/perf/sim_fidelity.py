@@ -18,10 +18,14 @@ stretched K times, every tool time and arrival gap x K, as ``cpu_default_rounds.
    any difference is the sim's mechanism (event order, scheduling, KV sizing, an admission
    controller's choices), not its step-time model or the real driver's latencies;
 3. the sim with a profile fitted to each real run's own steps (``mars profile --from-steps``);
-4. the sim with the ``cpu`` grid fit of ``mars profile``, fitted right after the real runs (also under
-   ``--real-only``; ``--profile`` gives another): its steps are timed in the same serving loop as the
-   real runs', and a grid timed at another time or on another machine describes that box's state,
-   not the runs' (q10: a grid fitted hours before on another load put all six grid errors +6 to +19 %).
+4. the sim with the ``cpu`` grid fit of ``mars profile``, timed among the real runs (also under
+   ``--real-only``; ``--profile`` gives another): one pass over the grid (``--grid-repeats`` runs of each
+   point, default 1) after each repeat's real runs, all passes fitted together (``mars profile
+   --from-steps --loss relative``). Its steps are timed in the same serving loop as the real runs', and
+   over the same stretch of the box's changing state: a grid timed at another time describes that
+   moment (q10: a grid fitted hours before on another load put all six grid errors +6 to +19 %; one
+   grid of 3 repeats timed after the runs missed the runs' decode steps by 2-7 %, each of its points
+   24 or 3 steps long).
 
 3 and 4 are medians over deterministic runs with the profile's step times scaled by each of
 ``--scales`` (default 0.98-1.02): the preemptions of one run are one draw of a quantity chaotic in
@@ -195,16 +199,30 @@ def margin(e2e: dict[str, float]) -> float | None:
     return round((v[1] - v[0]) / v[0], 4) if len(v) > 1 and v[0] > 0 else None
 
 
-def fit_grid_profile(out: Path, grid: str, repeats: int | None) -> Path:
-    """`mars profile` now, on this machine (the CPU engine with the tiny model)."""
+def grid_pass(out: Path, i: int, grid: str, repeats: int | None) -> Path:
+    """Pass ``i`` over `mars profile`'s grid now, on this machine (the CPU engine with the tiny model):
+    its timed steps, ``grid_steps-p<i>.jsonl`` in ``out`` (kept: a rerun reuses it)."""
     from vllm_mars.cli import main as mars
 
+    steps = out / f"grid_steps-p{i}.jsonl"
+    if not steps.exists():
+        part = steps.with_suffix(".part")
+        argv = ["profile", "--grid", grid, "--repeats", str(repeats or 1), "--out", str(out / "grid-pass.toml"),
+                "--samples-out", str(part)]
+        if mars(argv) != 0:
+            raise SystemExit("mars profile failed")
+        part.rename(steps)
+    return steps
+
+
+def fit_grid_profile(out: Path) -> Path:
+    """The grid fit of every pass in ``out`` together (the grid's relative loss)."""
+    from vllm_mars.cli import main as mars
+
+    passes = sorted(out.glob("grid_steps-p*.jsonl"), key=lambda f: int(f.stem.rpartition("-p")[2]))
     path = out / "cpu-tiny-grid.toml"
-    argv = ["profile", "--grid", grid, "--out", str(path), "--samples-out", str(out / "grid_steps.jsonl")]
-    if repeats:
-        argv += ["--repeats", str(repeats)]
-    if mars(argv) != 0:
-        raise SystemExit("mars profile failed")
+    if mars(["profile", "--from-steps", *map(str, passes), "--loss", "relative", "--out", str(path)]) != 0:
+        raise SystemExit("mars profile --from-steps failed")
     return path
 
 
@@ -294,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: the grid "
                     "fit in --out, fitted right after the real runs)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
-    ap.add_argument("--grid-repeats", type=int, default=None)
+    ap.add_argument("--grid-repeats", type=int, default=None, help="runs of each grid point per pass (one pass after each repeat's real runs; default 1)")
     ap.add_argument("--scales", default="0.98,0.99,1,1.01,1.02",
                     help="step-time scales of each fitted profile's sim runs (own-run and grid fit), comma-separated; "
                          "the table takes their median (preemptions are chaotic in step time: one run is one draw; "
@@ -370,12 +388,15 @@ def main(argv: list[str] | None = None) -> int:
             got.append(metrics(run(replace(cfg, profile=str(p), out=str(dest) + (f"-x{f:g}" if f != 1 else "")))))
         return got
 
-    # 1. the real runs, interleaved over policies (a load change hits every policy alike)
+    # 1. the real runs, interleaved over workloads and policies (a load change hits every policy alike),
+    # each repeat followed by a pass over the grid unless the grid fit is given or made already
+    grid_fit = out / "cpu-tiny-grid.toml"
+    passes = not (args.profile or args.no_new_real or grid_fit.exists())
+    bases = {w: ReplayConfig(workload=workload_file(src, out), rps=args.rps, seed=args.seed,
+                             num_blocks=args.num_blocks, progress=False, plots=False) for w, src in workloads.items()}
     real: dict = {}
-    for w, src in workloads.items():
-        base = ReplayConfig(workload=workload_file(src, out), rps=args.rps, seed=args.seed, num_blocks=args.num_blocks,
-                            progress=False, plots=False)
-        for i in range(args.repeats):
+    for i in range(args.repeats):
+        for w, base in bases.items():
             for pol in policies:
                 d = out / w / f"real-{pol}-r{i}"
                 if args.no_new_real and not ((d / "summary.json").exists() and (d / "steps.jsonl").exists()):
@@ -383,21 +404,20 @@ def main(argv: list[str] | None = None) -> int:
                 s = run(replace(base, policy=pol, backend="inprocess", record_steps=True, out=str(d)))
                 real.setdefault(w, {}).setdefault(pol, []).append((d, metrics(s)))
                 print(f"real {w} {pol} r{i}: {metrics(s)}", file=sys.stderr)
+        if passes:
+            grid_pass(out, i, args.grid, args.grid_repeats)
     missing = [f"{w} {p}" for w in workloads for p in policies if not real.get(w, {}).get(p)]
     if missing:
         ap.error(f"no finished real runs (summary.json and steps.jsonl) in {out} for: {', '.join(missing)}")
-    # the grid fit right after the real runs, so both describe the box in one state (a grid fitted
-    # hours earlier, or on another machine, moved every grid-fit error the same way: q10, +6 to +19 %)
-    grid_fit = out / "cpu-tiny-grid.toml"
     if args.profile:
         profile = args.profile
     elif grid_fit.exists():
         profile = str(grid_fit)
-    elif args.no_new_real:
-        ap.error(f"--no-new-real: no grid fit {grid_fit} beside the real runs; give --profile, or run without "
-                 "--no-new-real to fit one now")
+    elif not any(out.glob("grid_steps-p*.jsonl")):
+        ap.error(f"--no-new-real: no grid fit {grid_fit} nor grid passes beside the real runs; give --profile, "
+                 "or run without --no-new-real to time the grid among new real runs")
     else:
-        profile = str(fit_grid_profile(out, args.grid, args.grid_repeats))
+        profile = str(fit_grid_profile(out))
     if args.real_only:
         return 0
     # another profile's grid-fit sims go to their own folders (a rerun reuses finished runs by folder)
