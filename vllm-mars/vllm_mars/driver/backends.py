@@ -38,6 +38,7 @@ from vllm_mars.admission.telemetry import (
     MetricsError,
     metric_sum,
     parse_prometheus,
+    scheduler_reading,
     scheduler_sample,
     telemetry_from_metrics,
 )
@@ -213,8 +214,10 @@ class InProcessBackend:
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
     def _snapshot(self, now: float | None = None) -> None:
-        sample, self._stats = scheduler_sample(self.scheduler, self.clock() if now is None else now)
-        self._read = (sample, self._seen)
+        # the reading only: the engine's counters (``engine_stats``: the policy's state and cost model
+        # among them, a dict built per read) are read once, at close; read here, they made every step
+        # of a policy with state longer than a fcfs step of the same batch
+        self._read = (scheduler_reading(self.scheduler, self.clock() if now is None else now), self._seen)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def _on_output(self, out: Any, now: float, step: int) -> None:
@@ -309,6 +312,7 @@ class InProcessBackend:
             self.control_ticks.append((self._last_read[1], now, now - reading_ts))
 
     def engine_stats(self) -> dict[str, Any]:
+        """The engine's counters as :meth:`close` left them (empty before it)."""
         return dict(self._stats)
 
     async def close(self) -> None:
@@ -319,9 +323,13 @@ class InProcessBackend:
         if self.engine is not None:
             try:
                 self.scheduler.release_retention()
-                self._snapshot()
             except Exception:
                 logger.debug("retention release at close failed", exc_info=True)
+            try:  # the stepper has stopped: the final reading and counters, read here once
+                sample, self._stats = scheduler_sample(self.scheduler, self.clock())
+                self._read = (sample, self._seen)
+            except Exception:
+                logger.debug("engine counters at close failed", exc_info=True)
             try:
                 self.engine.engine_core.shutdown()
             except Exception:
