@@ -23,9 +23,9 @@ stretched K times, every tool time and arrival gap x K, as ``cpu_default_rounds.
    point, default 1) after each repeat's real runs, all passes fitted together (``mars profile
    --from-steps --loss relative``). Its steps are timed in the same serving loop as the real runs', and
    over the same stretch of the box's changing state: a grid timed at another time describes that
-   moment (q10: a grid fitted hours before on another load put all six grid errors +6 to +19 %; one
-   grid of 3 repeats timed after the runs missed the runs' decode steps by 2-7 %, each of its points
-   24 or 3 steps long).
+   moment (q10: a grid fitted hours before on another load put all six grid errors +6 to +19 %; g20b:
+   one grid of 3 repeats timed in the minute after the runs was 18 % faster than the runs' steps, the
+   passes among them within 2 %; benchmark/perf/RESULTS.md, "Sim fidelity").
 
 3 and 4 are medians over deterministic runs with the profile's step times scaled by each of
 ``--scales`` (default 0.98-1.02): the preemptions of one run are one draw of a quantity chaotic in
