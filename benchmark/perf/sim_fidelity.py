@@ -310,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, help="a fitted CPU profile for the grid-fit runs (default: the grid "
-                    "fit in --out, fitted right after the real runs)")
+                    "fit in --out, of the grid passes timed among the real runs)")
     ap.add_argument("--grid", default="cpu", help="grid of the fit when --profile is not given")
-    ap.add_argument("--grid-repeats", type=int, default=None, help="runs of each grid point per pass (one pass after each repeat's real runs; default 1)")
+    ap.add_argument("--grid-repeats", type=int, default=None,
+                    help="runs of each grid point per pass (one pass after each repeat's real runs; default 1)")
     ap.add_argument("--scales", default="0.98,0.99,1,1.01,1.02",
                     help="step-time scales of each fitted profile's sim runs (own-run and grid fit), comma-separated; "
                          "the table takes their median (preemptions are chaotic in step time: one run is one draw; "

@@ -48,8 +48,10 @@ async def calibrate_apart(plan: RunPlan, backend: Any, clock: Any) -> CostModel:
     calls in the policy's learned state), so the one run of a comparison that calibrated (the first)
     started from another state than the others: in the first cell of a sim grid that alone moved
     mars from 285.02 s to 285.52 s. The sim calibrates on an engine of its own (free in virtual
-    time); the in-process engine calibrates on itself and then empties its prefix cache; a server
-    behind ``--backend http`` keeps the calibration prompts in its cache."""
+    time) and then sets the loop's clock back to 0 (``VirtualTimeLoop.rewind``: the calibration's
+    seconds left on it put every timestamp of the run a float's width off); the in-process engine
+    calibrates on itself and then empties its prefix cache; a server behind ``--backend http`` keeps
+    the calibration prompts in its cache."""
     if isinstance(plan.engine, SimEngine):
         # one engine of the run's shape, whatever its --replicas (every replica is that engine)
         # (and the profile's step times: a recorded run's are the run's, not its calibration's)
@@ -60,6 +62,8 @@ async def calibrate_apart(plan: RunPlan, backend: Any, clock: Any) -> CostModel:
             return await calibrate(cal, 4096, plan.max_model_len, long_prompt=SimEngine.calibrate_prompt)
         finally:
             await cal.close()
+            if not asyncio.get_running_loop().rewind():
+                logger.debug("virtual clock not rewound after the calibration: a timer is pending")
     # Its calls are not the run: the scheduler's uncalibrated warning waits for the run's first step
     # (by then the driver has pinned what they measured; with a model of its own, it warns then).
     defer = getattr(getattr(backend, "scheduler", None), "defer_cost_warning", None)

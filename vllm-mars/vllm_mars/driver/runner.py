@@ -172,9 +172,6 @@ async def _replay(plan: RunPlan, out: Path, cost: CostModel | None) -> tuple[Pat
         mark = getattr(backend, "mark_run_start", None)  # recorded steps: the calibration's end here
         if mark is not None:
             mark()
-        rewind = getattr(asyncio.get_running_loop(), "rewind", None)  # virtual time: back to 0 after a calibration
-        if rewind is not None and not rewind():
-            logger.debug("virtual clock not rewound: a timer is pending at the run's start")
         clock.start()
         replay = Replay(plan, out, backend, plans, arrivals, clock, cost)
         if policy_cost is not cost and hasattr(replay.ctrl, "set_cost_model"):

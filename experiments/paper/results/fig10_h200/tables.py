@@ -117,7 +117,7 @@ def main() -> None:
         try:
             before = json.loads(Path(args.before).read_text())
             if not isinstance(before, dict) or not isinstance(before.get("cells"), list):
-                raise ValueError("no 'cells' list: not an experiment results.json")
+                raise ValueError("no 'cells' list: not an experiment results.json")  # noqa: TRY004
         except (OSError, ValueError) as e:
             ap.error(f"--before {args.before}: {e}")
         moves(before, cells, variants)
@@ -140,9 +140,9 @@ def main() -> None:
     for c in cells:
         if c["key"] not in sp:
             continue
-        m, base = c["policies"]["mars"], c["policies"]
+        m, runs = c["policies"]["mars"], c["policies"]
         best, x = sp[c["key"]]
-        names = " / ".join(f"{best[s]} {base[best[s]][s]:.1f}" for s in STATS)
+        names = " / ".join(f"{best[s]} {runs[best[s]][s]:.1f}" for s in STATS)
         print(f"| {c['workload']} @ {c['rps']:g} | {c['seed']} | " + " / ".join(f"{m[s]:.1f}" for s in STATS)
               + f" | {names} | " + " / ".join(f"{x[s]:.2f}x" for s in STATS) + " |")
     print()
